@@ -1,0 +1,108 @@
+"""The one dense attention entry point of the models (grouped-query, masked, softmax in f32).
+
+`impl="reference"` is the readable twin (heads repeated explicitly); `impl="xla"` groups
+query heads per key/value head without materialising the repeat. There is no Pallas
+kernel for dense attention: `impl="pallas"` raises, and `impl=None` means "xla" here
+(unlike kernels.dispatch's platform default) so that the decoder runs on every backend.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kernels.dispatch import resolve_impl
+
+# Finite stand-in for -inf so a fully masked row never computes inf - inf.
+_MASKED = -1e30
+
+
+def _check(q, k, v, mask):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            "attention: q, k, v must be [batch, len, heads, head_dim], got shapes "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k and v shapes differ: {k.shape} vs {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"attention: q {q.shape} and k {k.shape} must share batch and head_dim"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"attention: q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})"
+        )
+    if mask is not None:
+        if mask.ndim > 3:
+            raise ValueError(
+                f"attention: mask must be [batch, q_len, kv_len] or broadcastable, got {mask.shape}"
+            )
+        try:
+            jnp.broadcast_shapes(mask.shape, (q.shape[0], q.shape[1], k.shape[1]))
+        except ValueError:
+            raise ValueError(
+                f"attention: mask shape {mask.shape} does not broadcast to "
+                f"[batch, q_len, kv_len] = {(q.shape[0], q.shape[1], k.shape[1])}"
+            ) from None
+
+
+def _masked_softmax(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis in f32; rows with no allowed key give all zeros."""
+    if mask is None:
+        return jax.nn.softmax(scores, axis=-1)
+    scores = jnp.where(mask, scores, _MASKED)
+    probs = jnp.where(mask, jnp.exp(scores - scores.max(axis=-1, keepdims=True)), 0.0)
+    denom = probs.sum(axis=-1, keepdims=True)
+    return probs / jnp.where(denom == 0, 1.0, denom)
+
+
+def _reference(q, k, v, mask):
+    group = q.shape[2] // k.shape[2]
+    k = jnp.repeat(k, group, axis=2)
+    v = jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32))
+    scores = scores / math.sqrt(q.shape[-1])
+    m = None if mask is None else mask[:, None, :, :]
+    probs = _masked_softmax(scores, m)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(jnp.float32))
+    return out.astype(q.dtype)
+
+
+def _xla(q, k, v, mask):
+    b, q_len, heads, d = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(b, q_len, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(d))
+    m = None if mask is None else mask[:, None, None, :, :]
+    probs = _masked_softmax(scores, m)
+    out = jnp.einsum(
+        "bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return out.reshape(b, q_len, heads, d).astype(q.dtype)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    impl: str | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention with grouped key/value heads.
+
+    q [batch, q_len, heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim];
+    mask bool [batch, q_len, kv_len] (or broadcastable; True = may attend).
+    Returns [batch, q_len, heads, head_dim] in q.dtype. Scores scaled by 1/sqrt(head_dim),
+    softmax in float32; a query row with no allowed key returns zeros.
+    """
+    impl = "xla" if impl is None else resolve_impl(impl)
+    if impl == "pallas":
+        raise ValueError("no pallas kernel for dense attention; use impl='xla'")
+    _check(q, k, v, mask)
+    if mask is not None:
+        mask = jnp.broadcast_to(mask.astype(bool), (q.shape[0], q.shape[1], k.shape[1]))
+    return _reference(q, k, v, mask) if impl == "reference" else _xla(q, k, v, mask)

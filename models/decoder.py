@@ -1,0 +1,436 @@
+"""Decoder-only transformer (Llama / Qwen2 / Qwen3 / SmolLM2) in flax.linen, and its pure
+entry points: init_params, param_logical_axes, forward, prefill, decode_step.
+
+Layers run under `nn.scan` (params stacked on a leading [layers] axis) so compile time
+does not grow with depth. Params and key activations carry logical axis names (see
+models/sharding.py); without a rules context those annotations are no-ops.
+Entry points validate concrete inputs on the host, then call a cached jitted function
+with the config as a static argument; they also work inside a caller's jit (checks on
+traced values are skipped there).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from models import kv_cache as kvc
+from models.attention import attention
+from models.config import ModelConfig
+from models.kv_cache import KVCache
+
+Params = dict[str, Any]
+_init = nn.initializers.normal(stddev=0.02)
+
+
+# ----------------------------------------------------------------------------- RoPE
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] (float32), with the config's rope scaling."""
+    d = config.head_dim
+    inv = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    s = config.rope_scaling
+    if s is not None and s.kind == "linear":
+        inv = inv / s.factor
+    elif s is not None and s.kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between
+        # interpolated smoothly (Llama 3.1 recipe).
+        wavelen = 2 * math.pi / inv
+        old = s.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, (1 - smooth) * scaled / s.factor + smooth * scaled, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate x [batch, seq, heads, head_dim] by positions [batch, seq] (rotate-half
+    layout: dims i and i + head_dim/2 form a pair, as in HF checkpoints)."""
+    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    """x / rms(x) * scale over the last axis, normalised in float32."""
+
+    eps: float
+    axis_name: str  # logical name of the normalised axis ("embed" or "head_dim")
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            (x.shape[-1],),
+            self.param_dtype,
+        )
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return y.astype(self.dtype) * scale.astype(self.dtype)
+
+
+class Linear(nn.Module):
+    """Projection written as an einsum so heads stay a separate (shardable) axis."""
+
+    spec: str  # einsum of (input, kernel), e.g. "bse,ehd->bshd"
+    shape: tuple[int, ...]  # kernel shape
+    axes: tuple[str, ...]  # kernel logical axes
+    n_out: int  # trailing kernel axes that are outputs (bias shape)
+    use_bias: bool
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel", nn.with_logical_partitioning(_init, self.axes), self.shape, self.param_dtype
+        )
+        y = jnp.einsum(self.spec, x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.use_bias:
+            out_shape, out_axes = self.shape[-self.n_out:], self.axes[-self.n_out:]
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, out_axes),
+                out_shape,
+                self.param_dtype,
+            )
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+def _dtypes(c: ModelConfig) -> dict[str, Any]:
+    return {"dtype": jnp.dtype(c.dtype), "param_dtype": jnp.dtype(c.param_dtype)}
+
+
+class Attention(nn.Module):
+    """GQA self-attention. mode "forward": no cache; "prefill": attend to the fresh keys
+    and write them to the cache; "decode": write, then attend to the whole cache."""
+
+    config: ModelConfig
+    mode: str
+    attn_impl: str | None
+
+    @nn.compact
+    def __call__(self, x, positions, mask, start, kv):
+        c = self.config
+        E, H, K, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+
+        def in_proj(name, heads, axis):
+            return Linear("bse,ehd->bshd", (E, heads, D), ("embed", axis, "head_dim"), 2,
+                          c.attention_bias, name=name, **_dtypes(c))(x)
+
+        q, k, v = in_proj("q_proj", H, "heads"), in_proj("k_proj", K, "kv_heads"), in_proj("v_proj", K, "kv_heads")
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, "head_dim", name="q_norm", **_dtypes(c))(q)
+            k = RMSNorm(c.rms_norm_eps, "head_dim", name="k_norm", **_dtypes(c))(k)
+        inv_freq = rope_inv_freq(c)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = nn.with_logical_constraint(q, ("batch", "seq", "heads", "head_dim"))
+        k = nn.with_logical_constraint(k, ("batch", "seq", "kv_heads", "head_dim"))
+        v = nn.with_logical_constraint(v, ("batch", "seq", "kv_heads", "head_dim"))
+
+        new_kv = None
+        if self.mode == "forward":
+            out = attention(q, k, v, mask=mask, impl=self.attn_impl)
+        elif self.mode == "prefill":
+            out = attention(q, k, v, mask=mask, impl=self.attn_impl)
+            new_kv = kvc.write_layer(kv[0], kv[1], k, v, start)
+        elif self.mode == "decode":
+            new_kv = kvc.write_layer(kv[0], kv[1], k, v, start)
+            out = attention(q, new_kv[0].astype(q.dtype), new_kv[1].astype(q.dtype),
+                            mask=mask, impl=self.attn_impl)
+        else:
+            raise ValueError(f"Attention.mode must be forward/prefill/decode, got {self.mode!r}")
+        out = Linear("bshd,hde->bse", (H, D, E), ("heads", "head_dim", "embed"), 1, False,
+                     name="o_proj", **_dtypes(c))(out)
+        return out, new_kv
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        E, F = c.hidden_size, c.intermediate_size
+        up_kw = dict(spec="bse,ef->bsf", shape=(E, F), axes=("embed", "mlp"), n_out=1, use_bias=False)
+        gate = Linear(name="gate_proj", **up_kw, **_dtypes(c))(x)
+        up = Linear(name="up_proj", **up_kw, **_dtypes(c))(x)
+        h = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return Linear("bsf,fe->bse", (F, E), ("mlp", "embed"), 1, False, name="down_proj",
+                      **_dtypes(c))(h)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer; the scan body (carry = residual stream x)."""
+
+    config: ModelConfig
+    mode: str
+    attn_impl: str | None
+
+    @nn.compact
+    def __call__(self, x, positions, mask, start, kv):
+        c = self.config
+        h = RMSNorm(c.rms_norm_eps, "embed", name="input_norm", **_dtypes(c))(x)
+        a, kv = Attention(c, self.mode, self.attn_impl, name="attn")(h, positions, mask, start, kv)
+        x = x + a
+        h = RMSNorm(c.rms_norm_eps, "embed", name="post_attn_norm", **_dtypes(c))(x)
+        x = x + MLP(c, name="mlp")(h)
+        return nn.with_logical_constraint(x, ("batch", "seq", "embed")), kv
+
+
+class Decoder(nn.Module):
+    """tokens [batch, seq] -> (logits [batch, seq, vocab] float32, new per-layer KV or None).
+
+    mask bool [batch, seq, kv_len]; start [batch] cache write offsets and kv (k, v)
+    [layers, batch, max_len, kv_heads, head_dim] are used by "prefill"/"decode" only."""
+
+    config: ModelConfig
+    mode: str = "forward"
+    attn_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, tokens, positions, mask, start=None, kv=None):
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        embed = nn.Embed(c.vocab_size, c.hidden_size, name="embed", dtype=dt,
+                         param_dtype=jnp.dtype(c.param_dtype),
+                         embedding_init=nn.with_logical_partitioning(_init, ("vocab", "embed")))
+        x = nn.with_logical_constraint(embed(tokens), ("batch", "seq", "embed"))
+        block = nn.remat(Block, prevent_cse=False) if c.remat else Block
+        layers = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+            length=c.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(c, self.mode, self.attn_impl, name="layers")
+        x, kv = layers(x, positions, mask, start, kv)
+        x = RMSNorm(c.rms_norm_eps, "embed", name="final_norm", **_dtypes(c))(x)
+        if c.tie_word_embeddings:
+            head = embed.embedding.astype(dt).T
+        else:
+            head = _Head(c, name="lm_head")()
+        logits = jnp.einsum("bse,ev->bsv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        return nn.with_logical_constraint(logits, ("batch", "seq", "vocab")), kv
+
+
+class _Head(nn.Module):
+    """Untied output projection; holds lm_head/kernel [embed, vocab]."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self):
+        c = self.config
+        return self.param("kernel", nn.with_logical_partitioning(_init, ("embed", "vocab")),
+                          (c.hidden_size, c.vocab_size), jnp.dtype(c.param_dtype))
+
+
+# ----------------------------------------------------------------------------- entry points
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def validate_tokens(tokens, config: ModelConfig) -> None:
+    """Raise ValueError unless `tokens` is an integer array with ids in [0, vocab_size).
+    Traced values are not checked (they have no value yet)."""
+    if not _is_concrete(tokens):
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be an integer array, got dtype {tokens.dtype}")
+        return
+    arr = np.asarray(tokens)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be an integer array, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):
+        bad = arr[(arr < 0) | (arr >= config.vocab_size)]
+        raise ValueError(
+            f"token ids must be in [0, vocab_size={config.vocab_size}); got out-of-vocab ids "
+            f"{sorted(set(bad.tolist()))[:8]}"
+        )
+
+
+def _check_positions(positions, config: ModelConfig, what: str = "positions") -> None:
+    if not _is_concrete(positions):
+        return
+    arr = np.asarray(positions)
+    if arr.size and (arr.min() < 0 or arr.max() >= config.max_position_embeddings):
+        raise ValueError(
+            f"{what} must be in [0, max_position_embeddings={config.max_position_embeddings}); "
+            f"got range [{arr.min()}, {arr.max()}]"
+        )
+
+
+def _check_shape(name: str, x, shape: tuple) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def _as_key(rng) -> jax.Array:
+    return jax.random.PRNGKey(rng) if isinstance(rng, int) else rng
+
+
+def _dummy_inputs():
+    one = jnp.zeros((1, 1), jnp.int32)
+    return one, one, jnp.ones((1, 1, 1), bool)
+
+
+def _init_boxed(config: ModelConfig, rng: jax.Array):
+    return Decoder(config).init(rng, *_dummy_inputs())["params"]
+
+
+@partial(jax.jit, static_argnums=0)
+def _init_jit(config: ModelConfig, rng: jax.Array) -> Params:
+    return nn.unbox(_init_boxed(config, rng))
+
+
+def init_params(config: ModelConfig, rng) -> Params:
+    """Random params (plain arrays in config.param_dtype); rng is a PRNG key or an int seed."""
+    return _init_jit(config, _as_key(rng))
+
+
+def param_logical_axes(config: ModelConfig) -> Any:
+    """Same tree as init_params(config, ...), each leaf a tuple of logical axis names,
+    e.g. layers/mlp/up_proj/kernel -> ("layers", "embed", "mlp"). Allocates nothing."""
+    boxed = jax.eval_shape(partial(_init_boxed, config), jax.random.PRNGKey(0))
+    return jax.tree.map(lambda p: tuple(p.names), boxed,
+                        is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """bool [batch, seq, seq]: causal within equal non-zero segment ids (0 = padding)."""
+    s = segment_ids
+    idx = jnp.arange(s.shape[1])
+    causal = idx[:, None] >= idx[None, :]
+    return (s[:, :, None] == s[:, None, :]) & (s != 0)[:, :, None] & causal[None]
+
+
+@partial(jax.jit, static_argnames=("config", "attn_impl"))
+def _forward_jit(params, tokens, positions, segment_ids, *, config, attn_impl):
+    logits, _ = Decoder(config, "forward", attn_impl).apply(
+        {"params": params}, tokens, positions, segment_mask(segment_ids)
+    )
+    return logits
+
+
+def forward(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    *,
+    attn_impl: str | None = None,
+) -> jax.Array:
+    """Logits [batch, seq, vocab] (float32) for tokens [batch, seq] int.
+
+    positions [batch, seq] default to arange(seq) per row. segment_ids [batch, seq]
+    (default all 1) pack several sequences per row: a token attends causally to tokens
+    of its own segment id; id 0 marks padding (its logits are meaningless but finite).
+    """
+    validate_tokens(tokens, config)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    _check_shape("positions", positions, tokens.shape)
+    _check_positions(positions, config)
+    if segment_ids is None:
+        segment_ids = jnp.ones(tokens.shape, jnp.int32)
+    _check_shape("segment_ids", segment_ids, tokens.shape)
+    return _forward_jit(params, tokens, jnp.asarray(positions, jnp.int32),
+                        jnp.asarray(segment_ids, jnp.int32), config=config, attn_impl=attn_impl)
+
+
+@partial(jax.jit, static_argnames=("config", "attn_impl"))
+def _prefill_jit(params, tokens, lengths, cache, *, config, attn_impl):
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, (k, v) = Decoder(config, "prefill", attn_impl).apply(
+        {"params": params}, tokens, positions, kvc.prefill_mask(lengths, t),
+        jnp.zeros((b,), jnp.int32), (cache.k, cache.v),
+    )
+    return logits, KVCache(k=k, v=v, lengths=lengths)
+
+
+def prefill(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    cache: KVCache,
+    *,
+    attn_impl: str | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Run right-padded prompts tokens [batch, T] with lengths [batch] (1 <= lengths <= T)
+    from an empty start, writing their keys/values to `cache` (previous contents are
+    overwritten; cache.lengths becomes `lengths`). Returns logits [batch, T, vocab] float32;
+    the next-token distribution of row b is logits[b, lengths[b] - 1]."""
+    validate_tokens(tokens, config)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, T], got shape {tokens.shape}")
+    b, t = tokens.shape
+    _check_shape("lengths", lengths, (b,))
+    _check_shape("cache.k", cache.k, (config.num_layers, b, cache.max_len,
+                                      config.num_kv_heads, config.head_dim))
+    if t > cache.max_len:
+        raise ValueError(
+            f"prompt longer than the cache: tokens have T={t} positions but the cache holds "
+            f"max_len={cache.max_len}; allocate init_cache(..., max_len >= {t})"
+        )
+    _check_positions(jnp.arange(t), config, "prompt positions")
+    if _is_concrete(lengths):
+        arr = np.asarray(lengths)
+        if arr.min() < 1 or arr.max() > t:
+            raise ValueError(f"lengths must be in [1, T={t}] (prompt width), got {arr.tolist()}")
+    return _prefill_jit(params, tokens, jnp.asarray(lengths, jnp.int32), cache,
+                        config=config, attn_impl=attn_impl)
+
+
+@partial(jax.jit, static_argnames=("config", "attn_impl"))
+def _decode_jit(params, tokens, cache, *, config, attn_impl):
+    lengths = cache.lengths
+    logits, (k, v) = Decoder(config, "decode", attn_impl).apply(
+        {"params": params}, tokens[:, None], lengths[:, None],
+        kvc.decode_mask(lengths, cache.max_len), lengths, (cache.k, cache.v),
+    )
+    return logits[:, 0], KVCache(k=k, v=v, lengths=lengths + 1)
+
+
+def decode_step(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    cache: KVCache,
+    *,
+    attn_impl: str | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Feed one token per row, tokens [batch], at position cache.lengths[b]. Returns
+    logits [batch, vocab] float32 for the following token and the cache with lengths + 1."""
+    validate_tokens(tokens, config)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    _check_shape("tokens", tokens, (cache.batch,))
+    if _is_concrete(cache.lengths):
+        arr = np.asarray(cache.lengths)
+        if arr.max() >= cache.max_len:
+            raise ValueError(
+                f"cache is full: lengths {arr.tolist()} reached max_len={cache.max_len}; "
+                "allocate a longer cache"
+            )
+    return _decode_jit(params, tokens, cache, config=config, attn_impl=attn_impl)
