@@ -1,0 +1,209 @@
+"""Named registries for advantage estimators and policy losses, plus the boundary
+checks every objective module shares.
+
+A config names an estimator (``AdvantageConfig(name="grpo")``) or a loss
+(``LossConfig(name="gspo")``); the name resolves here. Users add their own::
+
+    from rl.registry import register_loss
+
+    @register_loss("my_loss")
+    def my_loss(logp, old_logp, advantages, mask, *, temperature=1.0):
+        ...  # -> (per_token_loss [batch, seq], token_stats {name: [batch, seq]})
+
+This module imports nothing else from ``rl``: the built-in estimators register
+themselves when ``rl.advantages`` / ``rl.losses`` are imported, and ``get_*``
+imports them on first use so a name always resolves.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Registry:
+    """A name -> function table with clear errors.
+
+    Args:
+        kind: what is registered, used in error messages ("advantage estimator").
+        builtin_module: module whose import registers the built-in entries.
+    """
+
+    def __init__(self, kind: str, builtin_module: str):
+        self.kind = kind
+        self._builtin_module = builtin_module
+        self._table: dict[str, Callable[..., Any]] = {}
+
+    def register(self, name: str, *, overwrite: bool = False) -> Callable[[Callable], Callable]:
+        """Decorator registering ``fn`` under ``name``; returns ``fn`` unchanged."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+
+        def decorator(fn: Callable) -> Callable:
+            old = self._table.get(name)
+            # Re-importing a module re-registers the same function: that is not a clash.
+            same = old is not None and (
+                getattr(old, "__module__", None), getattr(old, "__qualname__", None)
+            ) == (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
+            if old is not None and not same and not overwrite:
+                raise ValueError(
+                    f"{self.kind} {name!r} is already registered (by {old.__module__}."
+                    f"{old.__qualname__}); pick another name or pass overwrite=True"
+                )
+            self._table[name] = fn
+            return fn
+
+        return decorator
+
+    def _load_builtins(self) -> None:
+        importlib.import_module(self._builtin_module)
+
+    def get(self, name: str) -> Callable[..., Any]:
+        """The function registered under ``name``; ValueError listing known names."""
+        self._load_builtins()
+        if name not in self._table:
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}"
+            )
+        return self._table[name]
+
+    def names(self) -> tuple[str, ...]:
+        """Sorted registered names (built-ins included)."""
+        self._load_builtins()
+        return tuple(sorted(self._table))
+
+
+ADVANTAGES = Registry("advantage estimator", "rl.advantages")
+LOSSES = Registry("policy loss", "rl.losses")
+
+
+def register_advantage(name: str, *, overwrite: bool = False) -> Callable[[Callable], Callable]:
+    """Register an advantage estimator.
+
+    Signature it must have: ``fn(rewards, group_size=None, *, group_ids=None, **hyper)``
+    returning advantages ``[batch]`` or an ``rl.advantages.AdvantageResult``.
+    """
+    return ADVANTAGES.register(name, overwrite=overwrite)
+
+
+def get_advantage(name: str) -> Callable[..., Any]:
+    """The advantage estimator registered as ``name`` (ValueError if unknown)."""
+    return ADVANTAGES.get(name)
+
+
+def available_advantages() -> tuple[str, ...]:
+    return ADVANTAGES.names()
+
+
+def register_loss(name: str, *, overwrite: bool = False) -> Callable[[Callable], Callable]:
+    """Register a per-token policy loss.
+
+    Signature it must have: ``fn(logp, old_logp, advantages, mask, **hyper)`` with
+    ``[batch, seq]`` log-probs and mask and ``[batch]`` or ``[batch, seq]`` advantages,
+    returning ``(per_token_loss [batch, seq], token_stats {name: [batch, seq]})``.
+    """
+    return LOSSES.register(name, overwrite=overwrite)
+
+
+def get_loss(name: str) -> Callable[..., Any]:
+    """The policy loss registered as ``name`` (ValueError if unknown)."""
+    return LOSSES.get(name)
+
+
+def available_losses() -> tuple[str, ...]:
+    return LOSSES.names()
+
+
+def freeze_params(params: Mapping[str, Any] | tuple) -> tuple[tuple[str, Any], ...]:
+    """Hyper-parameters as a sorted tuple of pairs (hashable, so configs can be jit-static).
+
+    Nested mappings (e.g. GDPO's reward weights) become tuples of pairs too.
+    """
+    items = params.items() if isinstance(params, Mapping) else params
+    out = []
+    for key, value in items:
+        if isinstance(value, Mapping):
+            value = tuple(sorted(value.items()))
+        out.append((key, value))
+    return tuple(sorted(out))
+
+
+def check_params(kind: str, name: str, fn: Callable, params: tuple[tuple[str, Any], ...],
+                 reserved: tuple[str, ...]) -> None:
+    """ValueError if ``params`` names a keyword ``fn`` does not take (or a reserved one)."""
+    sig = inspect.signature(fn)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    accepted = [n for n, p in sig.parameters.items()
+                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in reserved]
+    for key, _ in params:
+        if key in reserved:
+            raise ValueError(f"params: {key!r} is an input of the {kind}, not a hyper-parameter")
+        if key not in accepted and not takes_any:
+            raise ValueError(
+                f"params: {kind} {name!r} takes no hyper-parameter {key!r}; "
+                f"it takes: {', '.join(accepted) or '(none)'}"
+            )
+
+
+# ---------------------------------------------------------------------------
+# Boundary checks shared by rl.advantages, rl.losses and rl.offpolicy.
+# Shape checks are static, so they also run under jit and vmap; value checks
+# (finiteness) need concrete data and are skipped for tracers.
+
+
+def is_concrete(x: Any) -> bool:
+    """True when ``x`` holds data (not a jit/vmap/grad tracer), so values can be checked."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_rank(name: str, x: Any, rank: int | set[int], what: str) -> None:
+    """ValueError naming ``name`` if ``x`` does not have ``rank`` (chex does the test)."""
+    try:
+        chex.assert_rank(x, rank)
+    except AssertionError:
+        raise ValueError(
+            f"{name} must be {what}, got shape {tuple(jnp.shape(x))}"
+        ) from None
+
+
+def check_float(name: str, x: Any) -> None:
+    """ValueError naming ``name`` if ``x`` is not a floating-point array."""
+    try:
+        chex.assert_type(x, float)
+    except AssertionError:
+        raise ValueError(
+            f"{name} must be a floating-point array, got dtype {jnp.result_type(x)}"
+        ) from None
+
+
+def check_same_shape(**arrays: Any) -> None:
+    """ValueError naming every argument if the given arrays' shapes differ."""
+    shapes = {k: tuple(jnp.shape(v)) for k, v in arrays.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{k} {s}" for k, s in shapes.items())
+        raise ValueError(f"shape mismatch: {listed}; these must have the same shape")
+
+
+def check_finite(name: str, x: Any, where: Any = None) -> None:
+    """ValueError naming ``name`` if concrete ``x`` has NaN/inf (at ``where`` if given).
+
+    Skipped under jit/vmap (values unknown there): call it on concrete inputs
+    before entering jitted code if the data source is untrusted.
+    """
+    if not (is_concrete(x) and (where is None or is_concrete(where))):
+        return
+    bad = ~np.isfinite(np.asarray(x, dtype=np.float64))
+    if where is not None:
+        bad &= np.asarray(where).astype(bool)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} has {int(bad.sum())} non-finite value(s) (NaN or inf), first at index "
+            f"{idx}; clean them before computing the objective"
+        )
