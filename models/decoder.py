@@ -295,11 +295,30 @@ def _init_boxed(config: ModelConfig, rng: jax.Array):
 
 @partial(jax.jit, static_argnums=0)
 def _init_jit(config: ModelConfig, rng: jax.Array) -> Params:
-    return nn.unbox(_init_boxed(config, rng))
+    # Same distributions as the module initializers (normal(0.02) weights, unit norm
+    # scales, zero biases), but drawn as ONE normal vector: each separate RNG call costs
+    # about a second of XLA compile time on CPU, and tests build many tiny models.
+    shapes = nn.unbox(jax.eval_shape(partial(_init_boxed, config), rng))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    sizes = [math.prod(leaf.shape) for _, leaf in leaves]
+    noise = 0.02 * jax.random.normal(rng, (sum(sizes),), jnp.float32)
+    out, offset = [], 0
+    for (path, leaf), size in zip(leaves, sizes):
+        name = path[-1].key
+        if name == "scale":
+            value = jnp.ones(leaf.shape, leaf.dtype)
+        elif name == "bias":
+            value = jnp.zeros(leaf.shape, leaf.dtype)
+        else:
+            value = noise[offset:offset + size].reshape(leaf.shape).astype(leaf.dtype)
+            offset += size
+        out.append(value)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def init_params(config: ModelConfig, rng) -> Params:
-    """Random params (plain arrays in config.param_dtype); rng is a PRNG key or an int seed."""
+    """Random params (plain arrays in config.param_dtype): normal(0.02) weights and
+    embeddings, ones for norm scales, zeros for biases. rng: a PRNG key or an int seed."""
     return _init_jit(config, _as_key(rng))
 
 

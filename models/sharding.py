@@ -8,7 +8,8 @@ order and a mesh axis is used at most once per array (flax semantics), so activa
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -74,3 +75,12 @@ def logical_to_mesh_sharding(
         logical_axes_tree,
         is_leaf=_is_axes,
     )
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: jax.sharding.Mesh, rules: LogicalRules = DEFAULT_RULES) -> Iterator[None]:
+    """Activate `mesh` and the logical rules so the models' activation annotations
+    (nn.with_logical_constraint) become sharding constraints in code traced inside.
+    Flax's rules are not part of jit's cache key: trace a function under one context only."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
