@@ -1,0 +1,19 @@
+"""Shared-prefix attention for training (DualKV): reference, XLA and Pallas kernels.
+
+`shared_prefix_attention(q_prompt, k_prompt, v_prompt, q_resp, k_resp, v_resp, ...)`
+attends each group's prompt once and its N responses against [prompt, own response];
+see `api.shared_prefix_attention` for the contract.
+"""
+from kernels.shared_prefix_attention.api import shared_prefix_attention
+from kernels.shared_prefix_attention.config import BlockSizes
+from kernels.shared_prefix_attention.pallas import shared_prefix_attention_pallas
+from kernels.shared_prefix_attention.reference import shared_prefix_attention_reference
+from kernels.shared_prefix_attention.xla import shared_prefix_attention_xla
+
+__all__ = [
+    "BlockSizes",
+    "shared_prefix_attention",
+    "shared_prefix_attention_pallas",
+    "shared_prefix_attention_reference",
+    "shared_prefix_attention_xla",
+]
