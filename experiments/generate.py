@@ -199,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> GenerationResult:
     try:
         result = run(options)
     except (ValueError, FileNotFoundError) as e:  # bad input or missing model: message, no traceback
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     print(result.text)
     n = len(result.new_ids)
     print(

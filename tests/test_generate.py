@@ -1,0 +1,148 @@
+"""experiments.generate: the CLI on SmolLM2 (greedy tokens vs a naive no-cache greedy loop),
+the decode loop on a tiny random model (eos stop, progress bar, sampling distribution),
+bad inputs, and model-path resolution."""
+import numpy as np
+import pytest
+
+import experiments.generate as gen
+from models.assets import load_model, resolve_model_path, smollm2_gguf_path
+from models.config import get_config
+from models.decoder import forward, init_params
+from models.tokenizer import Tokenizer
+
+
+def naive_greedy(params, config, prompt_ids, n_new, eos_ids=()):
+    """Greedy decoding by re-running the full forward (no KV cache) on a fixed-width,
+    right-padded buffer: causal attention makes the padding irrelevant, and one width
+    means one compilation."""
+    t = len(prompt_ids)
+    buf = np.zeros((1, t + n_new), np.int32)
+    buf[0, :t] = prompt_ids
+    new = []
+    for i in range(n_new):
+        logits = np.asarray(forward(params, config, buf))
+        new.append(int(np.argmax(logits[0, t + i - 1])))
+        if new[-1] in eos_ids:
+            break
+        if t + i < buf.shape[1]:
+            buf[0, t + i] = new[-1]
+    return new
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture
+def cli(smollm2, monkeypatch):
+    """main() with the module's already-loaded SmolLM2 (loading is tested in the parity test)."""
+    def fake_load(name):
+        assert name == "smollm2-135m"
+        return smollm2
+
+    monkeypatch.setattr(gen, "load_model", fake_load)
+    return gen.main
+
+
+def test_cli_greedy_prints_completion(cli, smollm2, capsys):
+    question = "What is the capital of France?"
+    result = cli(["--model", "smollm2-135m", "--prompt", question, "--greedy", "--max-new-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert result.text.strip() and result.text.strip() in out
+    assert "tokens/s" in err and "compile" in err
+    config, params, tok = smollm2
+    assert result.prompt_ids == tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]))
+    assert 1 <= len(result.new_ids) <= 8 and result.text == tok.decode(result.new_ids)
+    # The loop itself is checked against a naive greedy on the tiny model below and the
+    # cached decode against transformers in tests/models/test_smollm2_parity.py; here the
+    # real model must simply know the answer.
+    assert "Paris" in result.text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "   "], "prompt is empty"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt", "hi", "--temperature", "0"], "temperature"),
+    (["--prompt", "hi " * 9000, "--greedy"], "exceeds the model's max_position_embeddings"),
+])
+def test_cli_bad_inputs(cli, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        cli(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_run_rejects_too_long_prompt(smollm2):
+    with pytest.raises(ValueError, match="shorten the prompt"):
+        gen.run(gen.GenerateOptions(prompt="word " * 8200, greedy=True, max_new_tokens=4), model=smollm2)
+
+
+# ----------------------------------------------------------------------------- tiny model
+
+CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    byte_chars = [chr(c) for c in range(0x21, 0x7F)] + [chr(c) for c in range(0xA1, 0xAD)] + [chr(c) for c in range(0xAE, 0x100)]
+    byte_chars += [chr(0x100 + k) for k in range(256 - len(byte_chars))]
+    tokens = CONTROL + byte_chars
+    tok = Tokenizer.from_gguf_metadata({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [3, 3, 3] + [1] * 256,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}<|im_start|>",
+    })
+    config = get_config("tiny", vocab_size=len(tokens), max_position_embeddings=128, eos_token_ids=(2,))
+    return config, init_params(config, 7), tok
+
+
+def test_loop_matches_naive_greedy_and_stops_on_eos(tiny):
+    config, params, _ = tiny
+    prompt = [1, 40, 41, 42, 2, 1]
+    free, stopped, _ = gen.generate_tokens(params, config, prompt, max_new_tokens=6, eos_ids=[], greedy=True)
+    assert free == naive_greedy(params, config, prompt, 6) and not stopped
+    eos = free[3]  # make the 4th greedy token an eos: generation must end right there
+    first = free.index(eos)
+    new, stopped, timings = gen.generate_tokens(params, config, prompt, max_new_tokens=6, eos_ids=[eos], greedy=True)
+    assert new == free[: first + 1] and stopped
+    assert timings["compile_s"] > 0 and timings["decode_s"] >= 0
+
+
+def test_progress_bar_for_long_generation(tiny, capsys):
+    config, params, tok = tiny
+    n = gen.PROGRESS_BAR_MIN_TOKENS + 6
+    result = gen.run(gen.GenerateOptions(prompt="abc", max_new_tokens=n, seed=3, temperature=1.0), model=tiny)
+    assert result.prompt_ids == tok.encode("<|im_start|>abc<|im_end|><|im_start|>")
+    assert 1 <= len(result.new_ids) <= n and all(0 <= i < config.vocab_size for i in result.new_ids)
+    assert result.stopped_on_eos == (result.new_ids[-1] == 2)
+    assert "generating" in capsys.readouterr().err
+    again = gen.run(gen.GenerateOptions(prompt="abc", max_new_tokens=n, seed=3, temperature=1.0), model=tiny)
+    assert again.new_ids == result.new_ids  # same seed, same sample
+
+
+def test_sampling_follows_tempered_softmax():
+    import jax
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(1, 5)).astype(np.float32) * 2
+    n = 8000
+    keys = jax.random.split(jax.random.PRNGKey(1), n)
+    for temperature in (0.5, 1.5):
+        draws = jax.vmap(lambda k: gen._sample(logits, k, np.float32(temperature), False))(keys)
+        freq = np.bincount(np.asarray(draws).ravel(), minlength=5) / n
+        z = logits[0].astype(np.float64) / temperature
+        p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        assert np.abs(freq - p).max() < 0.025, (temperature, freq, p)
+    assert int(gen._sample(logits, keys[0], np.float32(1.0), True)[0]) == int(np.argmax(logits))
+
+
+def test_model_resolution(tmp_path):
+    path = smollm2_gguf_path()
+    assert path.is_file() and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert resolve_model_path("smollm2-135m") == path
+    assert resolve_model_path(str(path)) == path
+    with pytest.raises(ValueError, match="registered name"):
+        resolve_model_path("no-such-model")
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_model_path(tmp_path)  # a directory without config.json
