@@ -37,6 +37,11 @@ def _check_inputs(q, k_prompt, v_prompt, k_resp, v_resp) -> None:
             raise ValueError(f"{name} must have {nd} dimensions, got shape {x.shape}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must be a floating array, got dtype {x.dtype}")
+    dtypes = {x.dtype for x in (q, k_prompt, v_prompt, k_resp, v_resp)}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"q, k_prompt, v_prompt, k_resp and v_resp must share one dtype, got "
+            f"{[str(x.dtype) for x in (q, k_prompt, v_prompt, k_resp, v_resp)]}")
     if k_prompt.shape != v_prompt.shape:
         raise ValueError(f"k_prompt and v_prompt shapes differ: {k_prompt.shape} vs {v_prompt.shape}")
     if k_resp.shape != v_resp.shape:

@@ -287,6 +287,7 @@ BAD = {
                "k_resp must be"),
     "head_dim": (lambda a, kw: (a.__setitem__(1, a[1][..., :8]), a.__setitem__(2, a[2][..., :8])),
                  "k_prompt must be"),
+    "dtype": (lambda a, kw: a.__setitem__(4, a[4].astype(jnp.bfloat16)), "share one dtype"),
     "gqa": (lambda a, kw: a.__setitem__(0, a[0][:, :, :3]), "multiple of kv_heads"),
     "plen_shape": (lambda a, kw: kw.__setitem__("prompt_lengths", jnp.zeros((2,), jnp.int32)),
                    "prompt_lengths must have shape"),
