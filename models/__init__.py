@@ -1,0 +1,11 @@
+"""Decoder LMs (Llama / Qwen2 / Qwen3 / SmolLM2), KV cache and weight loaders.
+
+Import the submodule you need (nothing heavy is imported here):
+  models.config     ModelConfig, PRESETS, get_config, config_from_hf, config_to_hf
+  models.decoder    init_params, param_logical_axes, forward, prefill, decode_step
+  models.kv_cache   KVCache, init_cache
+  models.attention  attention (the one dense attention entry point)
+  models.sharding   logical axis rules, make_mesh, logical_to_mesh_sharding, mesh_context
+  models.convert    params_from_hf, hf_from_params (HF tensor names <-> our pytree)
+  models.hf_loader  load_hf_checkpoint, save_hf_checkpoint
+"""
