@@ -158,7 +158,9 @@ def main() -> None:
         },
         "config": {"groups": GROUPS, "heads": HEADS, "kv_heads": KV_HEADS,
                    "head_dim": HEAD_DIM, "R_max": R_MAX, "dtype": "float32",
-                   "resp_lengths": "uniform in [R_max/2, R_max]", "timing": "median ms"},
+                   "resp_lengths": "uniform in [R_max/2, R_max]", "timing": "median ms",
+                   # Other processes share the CPU; the load says how noisy the times are.
+                   "load_average_1min_at_end": round(os.getloadavg()[0], 2)},
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
