@@ -413,7 +413,10 @@ def prefill(
             f"prompt longer than the cache: tokens have T={t} positions but the cache holds "
             f"max_len={cache.max_len}; allocate init_cache(..., max_len >= {t})"
         )
-    _check_positions(jnp.arange(t), config, "prompt positions")
+    if t > config.max_position_embeddings:
+        raise ValueError(
+            f"prompt width T={t} exceeds max_position_embeddings={config.max_position_embeddings}"
+        )
     if _is_concrete(lengths):
         arr = np.asarray(lengths)
         if arr.min() < 1 or arr.max() > t:
