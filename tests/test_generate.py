@@ -146,3 +146,26 @@ def test_model_resolution(tmp_path):
         resolve_model_path("no-such-model")
     with pytest.raises(ValueError, match="config.json"):
         resolve_model_path(tmp_path)  # a directory without config.json
+
+
+def test_load_model_from_hf_directory(tiny, tmp_path):
+    """--model DIR: config.json + safetensors + tokenizer files round-trip through load_model."""
+    import json
+
+    from models.hf_loader import save_hf_checkpoint
+
+    config, params, tok = tiny
+    save_hf_checkpoint(tmp_path, config, params)
+    tok._tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": tok.chat_template, "eos_token": "<|im_end|>", "bos_token": None}))
+    config2, params2, tok2 = load_model(tmp_path)
+    assert (config2.vocab_size, config2.num_layers, config2.eos_token_ids) == (config.vocab_size, config.num_layers, (2,))
+    import jax
+
+    assert jax.tree.structure(params2) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert tok2.encode("<|im_start|>hey") == tok.encode("<|im_start|>hey") and tok2.eos_token_ids == (2,)
+    options = gen.GenerateOptions(prompt="hey", model=str(tmp_path), greedy=True, max_new_tokens=3)
+    assert gen.run(options).new_ids == gen.run(options, model=tiny).new_ids
