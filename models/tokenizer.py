@@ -8,6 +8,7 @@ Two sources:
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -238,4 +239,5 @@ def _compile_template(source: str) -> jinja2.Template:
     )
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # Llama 3 templates
     return env.from_string(source)
