@@ -293,6 +293,12 @@ def hf_config_from_metadata(metadata: Mapping[str, Any], *, vocab_size: int, tie
     n_heads = int(need("attention.head_count"))
     n_kv = int(metadata.get(f"{arch}.attention.head_count_kv", n_heads))
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // n_heads))
+    rope_dim = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(
+            f"GGUF {arch}.rope.dimension_count={rope_dim} differs from head_dim={head_dim}; "
+            "partial rotary embeddings are not supported"
+        )
     scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type == "none":
         rope_scaling = None

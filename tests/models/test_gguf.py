@@ -237,6 +237,23 @@ def test_read_gguf_unknown_tensor_name(tmp_path):
         read_gguf(tmp_path / "odd.gguf")
 
 
+def test_config_metadata_errors():
+    from models.gguf_loader import hf_config_from_metadata
+
+    base = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.feed_forward_length": 96,
+            "llama.block_count": 2, "llama.attention.head_count": 4, "llama.context_length": 128,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5}
+    assert hf_config_from_metadata(base, vocab_size=10, tied=False)["head_dim"] == 16
+    with pytest.raises(ValueError, match="architecture"):
+        hf_config_from_metadata({**base, "general.architecture": "gpt2"}, vocab_size=10, tied=False)
+    with pytest.raises(ValueError, match="block_count"):
+        hf_config_from_metadata({k: v for k, v in base.items() if k != "llama.block_count"}, vocab_size=10, tied=False)
+    with pytest.raises(ValueError, match="partial rotary"):
+        hf_config_from_metadata({**base, "llama.rope.dimension_count": 8}, vocab_size=10, tied=False)
+    with pytest.raises(ValueError, match="yarn"):
+        hf_config_from_metadata({**base, "llama.rope.scaling.type": "yarn"}, vocab_size=10, tied=False)
+
+
 def test_not_a_file():
     with pytest.raises(ValueError, match="not a file"):
         read_gguf("/nonexistent/model.gguf")
