@@ -132,7 +132,9 @@ PRESETS: dict[str, ModelConfig] = {
         arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-        tie_word_embeddings=True, bos_token_id=0, eos_token_ids=(0,),
+        # Token ids of the Instruct tokenizer (the weights Tandem ships with): bos
+        # <|im_start|>=1, eos <|im_end|>=2, and <|endoftext|>=0 also stops generation.
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2, 0), pad_token_id=2,
     ),
     "qwen2.5-0.5b": ModelConfig(
         arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
