@@ -91,27 +91,28 @@ def _check_length_values(name: str, x, upper: int) -> None:
                          f"and max {values.max()}")
 
 
+def _as_lengths(name: str, x, shape: tuple[int, ...], layout: str, upper: int):
+    if not isinstance(x, (jax.Array, np.ndarray)):   # lists / tuples of ints
+        x = np.asarray(x)
+    if x.shape != shape:
+        raise _shape_error(name, f"{layout} = {shape}", x.shape)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integers, got dtype {x.dtype}")
+    _check_length_values(name, x, upper)
+    return jnp.clip(jnp.asarray(x, jnp.int32), 0, upper)
+
+
 def normalize_lengths(prompt_lengths, resp_lengths, dims: Dims):
     """Return int32 lengths `[groups]`, `[groups, N]`, filling None with full lengths."""
     g, n, p, r = dims.groups, dims.n_resp, dims.prompt_len, dims.resp_len
     if prompt_lengths is None:
         prompt_lengths = jnp.full((g,), p, jnp.int32)
     else:
-        if jnp.shape(prompt_lengths) != (g,):
-            raise _shape_error("prompt_lengths", f"[groups] = ({g},)", jnp.shape(prompt_lengths))
-        if not jnp.issubdtype(jnp.result_type(prompt_lengths), jnp.integer):
-            raise ValueError(f"prompt_lengths must be integers, got {jnp.result_type(prompt_lengths)}")
-        _check_length_values("prompt_lengths", prompt_lengths, p)
-        prompt_lengths = jnp.clip(jnp.asarray(prompt_lengths, jnp.int32), 0, p)
+        prompt_lengths = _as_lengths("prompt_lengths", prompt_lengths, (g,), "[groups]", p)
     if resp_lengths is None:
         resp_lengths = jnp.full((g, n), r, jnp.int32)
     else:
-        if jnp.shape(resp_lengths) != (g, n):
-            raise _shape_error("resp_lengths", f"[groups, N] = ({g}, {n})", jnp.shape(resp_lengths))
-        if not jnp.issubdtype(jnp.result_type(resp_lengths), jnp.integer):
-            raise ValueError(f"resp_lengths must be integers, got {jnp.result_type(resp_lengths)}")
-        _check_length_values("resp_lengths", resp_lengths, r)
-        resp_lengths = jnp.clip(jnp.asarray(resp_lengths, jnp.int32), 0, r)
+        resp_lengths = _as_lengths("resp_lengths", resp_lengths, (g, n), "[groups, N]", r)
     return prompt_lengths, resp_lengths
 
 
