@@ -408,7 +408,9 @@ def _backward(plan: _Plan, res, cts):
         tile(plan.bq_r_bwd), jax.ShapeDtypeStruct(qr.shape, qr.dtype),
         "spa_bwd_dq_resp")(plen, rlen, qr, do_r, lse_r, delta_r, kp, vp, kr, vr)
 
-    per_head = lambda s, length: jax.ShapeDtypeStruct((s, length, h, dp), _F32)
+    def per_head(seqs, length):  # fp32 dk/dv per query head, summed per kv head below
+        return jax.ShapeDtypeStruct((seqs, length, h, dp), _F32)
+
     dk_r, dv_r = _call(
         _dkdv_resp_kernel, plan, (b, h, rp // plan.bk_r_bwd),
         [scalar(), kv_tile(plan.bk_r_bwd), kv_tile(plan.bk_r_bwd), full_q(rp), full_q(rp),
@@ -481,7 +483,9 @@ def shared_prefix_attention_pallas(
         widths[-1] = (0, dp - d)
         return jnp.pad(x, widths) if target != length or dp != d else x
 
-    flat = lambda x: x.reshape((g * n,) + x.shape[2:])
+    def flat(x):  # [G, N, R, ...] -> [G*N, R, ...]
+        return x.reshape((g * n,) + x.shape[2:])
+
     o_p, o_r = _spa_core(
         pad(q_prompt, p, plan.p_pad), pad(k_prompt, p, plan.p_pad),
         pad(v_prompt, p, plan.p_pad), pad(flat(q_resp), r, plan.r_pad),
