@@ -123,7 +123,8 @@ def make_rewards(rng, batch, kind):
 # One batch size and one jitted function running every estimator: each group layout
 # compiles once for the whole file.
 BATCH = 15
-GRPO_VARIANTS = [(1e-6, True, "group"), (1e-4, False, "batch"), (1e-4, True, "none")]
+GRPO_VARIANTS = [(1e-6, True, "group"), (1e-4, False, "group"), (1e-4, False, "batch"),
+                 (1e-4, True, "none")]
 
 
 def all_estimators(r, r2, group_size=None, group_ids=None):

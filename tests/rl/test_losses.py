@@ -160,9 +160,8 @@ def everything(lp, old, ref, adv, mask):
         kw = dict(clip_low=lo, clip_high=hi, dual_clip=c)
         out[f"ppo_tok{k}"], stats = ppo_clip_token_loss(lp, old, adv, mask, **kw)
         out[f"ppo_active{k}"] = stats["clip_frac"]
-        val, out[f"ppo_grad{k}"] = jax.value_and_grad(
-            lambda x: ppo_clip_loss(x, old, adv, mask, **kw)[0])(lp)
-        out[f"ppo_loss{k}"] = val
+        (out[f"ppo_loss{k}"], out[f"ppo_metrics{k}"]), out[f"ppo_grad{k}"] = jax.value_and_grad(
+            lambda x: ppo_clip_loss(x, old, adv, mask, **kw), has_aux=True)(lp)
     for mode in AGGREGATIONS:
         out[f"agg {mode}"] = aggregate(out["ppo_tok0"], mask, mode)
     out["agg norm 10"] = aggregate(out["ppo_tok0"], mask, "seq-mean-token-sum-norm", max_len=10)
@@ -185,7 +184,8 @@ def test_losses_match_reference(seed, noise):
     out = everything_jit(poison(lp, mask), poison(old, mask), poison(ref, mask),
                          adv, mask)
     for name, value in out.items():
-        assert np.all(np.isfinite(np.asarray(value))), name
+        for leaf in jax.tree.leaves(value):
+            assert np.all(np.isfinite(np.asarray(leaf))), name
     n = max(mask.sum(), 1)
     for k, (lo, hi, c) in enumerate(PPO_CONFIGS):
         tok, dtok, active = ref_ppo_token(lp, old, adv, mask, lo, hi, c)
@@ -219,21 +219,30 @@ def test_losses_match_reference(seed, noise):
 
 
 def test_dual_clip_and_far_outside_ratios():
-    # r = e^3 ≈ 20 (> dual clip 3) with A < 0, r = e^-3 with A > 0 and A < 0, r = e^3 with A > 0
-    lp = np.zeros((1, 4), np.float32)
-    old = np.array([[-3.0, 3.0, 3.0, -3.0]], np.float32)
-    adv = np.array([[-1.0, 1.0, -1.0, 1.0]], np.float32)  # per-token advantages
-    mask = np.ones((1, 4), bool)
-    loss, metrics = ppo_clip_loss(lp, old, adv, mask)
+    # one sequence per case; r = e^3 ≈ 20 is far above every clip, r = e^-3 far below
+    lp = np.zeros((B, S), np.float32)
+    old = np.repeat(np.array([[-3.0], [3.0], [3.0], [-3.0]], np.float32), S, axis=1)
+    adv = np.array([-1.0, 1.0, -1.0, 1.0], np.float32)
+    mask = np.ones((B, S), bool)
+    out = everything_jit(lp, old, lp, adv, mask)
     r_hi, r_lo = math.exp(3.0), math.exp(-3.0)
-    want = [3.0, -r_lo, 0.8, -1.2]  # dual-clipped, unclipped (pessimistic), low clip, high clip
-    np.testing.assert_allclose(loss, np.mean(want), rtol=1e-5)
-    np.testing.assert_allclose(metrics["clip_frac_dual"], 0.25)
-    np.testing.assert_allclose(metrics["clip_frac_low"], 0.25)
-    np.testing.assert_allclose(metrics["clip_frac_high"], 0.25)
-    np.testing.assert_allclose(metrics["ratio_max"], r_hi, rtol=1e-5)
-    g = jax.grad(lambda x: ppo_clip_loss(x, old, adv, mask)[0])(lp)
-    np.testing.assert_allclose(g, [[0.0, -r_lo / 4, 0.0, 0.0]], rtol=1e-5, atol=1e-7)
+    # dual-clipped at -A·3, unclipped (pessimistic side), low clip -A·0.8, high clip -A·1.2
+    want = {0: [3.0, -r_lo, 0.8, -1.2], 1: [10.0, -r_lo, 0.8, -1.28], 2: [r_hi, -r_lo, 0.8, -1.2]}
+    for k, per_seq in want.items():
+        np.testing.assert_allclose(out[f"ppo_loss{k}"], np.mean(per_seq), rtol=1e-5)
+        grad = np.asarray(out[f"ppo_grad{k}"])
+        want_grad = np.zeros((B, S))
+        want_grad[1] = -r_lo / (B * S)
+        if PPO_CONFIGS[k][2] is None:  # no dual clip: the r = e^3, A < 0 token keeps its gradient
+            want_grad[0] = r_hi / (B * S)
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-8)
+        metrics = out[f"ppo_metrics{k}"]
+        has_dual = PPO_CONFIGS[k][2] is not None
+        np.testing.assert_allclose(metrics["clip_frac_dual"], 0.25 if has_dual else 0.0)
+        np.testing.assert_allclose(metrics["clip_frac_low"], 0.25)
+        np.testing.assert_allclose(metrics["clip_frac_high"], 0.25)
+        np.testing.assert_allclose(metrics["clip_frac"], 0.75 if has_dual else 0.5)
+        np.testing.assert_allclose(metrics["ratio_max"], r_hi, rtol=1e-5)
 
 
 def test_kl_clamps_on_extreme_log_ratios():
@@ -275,9 +284,16 @@ def test_compute_loss_with_kl_entropy_and_token_weights():
     cfg = LossConfig("ppo_clip", {"clip_high": 0.28, "dual_clip": 10.0},
                      aggregation="seq-mean-token-mean", kl_estimator="k2", kl_coef=0.1,
                      entropy_coef=0.01)
-    f = jax.jit(compute_loss, static_argnums=0)
-    loss, metrics = f(cfg, poison(lp, mask), old, adv, mask, ref_logp=ref, entropy=ent,
-                      token_weights=weights)
+
+    @jax.jit
+    def f(x):
+        full = compute_loss(cfg, x, old, adv, mask, ref_logp=ref, entropy=ent,
+                            token_weights=weights)
+        grad = jax.grad(lambda y: compute_loss(LossConfig("ppo_clip"), y, old, adv, mask,
+                                               token_weights=weights)[0])(x)
+        return full, grad
+
+    (loss, metrics), g = f(poison(lp, mask))
     tok = ref_ppo_token(lp, old, adv, mask, 0.2, 0.28, 10.0)[0]
     mode = "seq-mean-token-mean"
     want = (ref_aggregate(tok * weights, mask, mode)
@@ -287,16 +303,17 @@ def test_compute_loss_with_kl_entropy_and_token_weights():
     np.testing.assert_allclose(metrics["loss"], want, **TOL)
     assert {"pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl"} <= set(metrics)
     # weights are detached: the gradient is the weighted per-token gradient
-    g = jax.grad(lambda x: compute_loss(LossConfig("ppo_clip"), x, old, adv, mask,
-                                        token_weights=weights)[0])(lp)
     dtok = ref_ppo_token(lp, old, adv, mask, 0.2, 0.2, 3.0)[1]
     np.testing.assert_allclose(g, dtok * weights / mask.sum(), **TOL)
 
 
 def test_jit_and_vmap_agree_with_eager():
     lp, old, ref, adv, mask = make_inputs(5, 1.0)
-    eager = ppo_clip_loss(lp, old, adv, mask)
-    jitted = jax.jit(ppo_clip_loss)(lp, old, adv, mask)
+    tok_adv = (adv[:, None] + np.random.default_rng(5).normal(size=(B, S))).astype(np.float32)
+    eager = ppo_clip_loss(lp, old, tok_adv, mask)  # per-token advantages [batch, seq]
+    jitted = jax.jit(ppo_clip_loss)(lp, old, tok_adv, mask)
+    tok, _, _ = ref_ppo_token(lp, old, tok_adv, mask, 0.2, 0.2, 3.0)
+    np.testing.assert_allclose(eager[0], ref_aggregate(tok, mask, "token-mean"), **TOL)
     for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
         np.testing.assert_allclose(a, b, **TOL)
     stack = lambda x: np.stack([x, x[::-1]])
@@ -304,7 +321,8 @@ def test_jit_and_vmap_agree_with_eager():
                                             stack(mask))
     single = everything_jit(lp[::-1], old[::-1], ref[::-1], adv[::-1], mask[::-1])
     for name in single:
-        np.testing.assert_allclose(batched[name][1], single[name], **TOL, err_msg=name)
+        for a, b in zip(jax.tree.leaves(batched[name]), jax.tree.leaves(single[name])):
+            np.testing.assert_allclose(a[1], b, **TOL, err_msg=name)
 
 
 # ----------------------------------------------------------------------------- bad input
