@@ -231,7 +231,10 @@ def sample_keys(rng: Any, group_ids: Sequence[int], group_size: int) -> np.ndarr
     sample's stream depends on its group id and index only (not on its slot)."""
     n = _positive_int("group_size", group_size)
     gids = np.asarray(group_ids, np.int32).reshape(-1)
-    return np.asarray(_group_keys(as_key_data(rng), gids, np.arange(n, dtype=np.int32)))
+    padded = np.zeros((_bucket(gids.size, 1 << 30),), np.int32)  # few compiled shapes
+    padded[:gids.size] = gids
+    keys = _group_keys(as_key_data(rng), padded, np.arange(n, dtype=np.int32))
+    return np.asarray(keys)[:gids.size]
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -409,12 +412,13 @@ def _fill(params, state: SamplerState, contexts: list[np.ndarray], prompt_length
           logprobs: np.ndarray, versions: np.ndarray, done: np.ndarray, stopped: np.ndarray
           ) -> SamplerState:
     """Pad rows / entries / context width to buckets and call the jitted fill."""
-    s, r_max = state.num_slots, state.max_new_tokens
-    max_len = state.cache.max_len
+    s = state.num_slots
     n_rows, n_ent = len(contexts), row.size
-    rows_b = _bucket(n_rows, s, floor=1)
-    ent_b = _bucket(n_ent, max(s, n_ent), floor=1)
-    t = _bucket(max(c.size for c in contexts), max_len)
+    # Entries are padded to S and rows/width to coarse buckets: few compiled shapes, at the
+    # price of prefilling some padding rows (cheap next to the decode).
+    rows_b = _bucket(n_rows, s)
+    ent_b = s
+    t = _bucket(max(c.size for c in contexts), state.cache.max_len, floor=64)
     ctx = np.zeros((rows_b, t), np.int32)
     clen = np.ones((rows_b,), np.int32)
     plen = np.ones((rows_b,), np.int32)
@@ -449,6 +453,8 @@ def prefill(
     uint32 (see `sample_keys`); max_new_tokens (default: the state's) is each sample's
     budget. The slots' previous contents are discarded."""
     config = state.config
+    if len(prompts) == 0:
+        return state
     slots = np.asarray(slots)
     if slots.ndim != 2 or slots.shape[0] != len(prompts):
         raise ValueError(f"slots must be [G={len(prompts)}, N], got shape {slots.shape}")

@@ -52,7 +52,9 @@ def ref_logits(params, seqs):
     toks = np.zeros((rows, P_MAX + R_MAX), np.int32)
     for i, s in enumerate(seqs):
         toks[i, :len(s)] = s
-    return np.asarray(forward(params, CFG, toks), np.float64)[:len(seqs)]
+    # Chunks of 8 rows: one compiled shape for the whole file.
+    out = np.concatenate([np.asarray(forward(params, CFG, toks[i:i + 8])) for i in range(0, rows, 8)])
+    return out.astype(np.float64)[:len(seqs)]
 
 
 def ref_logprobs(params, samples, temperature):
@@ -229,10 +231,10 @@ def test_sample_tokens_truncation_and_temperature_limit():
     logits = rng.normal(0, 2.0, (6, 32)).astype(np.float32)
     keys = jnp.asarray(sample_keys(7, range(400), 6))  # [400, 6, 2]
 
-    def draw(cfg):
-        fn = jax.jit(jax.vmap(lambda k: sample_tokens(jnp.asarray(logits), k, cfg)))
-        tok, lp = fn(keys)
-        return np.asarray(tok), np.asarray(lp)
+    def draw(cfg):  # rows = (draw, batch row) flattened: one compile per config
+        fn = jax.jit(lambda k: sample_tokens(jnp.tile(jnp.asarray(logits), (400, 1)), k, cfg))
+        tok, lp = fn(keys.reshape(-1, 2))
+        return np.asarray(tok).reshape(400, 6), np.asarray(lp).reshape(400, 6)
 
     def log_softmax64(z):
         z = z.astype(np.float64)
