@@ -299,7 +299,7 @@ def test_registry_config_and_presets():
     np.testing.assert_allclose(out.advantages, ref_grpo(r, groups, eps=1e-4), **TOL)
     np.testing.assert_array_equal(out.sample_mask, np.ones(BATCH))
     assert set(ADVANTAGE_PRESETS) >= {"grpo", "dr_grpo", "dapo", "gspo", "cispo"}
-    dr = compute_advantages(AdvantageConfig.preset("dr_grpo"), r, 5)
+    dr = jax.jit(compute_advantages, static_argnums=(0, 2))(AdvantageConfig.preset("dr_grpo"), r, 5)
     np.testing.assert_allclose(dr.advantages, ref_grpo(r, groups, scale="none"), **TOL)
     mc = compute_advantages(AdvantageConfig("mc_grpo"), r, 5)
     assert isinstance(mc, AdvantageResult) and float(mc.sample_mask.sum()) == 12.0

@@ -1,5 +1,4 @@
 """Policy losses, aggregation, KL and entropy against loop-based float64 numpy references."""
-import functools
 import math
 
 import jax

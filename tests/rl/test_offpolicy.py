@@ -200,6 +200,9 @@ def test_decoupled_loss_equals_compute_loss_with_token_weights():
                            token_weights=bw.weights)
     got, metrics = decoupled_ppo_loss(lp, prox, mu, adv, mask)
     np.testing.assert_allclose(got, want, **TOL)
+    # the weights are constants: no gradient reaches prox_logp or behaviour_logp through them
+    g = jax.grad(lambda p, b: jnp.sum(behaviour_weights(p, b, mask).weights), argnums=(0, 1))(prox, mu)
+    assert all(np.all(np.asarray(x) == 0.0) for x in g)
     assert {"behav_kept_frac", "behav_weight_mean", "clip_frac", "pg_loss"} <= set(metrics)
 
 
