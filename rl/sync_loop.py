@@ -1,0 +1,320 @@
+"""The synchronous GRPO loop (max_staleness = 0): every iteration samples with the
+current params, scores, and makes one learner update on exactly that data.
+
+    prompts (task train stream, from the data position)
+      -> rollout engine (rl.rollout, params version v)   -> Trajectory
+      -> task rewards (validated: names, finiteness)     -> optional DAPO dynamic sampling
+      -> TrainBatch -> train_step (advantages, loss, one optimizer update) -> version v+1
+with a periodic eval on the task's eval split, metrics to JSONL (+ wandb), a tqdm bar,
+and orbax checkpoints from which `resume=True` continues exactly: the checkpoint holds
+params, optimizer state, step, rng (the source of every rollout seed) and the data
+position, so 2 steps + resume + 2 steps == 4 steps, bit for bit on CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from models.config import ModelConfig
+from rl.checkpoint import Checkpointer
+from rl.logging import MetricsLogger
+from rl.offpolicy import kept_group_indices
+from rl.rollout import RolloutConfig, RolloutEngine
+from rl.sampling import SamplingConfig
+from rl.tasks.base import Prompt, Task
+from rl.trainer import (TrainBatch, TrainConfig, TrainState, batch_from_trajectory,
+                        init_train_state, make_train_step)
+from rl.trajectory import Trajectory, concat_trajectories
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """steps: total optimizer steps of the run (a resumed run continues up to it);
+    prompts_per_step: groups per batch; group_size: samples per prompt; segment_len:
+    decode tokens per sampler call; eval_every / eval_prompts: eval cadence and size
+    (0 = no periodic eval; there is always one at the start and one at the end);
+    eval_greedy: also run a greedy eval; save_every / keep_checkpoints: checkpoint cadence
+    and how many to keep (0 = only at the end); dynamic_sampling: DAPO's filter (drop
+    groups whose rewards are all equal, resample up to max_resample_rounds extra
+    batches); seed: the run's seed (rollout rng, eval sampling)."""
+
+    steps: int = 100
+    prompts_per_step: int = 8
+    group_size: int = 8
+    segment_len: int = 32
+    eval_every: int = 25
+    eval_prompts: int = 64
+    eval_greedy: bool = False
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 4
+    seed: int = 0
+
+    def __post_init__(self):
+        for name, low in (("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
+                          ("segment_len", 1), ("eval_every", 0), ("eval_prompts", 1),
+                          ("save_every", 0), ("keep_checkpoints", 1), ("max_resample_rounds", 0),
+                          ("seed", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {v!r}")
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run produced: the final state, train/eval records (as in metrics.jsonl),
+    the run dir, and the data position reached."""
+
+    state: TrainState
+    train: list[dict]
+    eval: list[dict]
+    run_dir: Path
+    data_position: int
+
+
+# ----------------------------------------------------------------------------- rollout
+def _take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
+    idx = np.asarray(rows, np.int64)
+    return jax.tree.map(lambda x: np.asarray(x)[idx], traj)
+
+
+def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Task,
+                  prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
+                  segment_len: int, seed: int) -> Trajectory:
+    """Sample `group_size` responses for each prompt with the rollout engine (all groups
+    decode together). Rows come back grouped in prompt order: group g = prompts[g]."""
+    if not prompts:
+        raise ValueError("no prompts to sample: the prompt list is empty")
+    rc = RolloutConfig(num_slots=len(prompts) * group_size, group_size=group_size,
+                       segment_len=segment_len, max_prompt_len=task.max_prompt_len,
+                       max_new_tokens=task.max_new_tokens, sampling=sampling,
+                       stop_ids=tuple(task.stop_ids), seed=int(seed))
+    engine = RolloutEngine(model_config, rc)
+    engine.submit([p.ids for p in prompts])
+    parts = []
+    while not engine.idle:
+        engine.step(params, int(version))
+        part = engine.harvest()
+        if part is not None:
+            parts.append(part)
+    traj = parts[0] if len(parts) == 1 else concat_trajectories(parts)
+    order = np.argsort(np.asarray(traj.group_ids), kind="stable")
+    return _take_rows(traj, order)
+
+
+def score(task: Task, prompts: Sequence[Prompt], traj: Trajectory) -> dict[str, np.ndarray]:
+    """Task rewards for every row of `traj` (row's prompt = prompts[group_id]) as
+    {name: [B] float64}. ValueError if the task returns other names than its
+    reward_names, or a NaN / inf / non-number."""
+    names = tuple(task.reward_names)
+    b = traj.batch_size
+    out = {n: np.zeros((b,), np.float64) for n in names}
+    gids = np.asarray(traj.group_ids)
+    resp, mask = np.asarray(traj.response_ids), np.asarray(traj.response_mask)
+    for i in range(b):
+        prompt = prompts[int(gids[i])]
+        r = task.reward(prompt, resp[i, :int(mask[i].sum())].tolist())
+        if set(r) != set(names):
+            raise ValueError(f"task {task.name!r} returned rewards {sorted(r)} for row {i}, "
+                             f"expected exactly {sorted(names)}")
+        for n in names:
+            v = r[n]
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"reward {n!r} of row {i} is not a number: {v!r}") from None
+            if not math.isfinite(f):
+                raise ValueError(f"reward {n!r} of row {i} is {f} (NaN/inf): the task's reward "
+                                 "function must return finite numbers")
+            out[n][i] = f
+    return out
+
+
+def _total_reward(rewards: dict[str, np.ndarray], config: TrainConfig) -> np.ndarray:
+    w = dict(config.reward_weights)
+    return sum(w.get(n, 1.0) * v for n, v in rewards.items())
+
+
+# ----------------------------------------------------------------------------- eval
+def evaluate(params: Any, version: int, model_config: ModelConfig, task: Task,
+             prompts: Sequence[Prompt], *, sampling: SamplingConfig, segment_len: int,
+             seed: int, reward_weights: dict[str, float] | None = None) -> dict[str, float]:
+    """One response per eval prompt; returns {"reward": weighted total mean, <name>: mean}."""
+    traj = sample_groups(params, version, model_config, task, prompts, group_size=1,
+                         sampling=sampling, segment_len=segment_len, seed=seed)
+    rewards = score(task, prompts, traj)
+    w = reward_weights or {}
+    out = {n: float(v.mean()) for n, v in rewards.items()}
+    out["reward"] = float(sum(w.get(n, 1.0) * v for n, v in rewards.items()).mean())
+    return out
+
+
+# ----------------------------------------------------------------------------- the loop
+def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:
+    """Split the state's rng: one half stays in the state, the other seeds this rollout."""
+    key, sub = jax.random.split(jnp.asarray(state.rng))
+    seed = int(jax.random.randint(sub, (), 0, np.iinfo(np.int32).max))
+    return seed, state.replace(rng=key)
+
+
+def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, config: TrainConfig,
+                  loop: LoopConfig, data_position: int) -> tuple[TrainBatch, TrainState, int, dict]:
+    """Sample and score one batch of loop.prompts_per_step groups from the train stream
+    at `data_position`. Returns (batch, state with advanced rng, new data position,
+    rollout stats). With dynamic sampling, groups whose rewards are all equal are
+    dropped and more prompts sampled (up to loop.max_resample_rounds extra rounds); if
+    too few groups survive, the batch is filled with dropped groups whose loss mask is
+    cleared; if none survive, ValueError."""
+    g, n = loop.prompts_per_step, loop.group_size
+    sampling = SamplingConfig(temperature=config.temperature)
+    kept: list[tuple[Trajectory, dict, list[int]]] = []
+    dropped: list[tuple[Trajectory, dict, list[int]]] = []
+    n_kept = rounds = sampled_tokens = 0
+    while True:
+        prompts = task.train_prompts(data_position, g)
+        data_position += g
+        seed, state = _rollout_seed(state)
+        traj = sample_groups(state.params, int(state.version), model_config, task, prompts,
+                             group_size=n, sampling=sampling, segment_len=loop.segment_len,
+                             seed=seed)
+        sampled_tokens += traj.num_tokens()
+        rewards = score(task, prompts, traj)
+        if not loop.dynamic_sampling:
+            kept.append((traj, rewards, list(range(g))))
+            break
+        keep = kept_group_indices(_total_reward(rewards, config), n).tolist()
+        kept.append((traj, rewards, keep))
+        dropped.append((traj, rewards, sorted(set(range(g)) - set(keep))))
+        n_kept += len(keep)
+        if n_kept >= g or rounds >= loop.max_resample_rounds:
+            break
+        rounds += 1
+    if loop.dynamic_sampling and n_kept == 0:
+        raise ValueError(
+            f"empty batch after dynamic sampling: all {g * (rounds + 1)} sampled groups had "
+            "equal rewards within their group (no learning signal); raise max_resample_rounds, "
+            "the group size or the temperature, or turn dynamic sampling off")
+    picks = [(t, r, grp, True) for t, r, gs in kept for grp in gs][:g]
+    if len(picks) < g:  # fill the fixed batch shape with masked-out dropped groups
+        picks += [(t, r, grp, False) for t, r, gs in dropped for grp in gs][:g - len(picks)]
+    trajs, rewards, live = [], {n_: [] for n_ in task.reward_names}, []
+    for t, r, grp, use in picks:
+        rows = list(range(grp * n, (grp + 1) * n))
+        trajs.append(_take_rows(t, rows))
+        for name in rewards:
+            rewards[name].append(r[name][rows])
+        live += [use] * n
+    traj = trajs[0] if len(trajs) == 1 else concat_trajectories(trajs)
+    rewards = {k: np.concatenate(v) for k, v in rewards.items()}
+    # Row blocks are whole groups; renumber so group ids are contiguous and distinct.
+    traj = traj.replace(group_ids=np.repeat(np.arange(g, dtype=np.int32), n))
+    width = task.max_prompt_len + task.max_new_tokens
+    batch = batch_from_trajectory(traj, group_size=n, model_config=model_config,
+                                  rewards=rewards, seq_len=width)
+    if not all(live):
+        batch = batch.replace(loss_mask=batch.loss_mask & np.asarray(live)[:, None])
+    stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
+             "kept_groups": n_kept if loop.dynamic_sampling else g}
+    return batch, state, data_position, stats
+
+
+def run(
+    model_config: ModelConfig,
+    params: Any,
+    task: Task,
+    config: TrainConfig,
+    loop: LoopConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    wandb_mode: str = "disabled",
+    run_config: dict | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    progress: bool = True,
+    on_eval: Callable[[dict], Any] | None = None,
+) -> RunResult:
+    """Train `params` on `task` with synchronous GRPO for loop.steps optimizer steps.
+
+    Writes into run_dir: metrics.jsonl (train + eval records), checkpoints/ (orbax),
+    wandb files (mode "offline"/"online"). resume=True restores the latest checkpoint
+    of run_dir (CheckpointError if there is none or it is damaged) and continues to
+    loop.steps. `params` are the initial weights (also the frozen KL reference when
+    config.loss.kl_coef > 0); they are copied, never donated.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
+    ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
+    state = init_train_state(params, config, loop.seed)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints)
+    data_position = 0
+    if resume:
+        state, meta = ckpt.restore(state)
+        data_position = int(meta["data_position"])
+    start = int(state.step)
+    logger = MetricsLogger(run_dir, wandb_mode=wandb_mode, config=run_config,
+                           resume_step=start if resume else None, run_name=run_dir.name)
+    step_fn = make_train_step(config, model_config, mesh)
+    state = step_fn.place_state(state)
+    eval_prompts = task.eval_prompts(loop.eval_prompts)
+    weights = dict(config.reward_weights)
+
+    def do_eval(step: int, params: Any, version: int) -> dict:
+        rec = {}
+        modes = [("", SamplingConfig(temperature=config.temperature))]
+        if loop.eval_greedy:
+            modes.append(("greedy_", SamplingConfig(greedy=True)))
+        for prefix, sampling in modes:
+            res = evaluate(params, version, model_config, task, eval_prompts, sampling=sampling,
+                           segment_len=loop.segment_len, seed=(loop.seed * 7919 + step) % (2 ** 31),
+                           reward_weights=weights)
+            rec.update({f"{prefix}{k}": v for k, v in res.items()})
+        record = logger.log(step, rec, kind="eval")
+        if on_eval is not None:
+            on_eval(record)
+        return record
+
+    try:
+        if not resume:
+            do_eval(0, state.params, 0)
+        bar = tqdm(total=loop.steps, initial=start, disable=not progress, desc="grpo",
+                   dynamic_ncols=True)
+        for step in range(start, loop.steps):
+            t0 = time.perf_counter()
+            batch, state, data_position, stats = collect_batch(state, model_config, task, config,
+                                                               loop, data_position)
+            t1 = time.perf_counter()
+            state, metrics = step_fn(state, batch, ref)
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            t2 = time.perf_counter()
+            metrics.update(stats, rollout_s=t1 - t0, train_s=t2 - t1,
+                           tokens_per_s=stats["sampled_tokens"] / max(t2 - t0, 1e-9),
+                           data_position=data_position)
+            done = step + 1
+            logger.log(done, metrics, kind="train")
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                            tok_s=f"{metrics['tokens_per_s']:.0f}")
+            is_last = done == loop.steps
+            if is_last or (loop.eval_every and done % loop.eval_every == 0):
+                ev = do_eval(done, state.params, int(state.version))
+                bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
+            if is_last or (loop.save_every and done % loop.save_every == 0):
+                ckpt.save(done, state, {"data_position": data_position, "task": task.name})
+        bar.close()
+    finally:
+        ckpt.close()
+        logger.close()
+    train = [r for r in logger.records if r["kind"] == "train"]
+    evals = [r for r in logger.records if r["kind"] == "eval"]
+    return RunResult(state=state, train=train, eval=evals, run_dir=run_dir,
+                     data_position=data_position)
