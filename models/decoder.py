@@ -1,5 +1,6 @@
 """Decoder-only transformer (Llama / Qwen2 / Qwen3 / SmolLM2) in flax.linen, and its pure
 entry points: init_params, param_logical_axes, forward, prefill, decode_step.
+(The packed shared-prefix forward, mode "packed", has its entry points in models/packed.py.)
 
 Layers run under `nn.scan` (params stacked on a leading [layers] axis) so compile time
 does not grow with depth. Params and key activations carry logical axis names (see
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from kernels.shared_prefix_attention import shared_prefix_attention
 from models import kv_cache as kvc
 from models.attention import attention
 from models.config import ModelConfig
@@ -113,13 +115,38 @@ def _dtypes(c: ModelConfig) -> dict[str, Any]:
     return {"dtype": jnp.dtype(c.dtype), "param_dtype": jnp.dtype(c.param_dtype)}
 
 
+def packed_attention(q, k, v, lengths, packed_nr: tuple[int, int], impl: str | None):
+    """Attention over packed groups [prompt, resp_1 ... resp_N] (DualKV layout).
+
+    q [G, P + N*R, heads, head_dim]; k, v [G, P + N*R, kv_heads, head_dim];
+    lengths = (prompt_lengths [G], resp_lengths [G, N]); packed_nr = (N, R) static.
+    Prompt queries attend causally within the prompt, response queries to the valid
+    prompt keys and causally to their own response only. Returns q's shape and dtype;
+    padded query rows come out as zeros.
+    """
+    n, r = packed_nr
+    g, s = q.shape[:2]
+    p = s - n * r
+
+    def split(x):  # [G, P + N*R, h, D] -> [G, P, h, D], [G, N, R, h, D]
+        return x[:, :p], x[:, p:].reshape((g, n, r) + x.shape[2:])
+
+    (qp, qr), (kp, kr), (vp, vr) = split(q), split(k), split(v)
+    o_p, o_r = shared_prefix_attention(qp, kp, vp, qr, kr, vr, prompt_lengths=lengths[0],
+                                       resp_lengths=lengths[1], impl=impl)
+    return jnp.concatenate([o_p, o_r.reshape((g, n * r) + o_r.shape[3:])], axis=1)
+
+
 class Attention(nn.Module):
     """GQA self-attention. mode "forward": no cache; "prefill": attend to the fresh keys
-    and write them to the cache; "decode": write, then attend to the whole cache."""
+    and write them to the cache; "decode": write, then attend to the whole cache;
+    "packed": groups laid out [prompt, resp_1 ... resp_N] (packed_nr = (N, R)), attended by
+    kernels.shared_prefix_attention with `mask` = (prompt_lengths, resp_lengths)."""
 
     config: ModelConfig
     mode: str
     attn_impl: str | None
+    packed_nr: tuple[int, int] | None = None
 
     @nn.compact
     def __call__(self, x, positions, mask, start, kv):
@@ -150,8 +177,13 @@ class Attention(nn.Module):
             new_kv = kvc.write_layer(kv[0], kv[1], k, v, start)
             out = attention(q, new_kv[0].astype(q.dtype), new_kv[1].astype(q.dtype),
                             mask=mask, impl=self.attn_impl)
+        elif self.mode == "packed":
+            if self.packed_nr is None:
+                raise ValueError("Attention mode 'packed' needs packed_nr = (N, R)")
+            out = packed_attention(q, k, v, mask, self.packed_nr, self.attn_impl)
         else:
-            raise ValueError(f"Attention.mode must be forward/prefill/decode, got {self.mode!r}")
+            raise ValueError(
+                f"Attention.mode must be forward/prefill/decode/packed, got {self.mode!r}")
         out = Linear("bshd,hde->bse", (H, D, E), ("heads", "head_dim", "embed"), 1, False,
                      name="o_proj", **_dtypes(c))(out)
         return out, new_kv
@@ -180,12 +212,14 @@ class Block(nn.Module):
     config: ModelConfig
     mode: str
     attn_impl: str | None
+    packed_nr: tuple[int, int] | None = None
 
     @nn.compact
     def __call__(self, x, positions, mask, start, kv):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, "embed", name="input_norm", **_dtypes(c))(x)
-        a, kv = Attention(c, self.mode, self.attn_impl, name="attn")(h, positions, mask, start, kv)
+        a, kv = Attention(c, self.mode, self.attn_impl, self.packed_nr, name="attn")(
+            h, positions, mask, start, kv)
         x = x + a
         h = RMSNorm(c.rms_norm_eps, "embed", name="post_attn_norm", **_dtypes(c))(x)
         x = x + MLP(c, name="mlp")(h)
@@ -195,15 +229,20 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """tokens [batch, seq] -> (logits [batch, seq, vocab] float32, new per-layer KV or None).
 
-    mask bool [batch, seq, kv_len]; start [batch] cache write offsets and kv (k, v)
-    [layers, batch, max_len, kv_heads, head_dim] are used by "prefill"/"decode" only."""
+    mask bool [batch, seq, kv_len] (mode "packed": the pair (prompt_lengths [G],
+    resp_lengths [G, N]) and packed_nr = (N, R), tokens [G, P + N*R]); start [batch] cache
+    write offsets and kv (k, v) [layers, batch, max_len, kv_heads, head_dim] are used by
+    "prefill"/"decode" only. logits_at [batch, K] int (optional): compute the final norm
+    and the vocabulary head only at these sequence indices -> logits [batch, K, vocab]
+    (the head is the costliest per-token layer of small models)."""
 
     config: ModelConfig
     mode: str = "forward"
     attn_impl: str | None = None
+    packed_nr: tuple[int, int] | None = None
 
     @nn.compact
-    def __call__(self, tokens, positions, mask, start=None, kv=None):
+    def __call__(self, tokens, positions, mask, start=None, kv=None, logits_at=None):
         c = self.config
         dt = jnp.dtype(c.dtype)
         embed = nn.Embed(c.vocab_size, c.hidden_size, name="embed", dtype=dt,
@@ -218,8 +257,10 @@ class Decoder(nn.Module):
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
             length=c.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.mode, self.attn_impl, name="layers")
+        )(c, self.mode, self.attn_impl, self.packed_nr, name="layers")
         x, kv = layers(x, positions, mask, start, kv)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         x = RMSNorm(c.rms_norm_eps, "embed", name="final_norm", **_dtypes(c))(x)
         if c.tie_word_embeddings:
             head = embed.embedding.astype(dt).T
@@ -339,9 +380,9 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("config", "attn_impl"))
-def _forward_jit(params, tokens, positions, segment_ids, *, config, attn_impl):
+def _forward_jit(params, tokens, positions, segment_ids, logits_at=None, *, config, attn_impl):
     logits, _ = Decoder(config, "forward", attn_impl).apply(
-        {"params": params}, tokens, positions, segment_mask(segment_ids)
+        {"params": params}, tokens, positions, segment_mask(segment_ids), logits_at=logits_at
     )
     return logits
 
@@ -354,12 +395,15 @@ def forward(
     segment_ids: jax.Array | None = None,
     *,
     attn_impl: str | None = None,
+    logits_at: jax.Array | None = None,
 ) -> jax.Array:
     """Logits [batch, seq, vocab] (float32) for tokens [batch, seq] int.
 
     positions [batch, seq] default to arange(seq) per row. segment_ids [batch, seq]
     (default all 1) pack several sequences per row: a token attends causally to tokens
     of its own segment id; id 0 marks padding (its logits are meaningless but finite).
+    logits_at [batch, K] int in [0, seq) (optional): return logits [batch, K, vocab] at
+    only those positions, skipping the vocabulary head elsewhere.
     """
     validate_tokens(tokens, config)
     tokens = jnp.asarray(tokens, jnp.int32)
@@ -372,8 +416,26 @@ def forward(
     if segment_ids is None:
         segment_ids = jnp.ones(tokens.shape, jnp.int32)
     _check_shape("segment_ids", segment_ids, tokens.shape)
+    if logits_at is not None:
+        logits_at = _check_logits_at(logits_at, tokens.shape)
     return _forward_jit(params, tokens, jnp.asarray(positions, jnp.int32),
-                        jnp.asarray(segment_ids, jnp.int32), config=config, attn_impl=attn_impl)
+                        jnp.asarray(segment_ids, jnp.int32), logits_at,
+                        config=config, attn_impl=attn_impl)
+
+
+def _check_logits_at(logits_at, shape: tuple[int, int]) -> jax.Array:
+    """Validate logits_at [batch, K] indices into a [batch, seq] sequence; return int32."""
+    if jnp.ndim(logits_at) != 2 or jnp.shape(logits_at)[0] != shape[0]:
+        raise ValueError(f"logits_at must be [batch={shape[0]}, K] indices, got shape "
+                         f"{jnp.shape(logits_at)}")
+    if not jnp.issubdtype(jnp.result_type(logits_at), jnp.integer):
+        raise ValueError(f"logits_at must be integers, got {jnp.result_type(logits_at)}")
+    if _is_concrete(logits_at):
+        arr = np.asarray(logits_at)
+        if arr.size and (arr.min() < 0 or arr.max() >= shape[1]):
+            raise ValueError(f"logits_at must index the sequence [0, {shape[1]}), got range "
+                             f"[{arr.min()}, {arr.max()}]")
+    return jnp.asarray(logits_at, jnp.int32)
 
 
 @partial(jax.jit, static_argnames=("config", "attn_impl"))
