@@ -228,7 +228,7 @@ def test_generate_convenience(params):
 
 def test_sample_tokens_truncation_and_temperature_limit():
     rng = np.random.default_rng(0)
-    logits = rng.normal(0, 2.0, (6, 32)).astype(np.float32)
+    logits = rng.normal(0, 2.0, (6, 300)).astype(np.float32)  # 3 vocab blocks
     keys = jnp.asarray(sample_keys(7, range(400), 6))  # [400, 6, 2]
 
     def draw(cfg):  # rows = (draw, batch row) flattened: one compile per config
@@ -255,7 +255,7 @@ def test_sample_tokens_truncation_and_temperature_limit():
                         break
                     allowed.add(int(idx))
                     mass += p[i]
-            mask = np.array([i in allowed for i in range(32)])
+            mask = np.array([i in allowed for i in range(300)])
             trunc = np.where(mask, z, -np.inf)
             ref = log_softmax64(trunc)
             assert set(tok[:, b].tolist()) <= allowed
