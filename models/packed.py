@@ -13,6 +13,7 @@ Entry points:
   packed_response_logprobs  logp [G, N, R] of each response token given prompt + prefix.
   pack_groups               host side: naive rows + group ids -> PackedGroups (checks that
                             every response of a group shares its prompt).
+  groups_share_prompts      host side: whether pack_groups applies (no exception).
   packed_token_logprobs     the same log-probs scattered back into the naive [B, T-1] row
                             layout that rl.trainer uses (logit at t predicts token t+1).
 """
@@ -306,6 +307,67 @@ def packed_token_logprobs(
                                attn_impl=attn_impl, width=int(width))
 
 
+def _rows_by_group(group_ids: np.ndarray) -> np.ndarray | dict:
+    """rows [G, N] (groups by first appearance, rows ascending), or {group id: size} when
+    the groups do not all have the same size."""
+    _, first, inverse = np.unique(group_ids, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    group_of_row = rank[inverse.reshape(-1)]
+    sizes = np.bincount(group_of_row)
+    if (sizes != sizes[0]).any():
+        return dict(zip(group_ids[first[order]].tolist(), sizes.tolist()))
+    return np.stack([np.flatnonzero(group_of_row == k)
+                     for k in range(sizes.size)]).astype(np.int32)
+
+
+def _prompt_mismatch(tokens, prompt_lengths, rows) -> tuple[int, int] | None:
+    """The first (lead row, other row) of a group whose prompts differ, else None."""
+    for group in rows:
+        lead, pl = group[0], prompt_lengths[group[0]]
+        for row in group[1:]:
+            if prompt_lengths[row] != pl or not np.array_equal(tokens[row, :pl],
+                                                               tokens[lead, :pl]):
+                return int(lead), int(row)
+    return None
+
+
+def _check_rows(tokens, prompt_lengths, response_lengths, group_ids):
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be an integer [B, T] array, got {tokens.dtype} "
+                         f"{tokens.shape}")
+    b, t = tokens.shape
+    if b == 0:
+        raise ValueError("the batch is empty (N = 0 responses); nothing to pack")
+    plen, rlen, gids = (np.asarray(x) for x in (prompt_lengths, response_lengths, group_ids))
+    for name, x in (("prompt_lengths", plen), ("response_lengths", rlen), ("group_ids", gids)):
+        if x.shape != (b,):
+            raise ValueError(f"{name} must have shape [B] = ({b},), got {x.shape}")
+    for name, x in (("prompt_lengths", plen), ("response_lengths", rlen)):
+        if not np.issubdtype(x.dtype, np.integer):
+            raise ValueError(f"{name} must be integers, got {x.dtype}")
+    if plen.min() < 1:
+        raise ValueError(f"prompt_lengths must be >= 1 (row {int(np.argmin(plen))} has "
+                         f"{plen.min()}): the last prompt logit predicts the first response token")
+    if rlen.min() < 0 or (plen + rlen).max() > t:
+        raise ValueError(f"need 0 <= response_lengths and prompt + response <= T={t}; got "
+                         f"response_lengths in [{rlen.min()}, {rlen.max()}] and longest row "
+                         f"{(plen + rlen).max()}")
+    return tokens, plen, rlen, gids
+
+
+def groups_share_prompts(tokens, prompt_lengths, response_lengths, group_ids) -> bool:
+    """Host side: True iff `pack_groups` can pack this naive batch, i.e. all groups have the
+    same size and every response of a group has the same prompt. Same arguments as
+    `pack_groups`; malformed arguments still raise ValueError."""
+    tokens, plen, rlen, gids = _check_rows(tokens, prompt_lengths, response_lengths, group_ids)
+    rows = _rows_by_group(gids)
+    return (isinstance(rows, np.ndarray) and rlen.max() > 0
+            and _prompt_mismatch(tokens, plen, rows) is None)
+
+
 def pack_groups(
     tokens,
     prompt_lengths,
@@ -332,38 +394,19 @@ def pack_groups(
       ValueError for an empty batch, groups of unequal size, a group whose prompts differ,
       all responses empty (R = 0), or lengths that do not fit.
     """
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"tokens must be an integer [B, T] array, got {tokens.dtype} "
-                         f"{tokens.shape}")
-    b, t = tokens.shape
-    if b == 0:
-        raise ValueError("the batch is empty (N = 0 responses); nothing to pack")
-    plen, rlen, gids = (np.asarray(x) for x in (prompt_lengths, response_lengths, group_ids))
-    for name, x in (("prompt_lengths", plen), ("response_lengths", rlen), ("group_ids", gids)):
-        if x.shape != (b,):
-            raise ValueError(f"{name} must have shape [B] = ({b},), got {x.shape}")
-    for name, x in (("prompt_lengths", plen), ("response_lengths", rlen)):
-        if not np.issubdtype(x.dtype, np.integer):
-            raise ValueError(f"{name} must be integers, got {x.dtype}")
-    if plen.min() < 1:
-        raise ValueError(f"prompt_lengths must be >= 1 (row {int(np.argmin(plen))} has "
-                         f"{plen.min()}): the last prompt logit predicts the first response token")
-    if rlen.min() < 0 or (plen + rlen).max() > t:
-        raise ValueError(f"need 0 <= response_lengths and prompt + response <= T={t}; got "
-                         f"response_lengths in [{rlen.min()}, {rlen.max()}] and longest row "
-                         f"{(plen + rlen).max()}")
-    _, first, inverse = np.unique(gids, return_index=True, return_inverse=True)
-    order = np.argsort(first)                     # groups by first appearance
-    rank = np.empty_like(order)
-    rank[order] = np.arange(order.size)
-    group_of_row = rank[inverse.reshape(-1)]
-    sizes = np.bincount(group_of_row)
-    if (sizes != sizes[0]).any():
+    tokens, plen, rlen, gids = _check_rows(tokens, prompt_lengths, response_lengths, group_ids)
+    rows = _rows_by_group(gids)
+    if isinstance(rows, dict):
         raise ValueError("every group must have the same number of responses to pack as "
-                         f"[G, N, R]; got group sizes {dict(zip(gids[first[order]].tolist(), sizes.tolist()))}")
-    g, n = sizes.size, int(sizes[0])
-    rows = np.stack([np.flatnonzero(group_of_row == k) for k in range(g)]).astype(np.int32)
+                         f"[G, N, R]; got group sizes {rows}")
+    bad = _prompt_mismatch(tokens, plen, rows)
+    if bad is not None:
+        lead, row = bad
+        raise ValueError(
+            f"group {gids[lead].tolist()!r}: rows {lead} and {row} have different prompts "
+            f"(lengths {plen[lead]} and {plen[row]}); every response of a group must share "
+            "its prompt to be packed (use the naive batch otherwise)")
+    g, n = rows.shape
     p_need, r_need = int(plen.max()), int(rlen.max())
     if r_need == 0:
         raise ValueError("every response is empty (R = 0): there is no token to train on")
@@ -375,15 +418,8 @@ def pack_groups(
     prompt_tokens = np.zeros((g, p), np.int32)
     response_tokens = np.zeros((g, n, r), np.int32)
     for k in range(g):
-        lead = rows[k, 0]
-        pl = int(plen[lead])
-        for row in rows[k, 1:]:
-            if plen[row] != pl or not np.array_equal(tokens[row, :pl], tokens[lead, :pl]):
-                raise ValueError(
-                    f"group {gids[lead].tolist()!r}: rows {lead} and {row} have different prompts "
-                    f"(lengths {pl} and {plen[row]}); every response of a group must share "
-                    "its prompt to be packed (use the naive batch otherwise)")
-        prompt_tokens[k, :pl] = tokens[lead, :pl]
+        pl = int(plen[rows[k, 0]])
+        prompt_tokens[k, :pl] = tokens[rows[k, 0], :pl]
         for j, row in enumerate(rows[k]):
             response_tokens[k, j, :rlen[row]] = tokens[row, pl:pl + rlen[row]]
     return PackedGroups(

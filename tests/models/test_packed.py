@@ -18,17 +18,18 @@ import pytest
 from models.config import ModelConfig, get_config
 from models.decoder import forward, init_params
 from models.packed import (
-    PackedGroups, pack_groups, packed_forward, packed_response_logprobs,
+    PackedGroups, groups_share_prompts, pack_groups, packed_forward, packed_response_logprobs,
     packed_token_logprobs)
 
 _FAST_COMPILE = {"xla_backend_optimization_level": 0,
                  "xla_llvm_disable_expensive_passes": True}
 TINY = get_config("tiny")  # llama, 4 heads / 2 kv heads, tied embeddings
-# GQA 3:1, Qwen2 q/k/v biases, Qwen3 q/k norm, untied head: every optional per-token layer
+# GQA 3:1, Qwen2 q/k/v biases, Qwen3 q/k norm, untied head (every optional per-token
+# layer), and rematerialised layers
 VARIANT = ModelConfig(
     arch="qwen3", vocab_size=96, hidden_size=48, intermediate_size=64, num_layers=2,
     num_heads=6, num_kv_heads=2, head_dim=8, max_position_embeddings=64, qk_norm=True,
-    attention_bias=True, tie_word_embeddings=False, rope_theta=500.0)
+    attention_bias=True, tie_word_embeddings=False, rope_theta=500.0, remat=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +186,7 @@ def test_packed_logprobs_and_grads_match_naive(tiny, impl):
 
 
 def test_variant_config_gqa_bias_qk_norm_temperature():
-    """GQA 3:1 + q/k/v bias + q/k norm + untied head, temperature 0.7, three groups."""
+    """GQA 3:1 + q/k/v bias + q/k norm + untied head + remat, temperature 0.7, 3 groups."""
     params = init_params(VARIANT, 3)
     # biases start at zero; make them random so that they matter and get tested
     params = jax.tree_util.tree_map_with_path(
@@ -271,14 +272,19 @@ def test_pack_groups_rejects_bad_batches():
     assert packed.response_tokens.tolist() == [[[7, 8], [9, 0]], [[9, 9], [1, 0]]]
     other_prompt = tokens.copy()
     other_prompt[3, 1] = 8
+    assert groups_share_prompts(tokens, plen, rlen, gids)
     with pytest.raises(ValueError, match=r"group 1: rows 2 and 3 have different prompts"):
         pack_groups(other_prompt, plen, rlen, gids)
+    assert not groups_share_prompts(other_prompt, plen, rlen, gids)
     with pytest.raises(ValueError, match=r"group 0: rows 0 and 1 have different prompts"):
         pack_groups(tokens, np.array([2, 3, 2, 2]), rlen, gids)
-    with pytest.raises(ValueError, match="same number of responses"):
+    assert not groups_share_prompts(tokens, np.array([2, 3, 2, 2]), rlen, gids)
+    with pytest.raises(ValueError, match=r"same number of responses.*\{0: 3, 1: 1\}"):
         pack_groups(tokens, plen, rlen, np.array([0, 0, 0, 1]))
+    assert not groups_share_prompts(tokens, plen, rlen, np.array([0, 0, 0, 1]))
     with pytest.raises(ValueError, match=r"R = 0"):
         pack_groups(tokens, plen, np.zeros(4, int), gids)
+    assert not groups_share_prompts(tokens, plen, np.zeros(4, int), gids)
     with pytest.raises(ValueError, match=r"empty \(N = 0"):
         pack_groups(np.zeros((0, 4), int), [], [], [])
     with pytest.raises(ValueError, match="prompt_lengths must be >= 1"):
