@@ -12,6 +12,7 @@ import json
 import math
 import os
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -103,7 +104,7 @@ class MetricsLogger:
         if resume_step is not None and id_file.exists():
             run_id = id_file.read_text().strip()
         else:
-            run_id = wandb.util.generate_id()
+            run_id = uuid.uuid4().hex[:12]
             atomic_write_text(id_file, run_id)
         return wandb.init(project=project, name=run_name, id=run_id, resume="allow", mode=mode,
                           dir=str(self.run_dir), config=dict(config or {}))

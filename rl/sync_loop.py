@@ -24,7 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.config import ModelConfig
-from rl.checkpoint import Checkpointer
+from rl.checkpoint import CheckpointError, Checkpointer
 from rl.logging import MetricsLogger
 from rl.offpolicy import kept_group_indices
 from rl.rollout import RolloutConfig, RolloutEngine
@@ -241,16 +241,21 @@ def run(
     mesh: jax.sharding.Mesh | None = None,
     progress: bool = True,
     on_eval: Callable[[dict], Any] | None = None,
+    compiler_options: dict | None = None,
 ) -> RunResult:
     """Train `params` on `task` with synchronous GRPO for loop.steps optimizer steps.
 
     Writes into run_dir: metrics.jsonl (train + eval records), checkpoints/ (orbax),
     wandb files (mode "offline"/"online"). resume=True restores the latest checkpoint
     of run_dir (CheckpointError if there is none or it is damaged) and continues to
-    loop.steps. `params` are the initial weights (also the frozen KL reference when
+    loop.steps. compiler_options go to XLA for the train step (see make_train_step).
+    `params` are the initial weights (also the frozen KL reference when
     config.loss.kl_coef > 0); they are copied, never donated.
     """
     run_dir = Path(run_dir)
+    if resume and not (run_dir / "checkpoints").is_dir():
+        raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ directory "
+                              "(run without resume first, or point at an existing run dir)")
     run_dir.mkdir(parents=True, exist_ok=True)
     params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
     ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
@@ -263,7 +268,7 @@ def run(
     start = int(state.step)
     logger = MetricsLogger(run_dir, wandb_mode=wandb_mode, config=run_config,
                            resume_step=start if resume else None, run_name=run_dir.name)
-    step_fn = make_train_step(config, model_config, mesh)
+    step_fn = make_train_step(config, model_config, mesh, compiler_options=compiler_options)
     state = step_fn.place_state(state)
     eval_prompts = task.eval_prompts(loop.eval_prompts)
     weights = dict(config.reward_weights)

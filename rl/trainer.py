@@ -19,6 +19,7 @@ models' logical axis rules (params by `models.sharding`, batch rows over
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -31,7 +32,7 @@ import optax
 from flax import struct
 
 from models.config import ModelConfig
-from models.decoder import forward, param_logical_axes
+from models.decoder import forward, init_params, param_logical_axes
 from models.sharding import DEFAULT_RULES, LogicalRules, logical_to_mesh_sharding, mesh_context
 from rl.advantages import AdvantageConfig, compute_advantages
 from rl.losses import LossConfig, compute_loss, token_entropy
@@ -472,7 +473,7 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
     rewards = _scalar_rewards(config, batch) if config.advantage.name != "gdpo" \
         else jnp.sum(batch.rewards, axis=1)
     metrics.update(
-        grad_norm=optax.global_norm(grads),
+        grad_norm=optax.tree.norm(grads),
         lr=make_schedule(config.optimizer)(state.step),
         tokens=n_tok_all,
         response_len=jnp.sum(batch.loss_mask).astype(jnp.float32) / b,
@@ -488,14 +489,22 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
 
 
 # ----------------------------------------------------------------------------- jit + shardings
-def state_shardings(state: TrainState, model_config: ModelConfig, config: TrainConfig,
-                    mesh: jax.sharding.Mesh, rules: LogicalRules = DEFAULT_RULES) -> TrainState:
-    """NamedSharding tree for `state` (params by the logical rules, optimizer moments like
-    their params, scalars and rng replicated)."""
+def abstract_train_state(model_config: ModelConfig, config: TrainConfig) -> TrainState:
+    """Shapes and dtypes (jax.ShapeDtypeStruct leaves) of a TrainState; allocates nothing."""
+    def build():
+        return init_train_state(init_params(model_config, 0), config, 0)
+    return jax.eval_shape(build)
+
+
+def state_shardings(model_config: ModelConfig, config: TrainConfig, mesh: jax.sharding.Mesh,
+                    rules: LogicalRules = DEFAULT_RULES) -> TrainState:
+    """NamedSharding tree of a TrainState: params by the logical rules, optimizer moments
+    like their params, counters, scalars and rng replicated."""
     params_sh = logical_to_mesh_sharding(param_logical_axes(model_config), mesh, rules)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    abstract = abstract_train_state(model_config, config)
     opt_sh = optax.tree_map_params(make_optimizer(config.optimizer), lambda _, s: s,
-                                   state.opt_state, params_sh,
+                                   abstract.opt_state, params_sh,
                                    transform_non_params=lambda _: replicated)
     return TrainState(params=params_sh, opt_state=opt_sh, step=replicated, version=replicated,
                       rng=replicated)
@@ -506,38 +515,41 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
 
 
+@functools.lru_cache(maxsize=64)
+def _jitted(config: TrainConfig, model_config: ModelConfig, mesh: jax.sharding.Mesh | None,
+            rules: LogicalRules, with_ref: bool, compiler_options: tuple | None):
+    """One jax.jit object per (configs, mesh, ...): every JittedTrainStep with the same key
+    shares its compilations (e.g. a run resumed in the same process compiles nothing)."""
+    body = partial(train_step, config=config, model_config=model_config)
+    opts = None if compiler_options is None else dict(compiler_options)
+    if mesh is None:
+        return jax.jit(body, donate_argnums=0, compiler_options=opts)
+    st = state_shardings(model_config, config, mesh, rules)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    ins = (st, batch_sharding(mesh)) + ((st.params,) if with_ref else ())
+    return jax.jit(body, in_shardings=ins, out_shardings=(st, rep), donate_argnums=0,
+                   compiler_options=opts)
+
+
 class JittedTrainStep:
     """`train_step` compiled for one (TrainConfig, ModelConfig[, mesh]); call it as
     `state, metrics = step(state, batch[, ref_params])`. The state is donated: do not
     use the state you passed in after the call. With a mesh, inputs are placed with
-    explicit shardings (B must be divisible by data * fsdp) and the model's activation
-    annotations become sharding constraints."""
+    explicit shardings (B must be divisible by data * fsdp * micro_batches) and the
+    model's activation annotations become sharding constraints."""
 
     def __init__(self, config: TrainConfig, model_config: ModelConfig,
-                 mesh: jax.sharding.Mesh | None = None, rules: LogicalRules = DEFAULT_RULES):
+                 mesh: jax.sharding.Mesh | None = None, rules: LogicalRules = DEFAULT_RULES,
+                 compiler_options: Mapping[str, Any] | None = None):
         self.config, self.model_config, self.mesh, self.rules = config, model_config, mesh, rules
-        self._fns: dict[bool, Any] = {}
-
-    def _fn(self, state: TrainState, with_ref: bool):
-        if with_ref in self._fns:
-            return self._fns[with_ref]
-        body = partial(train_step, config=self.config, model_config=self.model_config)
-        if self.mesh is None:
-            fn = jax.jit(body, donate_argnums=0)
-        else:
-            st = state_shardings(state, self.model_config, self.config, self.mesh, self.rules)
-            rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-            ins = (st, batch_sharding(self.mesh)) + ((st.params,) if with_ref else ())
-            fn = jax.jit(body, in_shardings=ins, out_shardings=(st, rep), donate_argnums=0)
-        self._fns[with_ref] = fn
-        return fn
+        self._opts = None if compiler_options is None else tuple(sorted(compiler_options.items()))
 
     def place_state(self, state: TrainState) -> TrainState:
         """Put `state` on the mesh with its shardings (no-op without a mesh)."""
         if self.mesh is None:
             return state
-        return jax.device_put(state, state_shardings(state, self.model_config, self.config,
-                                                     self.mesh, self.rules))
+        return jax.device_put(state, state_shardings(self.model_config, self.config, self.mesh,
+                                                     self.rules))
 
     def __call__(self, state: TrainState, batch: TrainBatch, ref_params: Params | None = None
                  ) -> tuple[TrainState, dict]:
@@ -549,7 +561,8 @@ class JittedTrainStep:
             if b % (rows * self.config.micro_batches):
                 raise ValueError(f"batch of {b} rows must be divisible by data*fsdp*micro_batches = "
                                  f"{rows * self.config.micro_batches} on this mesh")
-        fn = self._fn(state, ref_params is not None)
+        fn = _jitted(self.config, self.model_config, self.mesh, self.rules,
+                     ref_params is not None, self._opts)
         args = (state, batch) + ((ref_params,) if ref_params is not None else ())
         if self.mesh is None:
             return fn(*args)
@@ -558,10 +571,14 @@ class JittedTrainStep:
 
 
 def make_train_step(config: TrainConfig, model_config: ModelConfig,
-                    mesh: jax.sharding.Mesh | None = None,
-                    rules: LogicalRules = DEFAULT_RULES) -> JittedTrainStep:
+                    mesh: jax.sharding.Mesh | None = None, rules: LogicalRules = DEFAULT_RULES,
+                    compiler_options: Mapping[str, Any] | None = None) -> JittedTrainStep:
     """The jitted step (see JittedTrainStep). Without a mesh: plain jit on the default
-    device; with one: explicit in/out shardings from the logical rules."""
+    device; with one: explicit in/out shardings from the logical rules. compiler_options
+    are passed to XLA (e.g. {"xla_backend_optimization_level": 0} compiles about twice
+    as fast on CPU and runs slower: useful for short CPU runs and tests)."""
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
-    return JittedTrainStep(config, model_config, mesh, rules)
+    if not isinstance(model_config, ModelConfig):
+        raise ValueError(f"model_config must be a ModelConfig, got {type(model_config).__name__}")
+    return JittedTrainStep(config, model_config, mesh, rules, compiler_options)

@@ -1,0 +1,264 @@
+"""The main job: train a policy with synchronous GRPO.
+
+    python -m experiments.train                          # preset "tiny-synthetic" on CPU
+    python -m experiments.train --preset smollm2-arith   # SmolLM2-135M on arithmetic problems
+    python -m experiments.train --run-dir runs/a --steps 400 --resume
+
+Each iteration: task prompts -> sampler (rl.rollout) -> task rewards -> advantages ->
+one train_step. Prints a tqdm bar (reward, tokens/s) and eval lines; writes into the
+run dir: metrics.jsonl, checkpoints/ (orbax; --resume continues from the latest),
+wandb/ (offline unless --wandb online), summary.json and reward_curve.png.
+`--results-json PATH` also writes the headline summary there (and the PNG beside it).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from models.config import get_config
+from models.decoder import init_params
+from rl.advantages import ADVANTAGE_PRESETS, AdvantageConfig
+from rl.checkpoint import CheckpointError
+from rl.logging import WANDB_MODES, atomic_write_json
+from rl.losses import LOSS_PRESETS, LossConfig
+from rl.sync_loop import LoopConfig, RunResult, run
+from rl.tasks import make_task
+from rl.trainer import OptimizerConfig, TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named experiment. model: "tiny" (random init of that ModelConfig preset, vocab
+    sized to the task) or a name/path for models.assets.load_model; task / task_options:
+    rl.tasks.make_task arguments; headline_target: the ratio final eval reward / initial
+    (random-policy) eval reward a run is expected to reach."""
+
+    name: str
+    description: str
+    model: str
+    task: str
+    task_options: tuple[tuple[str, Any], ...]
+    train: TrainConfig
+    loop: LoopConfig
+    init_seed: int = 0
+    headline_target: float | None = None
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-synthetic": Preset(
+        name="tiny-synthetic",
+        description="tiny decoder (2 layers, d=64) from scratch on 'reverse 4 symbols', CPU minutes",
+        model="tiny",
+        task="synthetic",
+        task_options=(("kind", "reverse"), ("length", 4), ("alphabet", 4)),
+        train=TrainConfig(
+            loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
+            advantage=AdvantageConfig("grpo"),
+            optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3, warmup_steps=10, b2=0.99,
+                                      max_grad_norm=1.0),
+            temperature=1.0,
+        ),
+        loop=LoopConfig(steps=800, prompts_per_step=8, group_size=8, segment_len=4,
+                        eval_every=50, eval_prompts=64, eval_greedy=True, save_every=200),
+        headline_target=3.0,
+    ),
+    "smollm2-arith": Preset(
+        name="smollm2-arith",
+        description="SmolLM2-135M-Instruct on templated arithmetic word problems (GPU-sized)",
+        model="smollm2-135m",
+        task="arithmetic",
+        task_options=(("max_prompt_len", 128), ("max_new_tokens", 96)),
+        train=TrainConfig(
+            loss=LossConfig(name="ppo_clip", params={"clip_low": 0.2, "clip_high": 0.28},
+                            aggregation="token-mean"),
+            advantage=AdvantageConfig("grpo"),
+            optimizer=OptimizerConfig(name="adamw", learning_rate=1e-6, warmup_steps=5,
+                                      weight_decay=0.01, max_grad_norm=1.0),
+            temperature=1.0,
+            micro_batches=4,
+        ),
+        loop=LoopConfig(steps=200, prompts_per_step=8, group_size=8, segment_len=32,
+                        eval_every=25, eval_prompts=64, save_every=25),
+    ),
+}
+DEFAULT_PRESET = "tiny-synthetic"
+
+
+# ----------------------------------------------------------------------------- CLI
+def _loss_config(name: str) -> LossConfig:
+    if name in LOSS_PRESETS:
+        return LossConfig.preset(name)
+    return LossConfig(name=name)  # a registered per-token loss with its defaults
+
+
+def _advantage_config(name: str) -> AdvantageConfig:
+    if name in ADVANTAGE_PRESETS:
+        return AdvantageConfig.preset(name)
+    return AdvantageConfig(name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.train",
+                                description="Synchronous GRPO training (Tandem's main job).")
+    p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    p.add_argument("--steps", type=int, help="total optimizer steps (a resumed run continues to it)")
+    p.add_argument("--seed", type=int, default=0, help="init and rollout seed (default 0)")
+    p.add_argument("--run-dir", help="output directory (default runs/<preset>)")
+    p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--wandb", default="offline", choices=WANDB_MODES,
+                   help="wandb mode: offline (default, files in the run dir), online, disabled")
+    p.add_argument("--lr", type=float, help="learning rate")
+    p.add_argument("--group-size", type=int, help="samples per prompt")
+    p.add_argument("--prompts-per-step", type=int, help="groups per batch")
+    p.add_argument("--loss", help=f"loss preset {sorted(LOSS_PRESETS)} or a registered loss name")
+    p.add_argument("--advantage", help=f"advantage preset {sorted(ADVANTAGE_PRESETS)} or estimator")
+    p.add_argument("--temperature", type=float, help="sampling temperature (learner uses the same)")
+    p.add_argument("--micro-batches", type=int, help="gradient-accumulation micro-batches")
+    p.add_argument("--eval-every", type=int, help="steps between evals (0: start and end only)")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints (0: end only)")
+    p.add_argument("--eval-prompts", type=int, help="eval split prompts per eval")
+    p.add_argument("--dynamic-sampling", action="store_true", help="DAPO dynamic sampling")
+    p.add_argument("--results-json", help="also write the headline summary JSON here (+ PNG beside)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    return p
+
+
+def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig]:
+    """The preset with the command line's overrides applied (validated by the configs)."""
+    preset = PRESETS[args.preset]
+    train, loop = preset.train, preset.loop
+    if args.lr is not None:
+        train = dataclasses.replace(train, optimizer=dataclasses.replace(train.optimizer,
+                                                                        learning_rate=args.lr))
+    if args.loss is not None:
+        train = dataclasses.replace(train, loss=_loss_config(args.loss))
+    if args.advantage is not None:
+        train = dataclasses.replace(train, advantage=_advantage_config(args.advantage))
+    if args.temperature is not None:
+        train = dataclasses.replace(train, temperature=args.temperature)
+    if args.micro_batches is not None:
+        train = dataclasses.replace(train, micro_batches=args.micro_batches)
+    loop_kw = {"seed": args.seed}
+    for arg, field in (("steps", "steps"), ("group_size", "group_size"),
+                       ("prompts_per_step", "prompts_per_step"), ("eval_every", "eval_every"),
+                       ("save_every", "save_every"), ("eval_prompts", "eval_prompts")):
+        if getattr(args, arg) is not None:
+            loop_kw[field] = getattr(args, arg)
+    if args.dynamic_sampling:
+        loop_kw["dynamic_sampling"] = True
+    loop = dataclasses.replace(loop, **loop_kw)
+    return preset, train, loop
+
+
+def load_policy(preset: Preset, seed: int):
+    """(model_config, params, task) for a preset."""
+    options = dict(preset.task_options)
+    if preset.model == "tiny":
+        task = make_task(preset.task, seed=seed, **options)
+        config = get_config("tiny", vocab_size=task.vocab_size)
+        return config, init_params(config, preset.init_seed + seed), task
+    from models.assets import load_model
+
+    config, params, tokenizer = load_model(preset.model)
+    task = make_task(preset.task, tokenizer=tokenizer, seed=seed, **options)
+    return config, params, task
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def summarize(result: RunResult, preset: Preset, train: TrainConfig, loop: LoopConfig,
+              task: Any, wall_s: float, load_before: list[float], command: str) -> dict:
+    """Headline (final eval / initial eval reward) and the curves, JSON-ready."""
+    evals = result.eval
+    first, last = evals[0], evals[-1]
+    ratio = last["reward"] / first["reward"] if first["reward"] > 0 else None
+    out = {
+        "headline": {
+            "metric": "final eval reward / random-policy eval reward",
+            "value": None if ratio is None else round(ratio, 4),
+            "target": preset.headline_target,
+            "machine": f"{platform.machine()} cpu, {os.cpu_count()} cores"
+            if jax.default_backend() == "cpu" else f"{jax.devices()[0].device_kind}",
+        },
+        "command": command,
+        "preset": preset.name,
+        "description": preset.description,
+        "random_policy_eval_reward": first["reward"],
+        "final_eval_reward": last["reward"],
+        "final_greedy_eval_reward": last.get("greedy_reward"),
+        "uniform_policy_expected_reward": task.random_baseline()
+        if hasattr(task, "random_baseline") else None,
+        "steps": int(result.state.step),
+        "wall_time_s": round(wall_s, 1),
+        "load_average_1_5_15min": {"before": load_before, "after": _load()},
+        "config": {"train": repr(train), "loop": dataclasses.asdict(loop),
+                   "task": dict(preset.task_options), "model": preset.model},
+        "curve": {
+            "train_step_reward": [[r["step"], round(r["reward_mean"], 4)] for r in result.train],
+            "eval_reward": [[r["step"], round(r["reward"], 4)] for r in evals],
+            "eval_greedy_reward": [[r["step"], round(r["greedy_reward"], 4)] for r in evals
+                                   if r.get("greedy_reward") is not None],
+        },
+    }
+    if preset.headline_target is not None and ratio is not None:
+        out["headline"]["reached_target"] = ratio >= preset.headline_target
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    try:
+        preset, train, loop = configure(args)
+    except ValueError as err:
+        build_parser().error(str(err))
+    run_dir = Path(args.run_dir or Path("runs") / preset.name)
+    if run_dir.exists() and (run_dir / "checkpoints").exists() and any(
+            (run_dir / "checkpoints").iterdir()) and not args.resume:
+        build_parser().error(f"run dir {str(run_dir)!r} already holds checkpoints; pass --resume to "
+                             "continue it or choose another --run-dir")
+    command = "python -m experiments.train " + " ".join(sys.argv[1:] if argv is None else argv)
+    load_before = _load()
+    t0 = time.perf_counter()
+    config, params, task = load_policy(preset, args.seed)
+    run_config = {"preset": preset.name, "train": repr(train), "loop": dataclasses.asdict(loop)}
+    try:
+        result = run(config, params, task, train, loop, run_dir, resume=args.resume,
+                     wandb_mode=args.wandb, run_config=run_config, progress=not args.no_progress)
+    except CheckpointError as err:
+        sys.exit(f"error: {err}")
+    wall = time.perf_counter() - t0
+    from experiments.plots import plot_reward_curve
+
+    summary = summarize(result, preset, train, loop, task, wall, load_before, command.strip())
+    baseline = result.eval[0]["reward"]
+    title = f"{preset.name}: GRPO reward"
+    atomic_write_json(run_dir / "summary.json", summary)
+    plot_reward_curve(result.train, result.eval, run_dir / "reward_curve.png", baseline=baseline,
+                      title=title)
+    if args.results_json:
+        path = Path(args.results_json)
+        atomic_write_json(path, summary)
+        plot_reward_curve(result.train, result.eval, path.with_suffix(".png"), baseline=baseline,
+                          title=title)
+    h = summary["headline"]
+    print(f"done: {summary['steps']} steps in {summary['wall_time_s']} s; eval reward "
+          f"{summary['random_policy_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "
+          f"({h['value']}x); run dir {run_dir}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
