@@ -89,9 +89,9 @@ class Checkpointer:
                 f"{str(err)[:300]}); delete it to fall back to an older step, or start afresh"
             ) from err
         state, meta = out["state"], out["meta"]
-        if meta is None or int(meta.get("step", -1)) != step or int(state.step) != step:
+        if not isinstance(meta, dict) or meta.get("step") != step:
             raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} is "
-                                  "inconsistent (its metadata or state step disagree)")
+                                  f"inconsistent: its metadata says step {meta.get('step') if isinstance(meta, dict) else meta!r}")
         return state, dict(meta)
 
     def close(self) -> None:
