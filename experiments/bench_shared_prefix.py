@@ -215,6 +215,10 @@ def main() -> None:
             "naive_full": "forward on the same rows, logits at every position (as rl.trainer)",
             "packed": "packed_response_logprobs, attn_impl='xla'",
             "timing": "median ms of warm calls, round-robin over the three steps",
+            "agreement": "agreement_vs_naive compares each step's loss, gradient norm and "
+                         "updated params with the naive step; AdamW's first update is "
+                         "about lr*sign(g) (lr=1e-4), so params with tiny gradients turn "
+                         "fp32 rounding into diffs of ~1e-6",
             "command": "python -m experiments.bench_shared_prefix "
                        f"--reps-seconds {args.reps_seconds} --groups {args.groups}",
             # other processes share the CPU; the load says how noisy the times are
