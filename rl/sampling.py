@@ -394,6 +394,13 @@ def _bucket(n: int, limit: int, floor: int = 8) -> int:
     return min(limit, max(floor, 1 << (max(n, 1) - 1).bit_length()))
 
 
+def _bucket_width(n: int, limit: int) -> int:
+    """Prefill width: n rounded up to 4 steps per octave (<= 25% padding, few shapes),
+    at least 16, capped at `limit`."""
+    step = max(16, 1 << max(0, n.bit_length() - 3))
+    return min(limit, -(-n // step) * step)
+
+
 def _check_tokens(name: str, ids: Sequence[int], config: ModelConfig) -> np.ndarray:
     arr = np.asarray(ids)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
@@ -445,7 +452,7 @@ def _fill(params, state: SamplerState, contexts: list[np.ndarray], prompt_length
     # price of prefilling some padding rows (cheap next to the decode).
     rows_b = _bucket(n_rows, s)
     ent_b = s
-    t = _bucket(max(c.size for c in contexts), state.cache.max_len, floor=64)
+    t = _bucket_width(max(c.size for c in contexts), state.cache.max_len)
     ctx = np.zeros((rows_b, t), np.int32)
     clen = np.ones((rows_b,), np.int32)
     plen = np.ones((rows_b,), np.int32)
