@@ -312,7 +312,8 @@ def run(
             is_last = done == loop.steps
             if is_last or (loop.eval_every and done % loop.eval_every == 0):
                 ev = do_eval(done, state.params, int(state.version))
-                bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
+                if progress:
+                    bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
             if is_last or (loop.save_every and done % loop.save_every == 0):
                 ckpt.save(done, state, {"data_position": data_position, "task": task.name})
         bar.close()

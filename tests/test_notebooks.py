@@ -1,0 +1,39 @@
+"""Execute every notebook under notebooks/ with nbclient (kernel python3): it must run
+without error, within the CI time limit, and print what it promises."""
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+TIME_LIMIT_S = 60
+# What each notebook must print (stdout) and how many figures it must show.
+EXPECT = {
+    "quickstart.ipynb": (["60 steps in", "eval at step  60: reward", "ppo_clip_loss = ",
+                          "by hand = "], 1),
+}
+
+
+def test_every_notebook_is_checked():
+    assert NOTEBOOKS and {p.name for p in NOTEBOOKS} == set(EXPECT)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs(path):
+    nb = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    # The kernel inherits this process's environment (conftest: CPU only, wandb disabled).
+    NotebookClient(nb, timeout=TIME_LIMIT_S * 2, kernel_name="python3",
+                   resources={"metadata": {"path": str(REPO)}}).execute()
+    elapsed = time.perf_counter() - start
+    assert elapsed < TIME_LIMIT_S, f"{path.name} took {elapsed:.0f} s (limit {TIME_LIMIT_S} s)"
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    stdout = "".join(o.get("text", "") for o in outputs if o.get("name") == "stdout")
+    texts, n_images = EXPECT[path.name]
+    for text in texts:
+        assert text in stdout, f"{path.name} did not print {text!r}"
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == n_images
