@@ -23,7 +23,7 @@ from models.config import get_config
 from models.decoder import forward, init_params
 from rl.advantages import AdvantageConfig
 from rl.losses import LossConfig
-from rl.trainer import (OptimizerConfig, TrainConfig, batch_from_trajectory, init_train_state,
+from rl.trainer import (OffPolicyConfig, OptimizerConfig, TrainConfig, batch_from_trajectory, init_train_state,
                         make_schedule, make_train_step)
 from rl.trajectory import Trajectory
 
@@ -197,6 +197,49 @@ def test_sharded_step_matches_single_device(params, tmp_path):
     assert moved > 1e-3
     assert diff <= 1e-5, diff
     np.testing.assert_allclose(float(got["loss"]), float(m1["loss"]), rtol=1e-5, atol=1e-7)
+
+
+def _np_logprobs(params, tokens):
+    """float64 log softmax(logits / T) of each next token: [B, T-1]."""
+    z = np.asarray(forward(params, CFG, tokens), np.float64)[:, :-1] / TEMP
+    z = z - z.max(axis=-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return np.take_along_axis(logp, np.asarray(tokens)[:, 1:, None], axis=-1)[..., 0]
+
+
+def test_kl_reference_and_truncated_is_enter_the_loss(params):
+    # PPO-clip at ratio 1 with truncated IS weights w = min(π/μ, 2) and a k3 KL to a
+    # different reference: loss = mean_t(-A w) + 0.1 mean_t(k3), token-mean.
+    config = TrainConfig(
+        loss=LossConfig(name="ppo_clip", aggregation="token-mean", kl_coef=0.1, kl_estimator="k3"),
+        offpolicy=OffPolicyConfig(correction="truncated_is"), temperature=TEMP,
+        optimizer=OptimizerConfig(name="sgd", learning_rate=LR, max_grad_norm=None))
+    ref = init_params(CFG, 11)
+    batch = batch_from_trajectory(make_traj(7), group_size=GROUP, model_config=CFG)
+    mask = np.asarray(batch.loss_mask)[:, 1:]
+    logp, ref_logp = _np_logprobs(params, batch.tokens), _np_logprobs(ref, batch.tokens)
+    # Behaviour log-probs around the learner's, so some weights exceed the cap of 2.
+    noise = np.random.default_rng(8).uniform(-1.5, 1.5, logp.shape)
+    mu = np.where(mask, logp + noise, 0.0)
+    blp = np.zeros(batch.tokens.shape, np.float32)
+    blp[:, 1:] = mu
+    batch = batch.replace(behaviour_logprobs=blp)
+    _, metrics = make_train_step(config, CFG, compiler_options=FAST)(
+        fresh_state(params, config), batch, ref)
+    mu = blp[:, 1:].astype(np.float64)
+    adv = grpo_advantages_np(np.asarray(batch.rewards[:, 0]), GROUP)
+    w = np.minimum(np.exp(logp - mu), 2.0)
+    assert (w[mask] == 2.0).any() and (w[mask] < 2.0).any()  # both regimes present
+    d = ref_logp - logp
+    k3 = np.clip(np.exp(d) - d - 1.0, -10, 10)
+    pg = (-adv[:, None] * w)[mask].mean()
+    kl = k3[mask].mean()
+    np.testing.assert_allclose(metrics["kl"], kl, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["pg_loss"], pg, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["loss"], pg + 0.1 * kl, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["is_capped_frac"], (w[mask] == 2.0).mean(), atol=1e-6)
+    np.testing.assert_allclose(metrics["mismatch_log_ratio_mean"], (logp - mu)[mask].mean(),
+                               rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- packing & input errors
