@@ -75,7 +75,7 @@ PRESETS: dict[str, Preset] = {
         description="SmolLM2-135M-Instruct on templated arithmetic word problems (GPU-sized)",
         model="smollm2-135m",
         task="arithmetic",
-        task_options=(("max_prompt_len", 128), ("max_new_tokens", 96)),
+        task_options=(("max_prompt_len", 128), ("max_new_tokens", 128)),
         train=TrainConfig(
             loss=LossConfig(name="ppo_clip", params={"clip_low": 0.2, "clip_high": 0.28},
                             aggregation="token-mean"),
@@ -254,9 +254,10 @@ def main(argv: list[str] | None = None) -> dict:
         plot_reward_curve(result.train, result.eval, path.with_suffix(".png"), baseline=baseline,
                           title=title)
     h = summary["headline"]
+    ratio = "n/a" if h["value"] is None else f"{h['value']:.2f}x"
     print(f"done: {summary['steps']} steps in {summary['wall_time_s']} s; eval reward "
           f"{summary['random_policy_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "
-          f"({h['value']}x); run dir {run_dir}")
+          f"({ratio}); run dir {run_dir}")
     return summary
 
 
