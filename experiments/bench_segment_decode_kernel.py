@@ -24,9 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import time
 from functools import partial
 from pathlib import Path
 
@@ -35,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.segment_decode import segment_decode_attention
+from experiments.benchmarking import machine, time_calls
 
 GROUPS, HEADS, KV_HEADS, HEAD_DIM, R_MAX = 2, 9, 3, 64, 64
 NS, PS = (8, 64), (256, 1024)
@@ -57,32 +55,6 @@ def replicated_decode(q, k_rep, v_rep, lengths, *, sm_scale, kv_major):
     valid = (jnp.arange(length)[None, None, :] < lengths[:, :, None])[:, :, None, None, :]
     p = jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1)
     return jnp.einsum(f"gnkhl,{kv}->gnkhd", p, v_rep).reshape(g, n, h, d)
-
-
-def time_calls(calls: dict, reps_seconds: float) -> dict[str, float]:
-    """Median wall time in ms of each already-compiled call. The calls are timed in
-    round-robin so that load from other processes hits them all alike."""
-    times = {name: [] for name in calls}
-    start = time.perf_counter()
-    while (len(times[next(iter(calls))]) < 5
-           or time.perf_counter() - start < reps_seconds * len(calls)):
-        for name, fn in calls.items():
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t)
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    dev = jax.devices()[0]
-    where = f"{cpu}, {os.cpu_count()} cores" if dev.platform == "cpu" else dev.device_kind
-    return f"{where}; jax {jax.__version__} on {dev.platform}"
 
 
 def bench_one(n: int, p: int, reps_seconds: float, rng: np.random.Generator) -> dict:

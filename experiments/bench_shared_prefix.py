@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import time
 from functools import partial
@@ -36,6 +34,7 @@ import optax
 from models.config import get_config
 from models.decoder import forward, init_params
 from models.packed import packed_response_logprobs
+from experiments.benchmarking import machine, time_calls
 
 MODEL = get_config("tiny", vocab_size=512, hidden_size=128, intermediate_size=256,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -81,31 +80,6 @@ def packed_step(params, opt_state, prompt_tokens, prompt_lengths, response_token
                                         response_tokens, response_lengths, attn_impl="xla")
         return grpo_loss(logp, advantages, mask)
     return _update(params, opt_state, loss_fn)
-
-
-def time_calls(calls: dict, reps_seconds: float, min_reps: int = 5) -> dict[str, float]:
-    """Median wall time (ms) of each compiled call, timed round-robin."""
-    times = {name: [] for name in calls}
-    start = time.perf_counter()
-    while (len(times[next(iter(calls))]) < min_reps
-           or time.perf_counter() - start < reps_seconds * len(calls)):
-        for name, fn in calls.items():
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t)
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    dev = jax.devices()[0]
-    where = f"{cpu}, {os.cpu_count()} cores" if dev.platform == "cpu" else dev.device_kind
-    return f"{where}; jax {jax.__version__} on {dev.platform}"
 
 
 def uptime() -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.shared_prefix_attention import shared_prefix_attention
+from experiments.benchmarking import machine
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 DEFAULT_SHAPES = ((4, 256, 64), (16, 256, 64), (16, 512, 32))
@@ -97,17 +97,6 @@ def bench_shape(n: int, p: int, r: int, min_seconds: float, seed: int = 0) -> di
         "reference_over_xla": seconds["reference"] / seconds["xla"],
         "naive_dense_over_xla": seconds["naive_dense"] / seconds["xla"],
     }
-
-
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()}"
 
 
 def main(argv=None) -> dict:

@@ -1,0 +1,67 @@
+"""Shared pieces of the benchmark scripts: which machine, how busy it was, round-robin
+timing of compiled calls, and the results file with its headline.
+
+Every benchmark writes experiments/results/<script name>.json holding a top-level
+"headline" {"metric", "value", "target", "machine"} beside its full table.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def machine() -> str:
+    """E.g. 'AMD EPYC 7B13, 2 cores; jax 0.10.2 on cpu' (the GPU's kind on a GPU)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    dev = jax.devices()[0]
+    where = f"{cpu}, {os.cpu_count()} cores" if dev.platform == "cpu" else dev.device_kind
+    return f"{where}; jax {jax.__version__} on {dev.platform}"
+
+
+def load_average() -> list[float]:
+    """1, 5 and 15-minute load averages: a shared CPU makes timings pessimistic."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def time_calls(calls: dict[str, Callable[[], Any]], reps_seconds: float,
+               min_reps: int = 5) -> dict[str, float]:
+    """Median wall time in ms of each already-compiled call. The calls are timed
+    round-robin so that load from other processes hits them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    first = next(iter(calls))
+    start = time.perf_counter()
+    while (len(times[first]) < min_reps
+           or time.perf_counter() - start < reps_seconds * len(calls)):
+        for name, fn in calls.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+def write_results(path: Path, result: dict[str, Any]) -> Path:
+    """Validate the headline and write `result` as JSON (atomically)."""
+    head = result.get("headline")
+    need = {"metric": str, "value": (int, float), "target": (int, float), "machine": str}
+    if not isinstance(head, dict) or any(not isinstance(head.get(k), t) for k, t in need.items()):
+        raise ValueError(f"result needs a headline with {sorted(need)}; got {head!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)
+    return path
