@@ -545,9 +545,10 @@ class JittedTrainStep:
         self._opts = None if compiler_options is None else tuple(sorted(compiler_options.items()))
 
     def place_state(self, state: TrainState) -> TrainState:
-        """Put `state` on the mesh with its shardings (no-op without a mesh)."""
+        """Put `state` on the mesh with its shardings (without a mesh: commit it to the
+        default device, so fresh and restored states hit the same compiled step)."""
         if self.mesh is None:
-            return state
+            return jax.device_put(state, jax.devices()[0])
         return jax.device_put(state, state_shardings(self.model_config, self.config, self.mesh,
                                                      self.rules))
 

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -26,7 +27,9 @@ LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=
 
 @pytest.fixture(scope="module")
 def policy():
-    return load_policy(PRESET, 0)
+    config, params, task = load_policy(PRESET, 0)
+    # Committed to the device like run()'s state, so every test reuses one compiled sampler.
+    return config, jax.device_put(params, jax.devices()[0]), task
 
 
 class _Task(SyntheticTask):
@@ -44,6 +47,11 @@ class _Task(SyntheticTask):
 
     def reward(self, prompt, response):
         return self._fn(prompt, response, SyntheticTask.reward(self, prompt, response))
+
+
+def committed_state(params, seed):
+    """A fresh state placed like run() places it, so the compiled sampler is reused."""
+    return jax.device_put(init_train_state(params, PRESET.train, seed), jax.devices()[0])
 
 
 def no_temp_files(run_dir):
@@ -72,7 +80,7 @@ def test_short_run_records_and_checkpoint(policy, tmp_path):
 
 def test_rewards_and_batch_match_the_samples(policy):
     config, params, task = policy
-    state = init_train_state(params, PRESET.train, 5)
+    state = committed_state(params, 5)
     batch, state2, pos, stats = collect_batch(state, config, task, PRESET.train, LOOP, 10)
     assert pos == 12 and stats["sampled_tokens"] == 2 * 4 * 4
     assert not np.array_equal(np.asarray(state2.rng), np.asarray(state.rng))
@@ -92,7 +100,7 @@ def test_dynamic_sampling_drops_all_equal_groups(policy):
     # Prompts starting with symbol 0 or 1 always score 1 (no signal): they must be dropped.
     flat = _Task(lambda p, r, base: {"correct": 1.0} if p.ids[1] in (4, 5) else base)
     loop = dataclasses.replace(LOOP, dynamic_sampling=True, max_resample_rounds=6)
-    state = init_train_state(params, PRESET.train, 0)
+    state = committed_state(params, 0)
     batch, _, pos, stats = collect_batch(state, config, flat, PRESET.train, loop, 0)
     kept_rows = np.asarray(batch.loss_mask).any(axis=1)
     for row in np.flatnonzero(kept_rows):
