@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import jax
-
+from experiments.benchmarking import load_average, machine
 from models.config import get_config
 from models.decoder import init_params
 from rl.advantages import ADVANTAGE_PRESETS, AdvantageConfig
@@ -172,13 +169,6 @@ def load_policy(preset: Preset, seed: int):
     return config, params, task
 
 
-def _load() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
 def summarize(result: RunResult, preset: Preset, train: TrainConfig, loop: LoopConfig,
               task: Any, wall_s: float, load_before: list[float], command: str) -> dict:
     """Headline (final eval / initial eval reward) and the curves, JSON-ready."""
@@ -190,8 +180,7 @@ def summarize(result: RunResult, preset: Preset, train: TrainConfig, loop: LoopC
             "metric": "final eval reward / random-policy eval reward",
             "value": None if ratio is None else round(ratio, 4),
             "target": preset.headline_target,
-            "machine": f"{platform.machine()} cpu, {os.cpu_count()} cores"
-            if jax.default_backend() == "cpu" else f"{jax.devices()[0].device_kind}",
+            "machine": machine(),
         },
         "command": command,
         "preset": preset.name,
@@ -203,7 +192,7 @@ def summarize(result: RunResult, preset: Preset, train: TrainConfig, loop: LoopC
         if hasattr(task, "random_baseline") else None,
         "steps": int(result.state.step),
         "wall_time_s": round(wall_s, 1),
-        "load_average_1_5_15min": {"before": load_before, "after": _load()},
+        "load_average_1_5_15min": {"before": load_before, "after": load_average()},
         "config": {"train": repr(train), "loop": dataclasses.asdict(loop),
                    "task": dict(preset.task_options), "model": preset.model},
         "curve": {
@@ -230,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         build_parser().error(f"run dir {str(run_dir)!r} already holds checkpoints; pass --resume to "
                              "continue it or choose another --run-dir")
     command = "python -m experiments.train " + " ".join(sys.argv[1:] if argv is None else argv)
-    load_before = _load()
+    load_before = load_average()
     t0 = time.perf_counter()
     config, params, task = load_policy(preset, args.seed)
     run_config = {"preset": preset.name, "train": repr(train), "loop": dataclasses.asdict(loop)}
