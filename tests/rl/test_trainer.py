@@ -5,7 +5,6 @@ the learning-rate schedule.
 
 All steps share one geometry (B=8 rows, T=8 tokens, vocab 16) so each jitted function
 compiles once for the whole file."""
-import json
 import math
 import os
 import subprocess
