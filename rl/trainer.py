@@ -12,8 +12,13 @@ Micro-batching is exact: each micro-batch's loss is scaled by its share of the f
 batch's normaliser (tokens for "token-mean", non-empty sequences for the seq-mean
 modes), so the summed gradient equals the full-batch gradient up to float rounding.
 
+Shared-prefix packing (DualKV, `TrainConfig.packed`): when every group of a batch shares
+its prompt, `batch_from_trajectory(..., packed=True)` attaches `models.packed.PackedGroups`
+and the step computes the same log-probs with `models.packed.packed_token_logprobs` (each
+prompt runs once per group instead of once per response); the loss code is the same.
+
 `make_train_step` jits `train_step` with explicit in/out shardings derived from the
-models' logical axis rules (params by `models.sharding`, batch rows over
+models' logical axis rules (params by `models.sharding`, batch rows (packed: groups) over
 ("data", "fsdp")), donating the state.
 """
 from __future__ import annotations
@@ -33,6 +38,7 @@ from flax import struct
 
 from models.config import ModelConfig
 from models.decoder import forward, init_params, param_logical_axes
+from models.packed import PackedGroups, groups_share_prompts, pack_groups, packed_token_logprobs
 from models.sharding import DEFAULT_RULES, LogicalRules, logical_to_mesh_sharding, mesh_context
 from rl.advantages import AdvantageConfig, compute_advantages
 from rl.losses import LossConfig, compute_loss, token_entropy
@@ -171,6 +177,10 @@ class TrainConfig:
     reward_weights: {name: weight} for combining named rewards into the scalar reward
         that non-GDPO estimators see (default: every reward weight 1). GDPO gets the
         named rewards themselves (set its weights in AdvantageConfig.params).
+    packed: compute log-probs on the packed shared-prefix layout whenever the batch
+        carries one (`batch_from_trajectory(..., packed=True)` attaches it when every group
+        shares its prompt); batches without it use the naive rows. Same results up to
+        float rounding; needs the groups to split evenly into micro_batches.
     """
 
     loss: LossConfig = LossConfig()
@@ -182,8 +192,11 @@ class TrainConfig:
     old_logp: str = "current"
     reward_weights: Any = ()
     attn_impl: str | None = None
+    packed: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.packed, bool):
+            raise ValueError(f"TrainConfig.packed must be True or False, got {self.packed!r}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"TrainConfig.temperature must be a finite number > 0, got {self.temperature}")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
@@ -240,7 +253,9 @@ class TrainBatch:
     tokens); behaviour_logprobs [B, T] float32 (log μ of each response token, 0 elsewhere);
     versions [B, T] int32 (policy version that sampled each token, 0 elsewhere);
     rewards [B, K] float32 (one column per name in `reward_names`). Static: group_size
-    (contiguous groups of that many rows), reward_names."""
+    (contiguous groups of that many rows), reward_names. packed: None, or the same batch
+    as PackedGroups with G = B / group_size groups first (G shards over ("data", "fsdp"))
+    and rows[g, n] = g * group_size + n (what batch_from_trajectory builds)."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -250,6 +265,7 @@ class TrainBatch:
     rewards: jax.Array
     group_size: int = struct.field(pytree_node=False)
     reward_names: tuple[str, ...] = struct.field(pytree_node=False)
+    packed: PackedGroups | None = None
 
 
 def _reward_columns(rewards: Any, batch: int) -> tuple[tuple[str, ...], np.ndarray]:
@@ -284,6 +300,7 @@ def batch_from_trajectory(
     model_config: ModelConfig,
     rewards: Mapping[str, Any] | None = None,
     seq_len: int | None = None,
+    packed: bool = False,
 ) -> TrainBatch:
     """Host-side: pack a Trajectory into a TrainBatch (numpy on host; jit moves it).
 
@@ -291,6 +308,10 @@ def batch_from_trajectory(
     seq_len (default P_max + R_max of the trajectory: a fixed width keeps one compiled
     step). rewards default to traj.rewards. Groups must be contiguous blocks of
     `group_size` rows with one group id each (what RolloutEngine.harvest returns).
+    packed=True also attaches the packed shared-prefix layout (TrainBatch.packed, widths
+    P_max and R_max of the trajectory: one compiled shape) when every group shares its
+    prompt, some response is non-empty and P_max + R_max fits the model; otherwise
+    TrainBatch.packed stays None and the step uses the naive rows.
     Raises ValueError for an empty batch, bad group layout, missing / NaN / inf /
     wrongly sized rewards, or a sequence longer than seq_len or the model's maximum.
     """
@@ -338,9 +359,16 @@ def batch_from_trajectory(
     if tokens.max() >= model_config.vocab_size:
         raise ValueError(f"token ids must be < vocab_size={model_config.vocab_size}, got {tokens.max()}")
     positions = np.broadcast_to(np.arange(width, dtype=np.int32), (b, width)).copy()
+    groups = None
+    p_w, r_w = traj.prompt_ids.shape[1], traj.response_ids.shape[1]
+    gid = np.asarray(traj.group_ids)
+    if packed and p_w + r_w <= model_config.max_position_embeddings \
+            and groups_share_prompts(tokens, plen, rlen, gid):
+        # contiguous groups (checked above) => rows[g, n] = g * group_size + n
+        groups = pack_groups(tokens, plen, rlen, gid, prompt_width=p_w, response_width=r_w)
     return TrainBatch(tokens=tokens, positions=positions, loss_mask=mask,
                       behaviour_logprobs=behaviour, versions=versions, rewards=reward_cols,
-                      group_size=group_size, reward_names=names)
+                      group_size=group_size, reward_names=names, packed=groups)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -388,15 +416,23 @@ def _offpolicy_weights(config: OffPolicyConfig, prox, behaviour, mask):
 
 
 def _micro_loss(params, mb, ref_params, norm, *, config: TrainConfig, model_config: ModelConfig):
-    """Loss of one micro-batch, scaled to its share of the full batch, and its metrics."""
-    tokens, positions, mask, behaviour, adv = mb
-    logp, z = token_logprobs(params, model_config, tokens, positions, config.temperature,
-                             config.attn_impl)
+    """Loss of one micro-batch, scaled to its share of the full batch, and its metrics.
+    mb = (tokens, positions, mask, behaviour, adv, packed); packed (PackedGroups of this
+    micro-batch's whole groups, rows local to it, or None) selects the packed forward."""
+    tokens, positions, mask, behaviour, adv, packed = mb
+
+    def logprobs(p):  # (logp [b, T-1], z [b, T-1, V]) in the naive row layout either way
+        if packed is None:
+            return token_logprobs(p, model_config, tokens, positions, config.temperature,
+                                  config.attn_impl)
+        return packed_token_logprobs(p, model_config, packed, width=tokens.shape[1],
+                                     temperature=config.temperature, attn_impl=config.attn_impl)
+
+    logp, z = logprobs(params)
     old = sg(logp) if config.old_logp == "current" else behaviour
     ref = None
     if ref_params is not None:
-        ref = sg(token_logprobs(ref_params, model_config, tokens, positions, config.temperature,
-                                config.attn_impl)[0])
+        ref = sg(logprobs(ref_params)[0])
     entropy = token_entropy(z if config.loss.entropy_coef else sg(z), mask)
     weights, extra = None, {}
     if config.offpolicy.correction != "none":
@@ -442,11 +478,21 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
     n_seq_all = jnp.sum(jnp.any(mask, axis=1)).astype(jnp.float32)
     norm = jnp.maximum(n_tok_all if config.loss.aggregation == "token-mean" else n_seq_all, 1.0)
 
-    def split(x):  # [B, ...] -> [M, B/M, ...]
-        return x.reshape((m, b // m) + x.shape[1:])
+    def split(x):  # [B, ...] -> [M, B/M, ...] (packed: [G, ...] -> [M, G/M, ...])
+        return x.reshape((m, x.shape[0] // m) + x.shape[1:])
 
+    packed = batch.packed if config.packed else None
+    if packed is not None:
+        g = packed.prompt_tokens.shape[0]
+        if g % m:
+            raise ValueError(f"the packed batch has {g} groups, which do not split into "
+                             f"micro_batches={m} whole groups; make the number of groups a "
+                             "multiple of micro_batches or set TrainConfig.packed=False")
+        # micro-batches hold whole contiguous groups: make each one's rows local to it
+        packed = packed.replace(rows=packed.rows % (b // m))
     mbs = tuple(split(x) for x in (batch.tokens, batch.positions, mask,
                                    batch.behaviour_logprobs[:, 1:], adv))
+    mbs += (None if packed is None else jax.tree.map(split, packed),)
     grad_fn = jax.value_and_grad(partial(_micro_loss, config=config, model_config=model_config),
                                  has_aux=True)
 
@@ -511,7 +557,8 @@ def state_shardings(model_config: ModelConfig, config: TrainConfig, mesh: jax.sh
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-    """Rows of every batch field over ("data", "fsdp"); the rest of each array whole."""
+    """Rows of every batch field (packed fields: groups) over ("data", "fsdp"); the rest of
+    each array whole."""
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
 
 
@@ -529,6 +576,20 @@ def _jitted(config: TrainConfig, model_config: ModelConfig, mesh: jax.sharding.M
     ins = (st, batch_sharding(mesh)) + ((st.params,) if with_ref else ())
     return jax.jit(body, in_shardings=ins, out_shardings=(st, rep), donate_argnums=0,
                    compiler_options=opts)
+
+
+def _check_packed_rows(batch: TrainBatch) -> None:
+    """The step relies on rows[g, n] = g * N + n (contiguous groups, as batch_from_trajectory
+    builds them): check it on host-side arrays (traced ones are left alone)."""
+    rows = batch.packed.rows
+    if isinstance(rows, jax.core.Tracer):
+        return
+    rows = np.asarray(rows)
+    b = batch.tokens.shape[0]
+    if rows.size != b or not np.array_equal(rows.reshape(-1), np.arange(b)):
+        raise ValueError("TrainBatch.packed.rows must be arange(B).reshape(G, N) (groups as "
+                         "contiguous row blocks); build the batch with "
+                         "batch_from_trajectory(..., packed=True)")
 
 
 class JittedTrainStep:
@@ -557,10 +618,17 @@ class JittedTrainStep:
         b = batch.tokens.shape[0]
         if b == 0:
             raise ValueError("the batch is empty (0 rows); nothing to train on")
+        if self.config.packed and batch.packed is not None:
+            _check_packed_rows(batch)
         if self.mesh is not None:
             rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
             if b % (rows * self.config.micro_batches):
                 raise ValueError(f"batch of {b} rows must be divisible by data*fsdp*micro_batches = "
+                                 f"{rows * self.config.micro_batches} on this mesh")
+            g = None if batch.packed is None else batch.packed.prompt_tokens.shape[0]
+            if self.config.packed and g is not None and g % (rows * self.config.micro_batches):
+                raise ValueError(f"the packed batch has {g} groups; with TrainConfig.packed they "
+                                 "must be divisible by data*fsdp*micro_batches = "
                                  f"{rows * self.config.micro_batches} on this mesh")
         fn = _jitted(self.config, self.model_config, self.mesh, self.rules,
                      ref_params is not None, self._opts)
