@@ -454,7 +454,9 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
     Args:
         state: TrainState; batch: TrainBatch with B rows (B divisible by
             config.micro_batches); ref_params: frozen reference params (same tree as
-            state.params), required iff config.loss.kl_coef > 0.
+            state.params), required iff config.loss.kl_coef > 0. With config.packed and
+            batch.packed set, log-probs (current and reference) come from the packed
+            shared-prefix forward; its G groups must divide into config.micro_batches.
     Returns:
         (new state with step and version + 1, metrics {name: scalar}): loss, pg_loss,
         clip_frac*, ratio_mean/max, approx_kl, kl (with a reference), entropy,
