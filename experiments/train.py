@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advantage", help=f"advantage preset {sorted(ADVANTAGE_PRESETS)} or estimator")
     p.add_argument("--temperature", type=float, help="sampling temperature (learner uses the same)")
     p.add_argument("--micro-batches", type=int, help="gradient-accumulation micro-batches")
+    p.add_argument("--packed", action="store_true",
+                   help="learner runs each group's shared prompt once (DualKV P+NR packing)")
     p.add_argument("--eval-every", type=int, help="steps between evals (0: start and end only)")
     p.add_argument("--save-every", type=int, help="steps between checkpoints (0: end only)")
     p.add_argument("--eval-prompts", type=int, help="eval split prompts per eval")
@@ -143,6 +145,8 @@ def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig
         train = dataclasses.replace(train, temperature=args.temperature)
     if args.micro_batches is not None:
         train = dataclasses.replace(train, micro_batches=args.micro_batches)
+    if args.packed:
+        train = dataclasses.replace(train, packed=True)
     loop_kw = {"seed": args.seed}
     for arg, field in (("steps", "steps"), ("group_size", "group_size"),
                        ("prompts_per_step", "prompts_per_step"), ("eval_every", "eval_every"),

@@ -219,7 +219,7 @@ def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, conf
     traj = traj.replace(group_ids=np.repeat(np.arange(g, dtype=np.int32), n))
     width = task.max_prompt_len + task.max_new_tokens
     batch = batch_from_trajectory(traj, group_size=n, model_config=model_config,
-                                  rewards=rewards, seq_len=width)
+                                  rewards=rewards, seq_len=width, packed=config.packed)
     if not all(live):
         batch = batch.replace(loss_mask=batch.loss_mask & np.asarray(live)[:, None])
     stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
