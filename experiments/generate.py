@@ -6,8 +6,7 @@ The prompt goes through the model's chat template; the completion is printed on 
 timings (compile separately from generation) on stderr. Sampling is the default, at
 temperature 0.7 (a common chat default; use --greedy for argmax decoding).
 
-The decode loop here is deliberately minimal (batch 1, one jitted prefill + one jitted
-decode-and-sample step, host-side stop check); the rollout sampler replaces it later.
+Decoding is the rollout sampler's (rl.sampling): one decode loop in the codebase.
 """
 from __future__ import annotations
 
@@ -16,18 +15,16 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 from models.assets import MODEL_REGISTRY, load_model
-from models.decoder import decode_step, prefill
-from models.kv_cache import init_cache
+from rl import sampling
 
 PROGRESS_BAR_MIN_TOKENS = 64  # show a tqdm bar only for generations longer than this
+SEGMENT_TOKENS = 16  # tokens per sampler call: the progress bar advances per segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,29 +62,7 @@ class GenerationResult:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        # The first new token comes from prefill; the others each cost one decode step.
-        steps = len(self.new_ids) - 1
-        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else float("nan")
-
-
-def _sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, greedy: bool) -> jax.Array:
-    """logits [batch, vocab] f32 -> token ids [batch] int32."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
-
-
-@partial(jax.jit, static_argnames=("config", "greedy"))
-def _prefill_and_sample(params, tokens, lengths, cache, key, temperature, *, config, greedy):
-    logits, cache = prefill(params, config, tokens, lengths, cache)
-    last = logits[jnp.arange(tokens.shape[0]), lengths - 1]  # [batch, vocab]
-    return _sample(last, key, temperature, greedy), cache
-
-
-@partial(jax.jit, static_argnames=("config", "greedy"), donate_argnames=("cache",))
-def _decode_and_sample(params, token, cache, key, temperature, *, config, greedy):
-    logits, cache = decode_step(params, config, token, cache)
-    return _sample(logits, key, temperature, greedy), cache
+        return len(self.new_ids) / self.decode_s if self.new_ids and self.decode_s > 0 else float("nan")
 
 
 def generate_tokens(
@@ -100,53 +75,49 @@ def generate_tokens(
     greedy: bool = False,
     temperature: float = 0.7,
     seed: int = 0,
-    on_token: Callable[[int], None] | None = None,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> tuple[list[int], bool, dict[str, float]]:
-    """Generate up to max_new_tokens after prompt_ids (batch 1), stopping after any eos id.
-
-    Returns (new token ids, stopped_on_eos, timings {"compile_s", "prefill_s", "decode_s"}).
-    Compilation is done ahead of time so that it is timed apart from generation.
-    """
-    t = len(prompt_ids)
-    if t < 1:
+    """Generate up to max_new_tokens after prompt_ids (one sample) with the rollout
+    sampler, stopping after any eos id. on_tokens(n) is called after each segment with the
+    number of new tokens. Returns (new token ids, stopped_on_eos, timings {"compile_s",
+    "prefill_s", "decode_s"}). A warm-up prefill and a 1-token warm-up segment (results
+    discarded: the sampler is pure) are timed as compile_s, so the other timings are
+    steady-state."""
+    if len(prompt_ids) < 1:
         raise ValueError("prompt_ids is empty; the prompt must have at least one token")
-    max_len = t + max_new_tokens
+    max_len = len(prompt_ids) + max_new_tokens
     if max_len > config.max_position_embeddings:
         raise ValueError(
-            f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) = {max_len} exceeds the "
-            f"model's max_position_embeddings={config.max_position_embeddings}; shorten the prompt "
-            "or lower --max-new-tokens"
-        )
-    tokens = jnp.asarray([list(prompt_ids)], jnp.int32)
-    lengths = jnp.asarray([t], jnp.int32)
-    cache = init_cache(config, 1, max_len)
-    key = jax.random.PRNGKey(seed)
-    temp = jnp.float32(temperature)
-    static = dict(config=config, greedy=greedy)
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {max_len} "
+            f"exceeds the model's max_position_embeddings={config.max_position_embeddings}; "
+            "shorten the prompt or lower --max-new-tokens")
+    cfg = (sampling.SamplingConfig(greedy=True) if greedy
+           else sampling.SamplingConfig(temperature=temperature))
+    state = sampling.init_state(config, num_slots=1, max_prompt_len=len(prompt_ids),
+                                max_new_tokens=max_new_tokens, sampling=cfg, stop_ids=eos_ids)
+    keys = sampling.sample_keys(seed, [0], 1)
+
+    def start():
+        return sampling.prefill(params, state, [list(prompt_ids)], [[0]], keys)
 
     t0 = time.perf_counter()
-    prefill_fn = _prefill_and_sample.lower(params, tokens, lengths, cache, key, temp, **static).compile()
-    step_fn = None
-    if max_new_tokens > 1:
-        step_fn = _decode_and_sample.lower(params, tokens[:, 0], cache, key, temp, **static).compile()
+    jax.block_until_ready(sampling.decode_segment(params, start(), 1, 0).done)
     compile_s = time.perf_counter() - t0
 
-    eos = set(int(e) for e in eos_ids)
     t0 = time.perf_counter()
-    token, cache = prefill_fn(params, tokens, lengths, cache, jax.random.fold_in(key, 0), temp)
-    new_ids = [int(token[0])]  # host sync: prefill is done
+    live = jax.block_until_ready(start())
     prefill_s = time.perf_counter() - t0
-    if on_token is not None:
-        on_token(new_ids[-1])
-    t0 = time.perf_counter()
-    while new_ids[-1] not in eos and len(new_ids) < max_new_tokens:
-        token, cache = step_fn(params, token, cache, jax.random.fold_in(key, len(new_ids)), temp)
-        new_ids.append(int(token[0]))
-        if on_token is not None:
-            on_token(new_ids[-1])
+    t0, produced = time.perf_counter(), 0
+    while not bool(live.done[0]):
+        live = sampling.decode_segment(params, live, SEGMENT_TOKENS, 0)
+        n = int(live.num_generated[0])
+        if on_tokens is not None:
+            on_tokens(n - produced)
+        produced = n
     decode_s = time.perf_counter() - t0
+    sample = sampling.read_slots(live, [0])[0]
     timings = {"compile_s": compile_s, "prefill_s": prefill_s, "decode_s": decode_s}
-    return new_ids, new_ids[-1] in eos, timings
+    return sample.response_ids.tolist(), sample.stopped, timings
 
 
 def run(options: GenerateOptions, model=None) -> GenerationResult:
@@ -166,7 +137,7 @@ def run(options: GenerateOptions, model=None) -> GenerationResult:
             params, config, prompt_ids,
             max_new_tokens=options.max_new_tokens, eos_ids=eos_ids, greedy=options.greedy,
             temperature=options.temperature, seed=options.seed,
-            on_token=None if bar is None else (lambda _tok: bar.update(1)),
+            on_tokens=None if bar is None else bar.update,
         )
     finally:
         if bar is not None:
