@@ -395,9 +395,9 @@ def _bucket(n: int, limit: int, floor: int = 8) -> int:
 
 
 def _bucket_width(n: int, limit: int) -> int:
-    """Prefill width: n rounded up to 4 steps per octave (<= 25% padding, few shapes),
-    at least 16, capped at `limit`."""
-    step = max(16, 1 << max(0, n.bit_length() - 3))
+    """Prefill width: n rounded up to a multiple of 8, or to 4 steps per octave beyond 64
+    (<= 25% padding, few shapes), capped at `limit`."""
+    step = max(8, 1 << max(0, n.bit_length() - 3))
     return min(limit, -(-n // step) * step)
 
 
