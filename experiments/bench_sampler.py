@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from experiments.benchmarking import load_average, machine
 from models.assets import load_model, smollm2_gguf_path
 from rl.sampling import SamplingConfig, generate
 
@@ -43,20 +42,6 @@ QUESTIONS = [  # one sentence each: ~5-10 tokens
     "Why is the sky blue?", "Explain gravity to a child.", "What is the capital of France?",
     "Give me a word that rhymes with cat.", "How many legs does a spider have?",
 ]
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def matmul_gflops(seconds: float = 2.0) -> float:
@@ -162,7 +147,7 @@ def main(argv=None) -> dict:
         for r in range(args.repeats):
             for name, fn in runners.items():
                 t = time.perf_counter()
-                toks = fn(r + 1)
+                fn(r + 1)
                 times[name].append(time.perf_counter() - t)
         tok = b * args.new_tokens
         prompt_tok = sum(len(p) for p in prompts)
