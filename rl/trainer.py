@@ -42,7 +42,8 @@ from models.packed import PackedGroups, groups_share_prompts, pack_groups, packe
 from models.sharding import DEFAULT_RULES, LogicalRules, logical_to_mesh_sharding, mesh_context
 from rl.advantages import AdvantageConfig, compute_advantages
 from rl.losses import LossConfig, compute_loss, token_entropy
-from rl.offpolicy import behaviour_weights, ratio_decomposition_metrics, truncated_is_weights
+from rl.offpolicy import (approx_proximal_logp, behaviour_weights, ratio_decomposition_metrics,
+                          truncated_is_weights)
 from rl.trajectory import Trajectory
 
 Params = Any
@@ -162,7 +163,7 @@ class OffPolicyConfig:
             raise ValueError(f"OffPolicyConfig.cap must be > 0 or None, got {self.cap}")
 
 
-OLD_LOGP_SOURCES = ("current", "behaviour")
+OLD_LOGP_SOURCES = ("current", "behaviour", "proximal", "versions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +172,15 @@ class TrainConfig:
 
     temperature: the sampler's temperature (log-probs are of softmax(logits / T)).
     micro_batches: gradient-accumulation micro-batches (must divide the batch).
-    old_logp: the PPO "old" policy. "current" = the step's starting params (the exact
-        π_old when each batch gets one update: the ratio is 1 in value, the gradient
-        flows through π_θ); "behaviour" = the sampler's recorded log μ.
+    old_logp: the PPO "old" (proximal) policy π_prox, which also enters the off-policy
+        weights π_prox/μ and the ratio decomposition. "current" = the step's starting
+        params (the exact π_old when each batch gets one update: the ratio is 1 in value,
+        the gradient flows through π_θ; AReaL's recomputed proximal policy);
+        "behaviour" = the sampler's recorded log μ; "proximal" = the batch's
+        `proximal_logprobs` (computed outside the step, e.g. exactly at each token's
+        behaviour version from a parameter-snapshot ring, or with EWMA weights; required);
+        "versions" = AReaL's log-linear interpolation between μ and π_θ from the per-token
+        versions and the state's version (rl.offpolicy.approx_proximal_logp, no forward).
     reward_weights: {name: weight} for combining named rewards into the scalar reward
         that non-GDPO estimators see (default: every reward weight 1). GDPO gets the
         named rewards themselves (set its weights in AdvantageConfig.params).
@@ -252,7 +259,13 @@ class TrainBatch:
     tokens [B, T] int32; positions [B, T] int32; loss_mask [B, T] bool (True at response
     tokens); behaviour_logprobs [B, T] float32 (log μ of each response token, 0 elsewhere);
     versions [B, T] int32 (policy version that sampled each token, 0 elsewhere);
-    rewards [B, K] float32 (one column per name in `reward_names`). Static: group_size
+    rewards [B, K] float32 (one column per name in `reward_names`); proximal_logprobs:
+    None or [B, T] float32 aligned like behaviour_logprobs (log π_prox of each response
+    token, computed outside the step; used by TrainConfig.old_logp="proximal", and, when
+    given, as π_prox of the ratio-decomposition metrics whatever old_logp is);
+    loss_weights: None or [B, T] float32 >= 0 aligned like loss_mask (a per-token factor on
+    the policy loss, e.g. a buffer down-weighting stale tokens; multiplies any off-policy
+    weights; the aggregation's normaliser still counts the mask). Static: group_size
     (contiguous groups of that many rows), reward_names. packed: None, or the same batch
     as PackedGroups with G = B / group_size groups first (G shards over ("data", "fsdp"))
     and rows[g, n] = g * group_size + n (what batch_from_trajectory builds)."""
@@ -266,6 +279,8 @@ class TrainBatch:
     group_size: int = struct.field(pytree_node=False)
     reward_names: tuple[str, ...] = struct.field(pytree_node=False)
     packed: PackedGroups | None = None
+    proximal_logprobs: jax.Array | None = None
+    loss_weights: jax.Array | None = None
 
 
 def _reward_columns(rewards: Any, batch: int) -> tuple[tuple[str, ...], np.ndarray]:
@@ -415,11 +430,14 @@ def _offpolicy_weights(config: OffPolicyConfig, prox, behaviour, mask):
     return fn(prox, behaviour, mask, **kw)
 
 
-def _micro_loss(params, mb, ref_params, norm, *, config: TrainConfig, model_config: ModelConfig):
+def _micro_loss(params, mb, ref_params, norm, version, *, config: TrainConfig,
+                model_config: ModelConfig):
     """Loss of one micro-batch, scaled to its share of the full batch, and its metrics.
-    mb = (tokens, positions, mask, behaviour, adv, packed); packed (PackedGroups of this
-    micro-batch's whole groups, rows local to it, or None) selects the packed forward."""
-    tokens, positions, mask, behaviour, adv, packed = mb
+    mb = (tokens, positions, mask, behaviour, adv, versions, proximal, loss_weights, packed);
+    proximal / loss_weights ([b, T-1] or None) are the batch's fields; packed (PackedGroups of this
+    micro-batch's whole groups, rows local to it, or None) selects the packed forward;
+    version: the state's policy version (for old_logp="versions")."""
+    tokens, positions, mask, behaviour, adv, versions, proximal, loss_weights, packed = mb
 
     def logprobs(p):  # (logp [b, T-1], z [b, T-1, V]) in the naive row layout either way
         if packed is None:
@@ -429,18 +447,29 @@ def _micro_loss(params, mb, ref_params, norm, *, config: TrainConfig, model_conf
                                      temperature=config.temperature, attn_impl=config.attn_impl)
 
     logp, z = logprobs(params)
-    old = sg(logp) if config.old_logp == "current" else behaviour
+    if config.old_logp == "current":
+        old = sg(logp)
+    elif config.old_logp == "behaviour":
+        old = behaviour
+    elif config.old_logp == "proximal":
+        old = sg(proximal)
+    else:  # "versions"
+        old = approx_proximal_logp(logp, behaviour, versions, version, mask)
     ref = None
     if ref_params is not None:
         ref = sg(logprobs(ref_params)[0])
     entropy = token_entropy(z if config.loss.entropy_coef else sg(z), mask)
     weights, extra = None, {}
     if config.offpolicy.correction != "none":
-        ow = _offpolicy_weights(config.offpolicy, sg(logp), behaviour, mask)
+        ow = _offpolicy_weights(config.offpolicy, old, behaviour, mask)
         weights, extra = ow.weights, ow.metrics
+    if loss_weights is not None:
+        weights = loss_weights if weights is None else weights * loss_weights
     loss, metrics = compute_loss(config.loss, logp, old, adv, mask, ref_logp=ref, entropy=entropy,
                                  token_weights=weights)
-    metrics = {**metrics, **extra, **ratio_decomposition_metrics(logp, sg(logp), behaviour, mask)}
+    decomp_prox = old if proximal is None else sg(proximal)
+    metrics = {**metrics, **extra,
+               **ratio_decomposition_metrics(logp, decomp_prox, behaviour, mask)}
     n_tok = jnp.sum(mask).astype(jnp.float32)
     n_seq = jnp.sum(jnp.any(mask, axis=1)).astype(jnp.float32)
     share = (n_tok if config.loss.aggregation == "token-mean" else n_seq) / norm
@@ -468,6 +497,15 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         raise ValueError("ref_params must be given exactly when config.loss.kl_coef > 0 "
                          f"(kl_coef={config.loss.kl_coef}, ref_params "
                          f"{'given' if ref_params is not None else 'missing'})")
+    if config.old_logp == "proximal" and batch.proximal_logprobs is None:
+        raise ValueError('TrainConfig.old_logp="proximal" needs TrainBatch.proximal_logprobs '
+                         "([B, T], e.g. from rl.proximal); attach them with "
+                         "batch.replace(proximal_logprobs=...) or choose another old_logp")
+    for name in ("proximal_logprobs", "loss_weights"):
+        field = getattr(batch, name)
+        if field is not None and tuple(field.shape) != tuple(batch.tokens.shape):
+            raise ValueError(f"TrainBatch.{name} has shape {tuple(field.shape)}, expected the "
+                             f"tokens' shape {tuple(batch.tokens.shape)} (aligned like loss_mask)")
     b = batch.tokens.shape[0]
     m = config.micro_batches
     if b % m:
@@ -493,13 +531,15 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         # micro-batches hold whole contiguous groups: make each one's rows local to it
         packed = packed.replace(rows=packed.rows % (b // m))
     mbs = tuple(split(x) for x in (batch.tokens, batch.positions, mask,
-                                   batch.behaviour_logprobs[:, 1:], adv))
+                                   batch.behaviour_logprobs[:, 1:], adv, batch.versions[:, 1:]))
+    mbs += tuple(None if f is None else split(f[:, 1:])
+                 for f in (batch.proximal_logprobs, batch.loss_weights))
     mbs += (None if packed is None else jax.tree.map(split, packed),)
     grad_fn = jax.value_and_grad(partial(_micro_loss, config=config, model_config=model_config),
                                  has_aux=True)
 
     def body(acc, mb):
-        (_, (metrics, share, n_tok)), g = grad_fn(state.params, mb, ref_params, norm)
+        (_, (metrics, share, n_tok)), g = grad_fn(state.params, mb, ref_params, norm, state.version)
         return jax.tree.map(jnp.add, acc, g), (metrics, share, n_tok)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
