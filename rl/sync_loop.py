@@ -24,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.config import ModelConfig
+from rl.buffer import ScoredGroup
 from rl.checkpoint import CheckpointError, Checkpointer
 from rl.logging import MetricsLogger
 from rl.offpolicy import kept_group_indices
@@ -166,14 +167,16 @@ def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:
     return seed, state.replace(rng=key)
 
 
-def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, config: TrainConfig,
-                  loop: LoopConfig, data_position: int) -> tuple[TrainBatch, TrainState, int, dict]:
-    """Sample and score one batch of loop.prompts_per_step groups from the train stream
-    at `data_position`. Returns (batch, state with advanced rng, new data position,
-    rollout stats). With dynamic sampling, groups whose rewards are all equal are
-    dropped and more prompts sampled (up to loop.max_resample_rounds extra rounds); if
-    too few groups survive, the batch is filled with dropped groups whose loss mask is
-    cleared; if none survive, ValueError."""
+def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task,
+                        config: TrainConfig, loop: LoopConfig, data_position: int
+                        ) -> tuple[list[ScoredGroup], TrainState, int, dict]:
+    """Sample and score loop.prompts_per_step groups from the train stream at
+    `data_position` with state.params (tokens stamped state.version). Returns (groups in
+    prompt order, state with advanced rng, new data position, rollout stats). With
+    dynamic sampling, groups whose rewards are all equal are dropped and more prompts
+    sampled (up to loop.max_resample_rounds extra rounds); if too few groups survive,
+    dropped groups fill the batch with live=False (their loss mask is cleared); if none
+    survive, ValueError."""
     g, n = loop.prompts_per_step, loop.group_size
     sampling = SamplingConfig(temperature=config.temperature)
     kept: list[tuple[Trajectory, dict, list[int]]] = []
@@ -206,24 +209,64 @@ def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, conf
     picks = [(t, r, grp, True) for t, r, gs in kept for grp in gs][:g]
     if len(picks) < g:  # fill the fixed batch shape with masked-out dropped groups
         picks += [(t, r, grp, False) for t, r, gs in dropped for grp in gs][:g - len(picks)]
-    trajs, rewards, live = [], {n_: [] for n_ in task.reward_names}, []
+    groups = []
     for t, r, grp, use in picks:
         rows = list(range(grp * n, (grp + 1) * n))
-        trajs.append(_take_rows(t, rows))
-        for name in rewards:
-            rewards[name].append(r[name][rows])
-        live += [use] * n
+        groups.append(ScoredGroup(traj=_take_rows(t, rows),
+                                  rewards={name: r[name][rows] for name in task.reward_names},
+                                  live=use))
+    stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
+             "kept_groups": n_kept if loop.dynamic_sampling else g}
+    return groups, state, data_position, stats
+
+
+def build_batch(groups: Sequence[ScoredGroup], *, model_config: ModelConfig, task: Task,
+                config: TrainConfig, group_size: int,
+                token_weights: Sequence[np.ndarray] | None = None) -> TrainBatch:
+    """One TrainBatch from whole groups (rows in the given order, group ids renumbered
+    0..G-1, width task.max_prompt_len + task.max_new_tokens: one compiled step).
+    Groups with live=False get their loss mask cleared. token_weights: None or one
+    [N, R] per-token factor per group, aligned with its response tokens; they become
+    TrainBatch.loss_weights [B, T] (1 outside the responses)."""
+    if not groups:
+        raise ValueError("build_batch: no groups given; a batch needs at least one group")
+    n = group_size
+    trajs = [gr.traj for gr in groups]
     traj = trajs[0] if len(trajs) == 1 else concat_trajectories(trajs)
-    rewards = {k: np.concatenate(v) for k, v in rewards.items()}
+    rewards = {name: np.concatenate([np.asarray(gr.rewards[name]) for gr in groups])
+               for name in task.reward_names}
     # Row blocks are whole groups; renumber so group ids are contiguous and distinct.
-    traj = traj.replace(group_ids=np.repeat(np.arange(g, dtype=np.int32), n))
+    traj = traj.replace(group_ids=np.repeat(np.arange(len(groups), dtype=np.int32), n))
     width = task.max_prompt_len + task.max_new_tokens
     batch = batch_from_trajectory(traj, group_size=n, model_config=model_config,
                                   rewards=rewards, seq_len=width, packed=config.packed)
-    if not all(live):
-        batch = batch.replace(loss_mask=batch.loss_mask & np.asarray(live)[:, None])
-    stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
-             "kept_groups": n_kept if loop.dynamic_sampling else g}
+    live = np.repeat(np.asarray([gr.live for gr in groups]), n)
+    if not live.all():
+        batch = batch.replace(loss_mask=batch.loss_mask & live[:, None])
+    if token_weights is not None:
+        if len(token_weights) != len(groups):
+            raise ValueError(f"build_batch: {len(token_weights)} token_weights for "
+                             f"{len(groups)} groups; give one [N, R] array per group")
+        w_resp = np.concatenate([np.asarray(w, np.float32) for w in token_weights])
+        weights = np.ones(batch.tokens.shape, np.float32)
+        plen = np.asarray(traj.prompt_lengths)
+        rlen = np.asarray(traj.response_mask).sum(axis=1)
+        for i in range(weights.shape[0]):
+            p, r = int(plen[i]), int(rlen[i])
+            weights[i, p:p + r] = w_resp[i, :r]
+        batch = batch.replace(loss_weights=weights)
+    return batch
+
+
+def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, config: TrainConfig,
+                  loop: LoopConfig, data_position: int) -> tuple[TrainBatch, TrainState, int, dict]:
+    """Sample and score one batch of loop.prompts_per_step groups from the train stream
+    at `data_position` (sample_batch_groups, then build_batch). Returns (batch, state
+    with advanced rng, new data position, rollout stats)."""
+    groups, state, data_position, stats = sample_batch_groups(state, model_config, task, config,
+                                                              loop, data_position)
+    batch = build_batch(groups, model_config=model_config, task=task, config=config,
+                        group_size=loop.group_size)
     return batch, state, data_position, stats
 
 
