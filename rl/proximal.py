@@ -39,14 +39,16 @@ def _aligned_logprobs(params, tokens, positions, mask, *, model_config, temperat
     return jnp.where(mask, out, 0.0)
 
 
-def _check_temperature(temperature: float) -> float:
+def check_temperature(temperature: float) -> float:
+    """The sampler temperature as a float; ValueError unless finite and > 0."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
             or not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0 (the sampler's), got {temperature!r}")
     return float(temperature)
 
 
-def _check_batch(batch: Any) -> None:
+def check_train_batch(batch: Any) -> None:
+    """ValueError unless `batch` is a rl.trainer.TrainBatch."""
     if not isinstance(batch, TrainBatch):
         raise ValueError(f"batch must be a rl.trainer.TrainBatch, got {type(batch).__name__}")
 
@@ -56,9 +58,9 @@ def policy_logprobs(params: Params, model_config: ModelConfig, batch: TrainBatch
     """log π_params of every response token of `batch`: [B, T] float32 aligned like
     behaviour_logprobs, 0 off the loss mask. One forward (jitted once per batch shape),
     e.g. with EWMA params for the PPO-EWMA proximal policy."""
-    _check_batch(batch)
+    check_train_batch(batch)
     return _aligned_logprobs(params, batch.tokens, batch.positions, batch.loss_mask,
-                             model_config=model_config, temperature=_check_temperature(temperature),
+                             model_config=model_config, temperature=check_temperature(temperature),
                              attn_impl=attn_impl)
 
 
@@ -80,8 +82,8 @@ def exact_proximal_logprobs(snapshots: Mapping[int, Params], model_config: Model
     Raises:
         ValueError naming the versions that have no snapshot (and the ones held).
     """
-    _check_batch(batch)
-    temperature = _check_temperature(temperature)
+    check_train_batch(batch)
+    temperature = check_temperature(temperature)
     if not isinstance(snapshots, Mapping):
         raise ValueError(f"snapshots must be a Mapping version -> params, got {type(snapshots).__name__}")
     mask = np.asarray(batch.loss_mask, bool)
