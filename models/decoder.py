@@ -1,6 +1,8 @@
 """Decoder-only transformer (Llama / Qwen2 / Qwen3 / SmolLM2) in flax.linen, and its pure
-entry points: init_params, param_logical_axes, forward, prefill, decode_step.
-(The packed shared-prefix forward, mode "packed", has its entry points in models/packed.py.)
+entry points: init_params, param_logical_axes, forward, prefill, decode_step,
+prefill_segments. (The packed shared-prefix forward, mode "packed", has its entry points
+in models/packed.py.) decode_step takes either cache layout of models/kv_cache.py (dense
+KVCache or shared-prompt SegmentedKVCache); the layout is dispatched there, not here.
 
 Layers run under `nn.scan` (params stacked on a leading [layers] axis) so compile time
 does not grow with depth. Params and key activations carry logical axis names (see
@@ -24,7 +26,7 @@ from kernels.shared_prefix_attention import shared_prefix_attention
 from models import kv_cache as kvc
 from models.attention import attention
 from models.config import ModelConfig
-from models.kv_cache import KVCache
+from models.kv_cache import KVCache, SegmentedKVCache
 
 Params = dict[str, Any]
 _init = nn.initializers.normal(stddev=0.02)
@@ -139,9 +141,11 @@ def packed_attention(q, k, v, lengths, packed_nr: tuple[int, int], impl: str | N
 
 class Attention(nn.Module):
     """GQA self-attention. mode "forward": no cache; "prefill": attend to the fresh keys
-    and write them to the cache; "decode": write, then attend to the whole cache;
-    "packed": groups laid out [prompt, resp_1 ... resp_N] (packed_nr = (N, R)), attended by
-    kernels.shared_prefix_attention with `mask` = (prompt_lengths, resp_lengths)."""
+    and write them to the cache; "decode": write, then attend to the whole cache (either
+    layout, via kv_cache.decode_layer); "packed": groups laid out [prompt, resp_1 ... resp_N]
+    (packed_nr = (N, R)), attended by kernels.shared_prefix_attention with `mask` =
+    (prompt_lengths, resp_lengths); "fill": "packed" that also returns the fresh (k, v)
+    (to fill a SegmentedKVCache)."""
 
     config: ModelConfig
     mode: str
@@ -174,16 +178,16 @@ class Attention(nn.Module):
             out = attention(q, k, v, mask=mask, impl=self.attn_impl)
             new_kv = kvc.write_layer(kv[0], kv[1], k, v, start)
         elif self.mode == "decode":
-            new_kv = kvc.write_layer(kv[0], kv[1], k, v, start)
-            out = attention(q, new_kv[0].astype(q.dtype), new_kv[1].astype(q.dtype),
-                            mask=mask, impl=self.attn_impl)
-        elif self.mode == "packed":
+            out, new_kv = kvc.decode_layer(q, k, v, kv, mask, start, self.attn_impl)
+        elif self.mode in ("packed", "fill"):
             if self.packed_nr is None:
-                raise ValueError("Attention mode 'packed' needs packed_nr = (N, R)")
+                raise ValueError(f"Attention mode {self.mode!r} needs packed_nr = (N, R)")
             out = packed_attention(q, k, v, mask, self.packed_nr, self.attn_impl)
+            if self.mode == "fill":
+                new_kv = (k, v)
         else:
             raise ValueError(
-                f"Attention.mode must be forward/prefill/decode/packed, got {self.mode!r}")
+                f"Attention.mode must be forward/prefill/decode/packed/fill, got {self.mode!r}")
         out = Linear("bshd,hde->bse", (H, D, E), ("heads", "head_dim", "embed"), 1, False,
                      name="o_proj", **_dtypes(c))(out)
         return out, new_kv
@@ -229,10 +233,10 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """tokens [batch, seq] -> (logits [batch, seq, vocab] float32, new per-layer KV or None).
 
-    mask bool [batch, seq, kv_len] (mode "packed": the pair (prompt_lengths [G],
+    mask bool [batch, seq, kv_len] (modes "packed"/"fill": the pair (prompt_lengths [G],
     resp_lengths [G, N]) and packed_nr = (N, R), tokens [G, P + N*R]); start [batch] cache
     write offsets and kv (k, v) [layers, batch, max_len, kv_heads, head_dim] are used by
-    "prefill"/"decode" only. logits_at [batch, K] int (optional): compute the final norm
+    "prefill"/"decode" only (decode on a segmented cache: see kv_cache.decode_inputs). logits_at [batch, K] int (optional): compute the final norm
     and the vocabulary head only at these sequence indices -> logits [batch, K, vocab]
     (the head is the costliest per-token layer of small models)."""
 
@@ -489,32 +493,77 @@ def prefill(
 
 @partial(jax.jit, static_argnames=("config", "attn_impl"))
 def _decode_jit(params, tokens, cache, *, config, attn_impl):
-    lengths = cache.lengths
-    logits, (k, v) = Decoder(config, "decode", attn_impl).apply(
-        {"params": params}, tokens[:, None], lengths[:, None],
-        kvc.decode_mask(lengths, cache.max_len), lengths, (cache.k, cache.v),
-    )
-    return logits[:, 0], KVCache(k=k, v=v, lengths=lengths + 1)
+    positions, mask, start, kv = kvc.decode_inputs(cache)
+    logits, written = Decoder(config, "decode", attn_impl).apply(
+        {"params": params}, tokens[:, None], positions, mask, start, kv)
+    return logits[:, 0], kvc.after_decode(cache, written)
 
 
 def decode_step(
     params: Params,
     config: ModelConfig,
     tokens: jax.Array,
-    cache: KVCache,
+    cache: KVCache | SegmentedKVCache,
     *,
     attn_impl: str | None = None,
-) -> tuple[jax.Array, KVCache]:
-    """Feed one token per row, tokens [batch], at position cache.lengths[b]. Returns
-    logits [batch, vocab] float32 for the following token and the cache with lengths + 1."""
+) -> tuple[jax.Array, KVCache | SegmentedKVCache]:
+    """Feed one token per row, tokens [batch], and return logits [batch, vocab] float32
+    for the following token and the cache with every row's length + 1.
+
+    Dense KVCache: row b's token sits at position cache.lengths[b]. SegmentedKVCache: row
+    b is sample (g, n) = (b // N, b % N); its token sits at position prompt_lengths[g] +
+    resp_lengths[g, n], is written into its response segment and attends (via
+    kernels.segment_decode, impl = attn_impl) to the group's prompt segment and its own
+    response segment."""
     validate_tokens(tokens, config)
     tokens = jnp.asarray(tokens, jnp.int32)
     _check_shape("tokens", tokens, (cache.batch,))
-    if _is_concrete(cache.lengths):
-        arr = np.asarray(cache.lengths)
-        if arr.max() >= cache.max_len:
+    if isinstance(cache, SegmentedKVCache):
+        lengths, limit, what = cache.resp_lengths, cache.resp_len, "resp_lengths"
+    else:
+        lengths, limit, what = cache.lengths, cache.max_len, "lengths"
+    if _is_concrete(lengths):
+        arr = np.asarray(lengths)
+        if arr.max() >= limit:
             raise ValueError(
-                f"cache is full: lengths {arr.tolist()} reached max_len={cache.max_len}; "
+                f"cache is full: {what} {arr.tolist()} reached the segment size {limit}; "
                 "allocate a longer cache"
             )
     return _decode_jit(params, tokens, cache, config=config, attn_impl=attn_impl)
+
+
+def prefill_segments(
+    params: Params,
+    config: ModelConfig,
+    prompt_tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    resp_tokens: jax.Array,
+    resp_lengths: jax.Array,
+    *,
+    attn_impl: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Keys and values of G groups in the segmented layout, in one packed forward.
+
+    prompt_tokens [G, P] (right-padded, prompt_lengths [G] valid, may be 0) are run once
+    per group; resp_tokens [G, N, R] (resp_lengths [G, N] valid, may be 0) are teacher-forced
+    behind their group's prompt at positions prompt_lengths[g] + t, each attending to the
+    prompt and causally to itself only (models/packed.py layout, no vocabulary head).
+    A pure traceable function (no checks): callers validate. Returns k_prompt, v_prompt
+    [layers, G, P, kv_heads, head_dim] and k_resp, v_resp [layers, G, N, R, kv_heads,
+    head_dim] in the compute dtype; entries past the lengths are meaningless.
+    """
+    # models.packed imports this module, so its layout helper is imported here.
+    from models.packed import packed_tokens_and_positions
+
+    g, p = prompt_tokens.shape
+    _, n, r = resp_tokens.shape
+    tokens, positions = packed_tokens_and_positions(prompt_tokens, prompt_lengths, resp_tokens)
+    _, (k, v) = Decoder(config, "fill", attn_impl, (n, r)).apply(
+        {"params": params}, tokens, positions, (prompt_lengths, resp_lengths),
+        logits_at=jnp.zeros((g, 1), jnp.int32))
+
+    def split(x):  # [layers, G, P + N*R, h, d] -> prompt, response segments
+        return x[:, :, :p], x[:, :, p:].reshape(x.shape[:2] + (n, r) + x.shape[3:])
+
+    (kp, kr), (vp, vr) = split(k), split(v)
+    return kp, vp, kr, vr

@@ -1,8 +1,10 @@
-"""Dense KV cache: one [max_len] slot range per batch row, for every layer.
+"""KV caches for decoding, in two layouts, and all their layout logic (allocation,
+per-layer writes, which cached keys a query may see) so the decoder only dispatches.
 
-All cache layout logic lives here (allocation, per-layer writes, which cached keys a
-query may see), so a different layout (e.g. shared prompt + per-sample response
-segments) can replace this file without touching the decoder.
+  KVCache           dense / replicated: one [max_len] slot range per batch row.
+  SegmentedKVCache  shared prompt: one prompt segment per group of N samples (stored once)
+                    plus one response segment per sample; decode attention goes through
+                    kernels.segment_decode (the group's N queries read the prompt once).
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kernels.segment_decode import segment_decode_attention
+from models.attention import attention
 from models.config import ModelConfig
 
 
@@ -81,3 +85,158 @@ def decode_mask(lengths: jax.Array, max_len: int) -> jax.Array:
     """bool [batch, 1, max_len]: the new token (already written at slot lengths[b]) sees
     slots 0..lengths[b]."""
     return (jnp.arange(max_len)[None, :] <= lengths[:, None])[:, None, :]
+
+
+# ----------------------------------------------------------------------------- segmented layout
+@struct.dataclass
+class SegmentedKVCache:
+    """Shared-prompt KV cache for sampling N responses per prompt (issue 7).
+
+    k_prompt, v_prompt [layers, groups, P, kv_heads, head_dim]: each group's prompt keys and
+    values, stored ONCE per group. k_resp, v_resp [layers, groups, N, R, kv_heads,
+    head_dim]: each sample's own keys and values. prompt_lengths [groups] and resp_lengths
+    [groups, N] int32 count the valid entries; sample (g, n) writes its next key at
+    resp_lengths[g, n]. Batch row b of the decoder is sample (b // N, b % N)."""
+
+    k_prompt: jax.Array
+    v_prompt: jax.Array
+    k_resp: jax.Array
+    v_resp: jax.Array
+    prompt_lengths: jax.Array
+    resp_lengths: jax.Array
+
+    @property
+    def groups(self) -> int:
+        return self.k_prompt.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        return self.k_resp.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.groups * self.group_size
+
+    @property
+    def prompt_len(self) -> int:
+        return self.k_prompt.shape[2]
+
+    @property
+    def resp_len(self) -> int:
+        return self.k_resp.shape[3]
+
+
+def init_segmented_cache(config: ModelConfig, groups: int, group_size: int, prompt_len: int,
+                         resp_len: int, dtype: str | None = None) -> SegmentedKVCache:
+    """An empty segmented cache (lengths 0): a prompt segment of prompt_len entries per
+    group and a response segment of resp_len entries per sample, in `dtype` (default: the
+    config's compute dtype)."""
+    for name, value in (("groups", groups), ("group_size", group_size),
+                        ("prompt_len", prompt_len), ("resp_len", resp_len)):
+        if value < 1:
+            raise ValueError(f"init_segmented_cache: {name} must be >= 1, got {value}")
+    if prompt_len + resp_len > config.max_position_embeddings:
+        raise ValueError(
+            f"init_segmented_cache: prompt_len + resp_len = {prompt_len + resp_len} exceeds "
+            f"max_position_embeddings={config.max_position_embeddings}")
+    dt = jnp.dtype(dtype or config.dtype)
+    kv = (config.num_kv_heads, config.head_dim)
+    p_shape = (config.num_layers, groups, prompt_len) + kv
+    r_shape = (config.num_layers, groups, group_size, resp_len) + kv
+    return SegmentedKVCache(
+        k_prompt=jnp.zeros(p_shape, dt), v_prompt=jnp.zeros(p_shape, dt),
+        k_resp=jnp.zeros(r_shape, dt), v_resp=jnp.zeros(r_shape, dt),
+        prompt_lengths=jnp.zeros((groups,), jnp.int32),
+        resp_lengths=jnp.zeros((groups, group_size), jnp.int32))
+
+
+def segmented_cache_logical_axes() -> SegmentedKVCache:
+    """Logical axis names of each segmented-cache field ("batch" = the group axis)."""
+    p = ("layers", "batch", "seq", "kv_heads", "head_dim")
+    r = ("layers", "batch", "samples", "seq", "kv_heads", "head_dim")
+    return SegmentedKVCache(k_prompt=p, v_prompt=p, k_resp=r, v_resp=r,
+                            prompt_lengths=("batch",), resp_lengths=("batch", "samples"))
+
+
+def cache_bytes(cache: KVCache | SegmentedKVCache) -> dict[str, int]:
+    """Bytes of the key/value arrays: {"prompt": ..., "response": ..., "total": ...} for a
+    segmented cache, {"total": ...} for a dense one (lengths not counted)."""
+    if isinstance(cache, SegmentedKVCache):
+        prompt = cache.k_prompt.nbytes + cache.v_prompt.nbytes
+        resp = cache.k_resp.nbytes + cache.v_resp.nbytes
+        return {"prompt": prompt, "response": resp, "total": prompt + resp}
+    return {"total": cache.k.nbytes + cache.v.nbytes}
+
+
+def decode_inputs(cache: KVCache | SegmentedKVCache):
+    """What the decoder's decode mode scans over and broadcasts, for either layout:
+    (positions [batch, 1], mask, start, per-layer kv arrays). Dense: mask = decode_mask,
+    start = lengths, kv = (k, v). Segmented: mask = (prompt_lengths, resp_lengths), start
+    = None, kv = (k_prompt, v_prompt, k_resp, v_resp)."""
+    if isinstance(cache, SegmentedKVCache):
+        pos = (cache.prompt_lengths[:, None] + cache.resp_lengths).reshape(-1, 1)
+        return (pos, (cache.prompt_lengths, cache.resp_lengths), None,
+                (cache.k_prompt, cache.v_prompt, cache.k_resp, cache.v_resp))
+    return (cache.lengths[:, None], decode_mask(cache.lengths, cache.max_len), cache.lengths,
+            (cache.k, cache.v))
+
+
+def decode_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, mask, start,
+                 impl: str | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One layer's decode attention for either layout (see `decode_inputs`).
+
+    q [batch, 1, heads, head_dim], k, v [batch, 1, kv_heads, head_dim]: the new token.
+    Writes k, v into the cache, then attends to every valid cached key including it.
+    Returns (out [batch, 1, heads, head_dim], the written (k, v) arrays of this layer:
+    dense [batch, max_len, ...]; segmented the response segment [groups, N, R, ...] — the
+    prompt segment is read-only here, so it is never copied by the layer scan)."""
+    if len(kv) == 4:  # segmented
+        k_prompt, v_prompt, k_resp, v_resp = kv
+        prompt_lengths, resp_lengths = mask
+        g, n = resp_lengths.shape
+        b, _, heads, d = q.shape
+        k_resp, v_resp = write_response(k_resp, v_resp, k.reshape(g, n, *k.shape[2:]),
+                                        v.reshape(g, n, *v.shape[2:]), resp_lengths)
+        dt = q.dtype
+        out = segment_decode_attention(
+            q.reshape(g, n, heads, d), k_prompt.astype(dt), v_prompt.astype(dt),
+            k_resp.astype(dt), v_resp.astype(dt), prompt_lengths=prompt_lengths,
+            resp_lengths=resp_lengths + 1, impl=impl)
+        return out.reshape(b, 1, heads, d), (k_resp, v_resp)
+    new_kv = write_layer(kv[0], kv[1], k, v, start)
+    out = attention(q, new_kv[0].astype(q.dtype), new_kv[1].astype(q.dtype), mask=mask,
+                    impl=impl)
+    return out, new_kv
+
+
+def write_response(k_resp: jax.Array, v_resp: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                   at: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Write one key/value per sample into its response segment at index at[g, n].
+
+    k_resp, v_resp [groups, N, R, kv_heads, head_dim]; k_new, v_new [groups, N, kv_heads,
+    head_dim]; at [groups, N] int32. An index >= R (a finished sample whose segment is
+    full) is dropped rather than clamped onto a valid entry."""
+    g, n = at.shape
+    gi, ni = jnp.arange(g)[:, None], jnp.arange(n)[None, :]
+    return (k_resp.at[gi, ni, at].set(k_new.astype(k_resp.dtype), mode="drop"),
+            v_resp.at[gi, ni, at].set(v_new.astype(v_resp.dtype), mode="drop"))
+
+
+def after_decode(cache: KVCache | SegmentedKVCache, written: tuple[jax.Array, jax.Array]
+                 ) -> KVCache | SegmentedKVCache:
+    """The cache after a decode step: the written arrays (stacked over layers) put back
+    and every row's length advanced by one."""
+    if isinstance(cache, SegmentedKVCache):
+        return cache.replace(k_resp=written[0], v_resp=written[1],
+                             resp_lengths=cache.resp_lengths + 1)
+    return KVCache(k=written[0], v=written[1], lengths=cache.lengths + 1)
+
+
+def keep_lengths_where(new: KVCache | SegmentedKVCache, old: KVCache | SegmentedKVCache,
+                       advance: jax.Array) -> KVCache | SegmentedKVCache:
+    """`new` with the lengths of rows where advance [batch] is False reset to `old`'s (a
+    finished row's throw-away decode step must not grow its cache)."""
+    if isinstance(new, SegmentedKVCache):
+        adv = advance.reshape(new.resp_lengths.shape)
+        return new.replace(resp_lengths=jnp.where(adv, new.resp_lengths, old.resp_lengths))
+    return new.replace(lengths=jnp.where(advance, new.lengths, old.lengths))

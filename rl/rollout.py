@@ -10,6 +10,12 @@ most `segment_len` tokens under `params`, stamped `version` (UloRL segment rollo
 `extract_unfinished()` pulls groups out with their partial responses; `resume()` puts
 them back later: their KV is rebuilt by re-prefilling prompt + partial response with the
 params of the step that loads them, and they keep their rng stream and token budget.
+
+KV layout (`RolloutConfig.kv_layout`): "segmented" (default) stores each group's prompt KV
+once in its aligned block of N slots (slots are [groups, N]; num_slots is rounded down to
+a multiple of N); a resumed group's prompt runs once and its samples' partial responses
+are teacher-forced into their response segments. "replicated" copies the prompt KV into
+every slot. Both produce the same tokens for the same seed.
 """
 from __future__ import annotations
 
@@ -21,9 +27,9 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from rl.sampling import (PartialSample, SamplingConfig, as_key_data, check_prompt,
-                         check_stop_ids, decode_segment, init_state, load_samples, prefill,
-                         read_slots, sample_keys)
+from rl.sampling import (KV_LAYOUTS, PartialSample, SamplingConfig, as_key_data,
+                         check_prompt, check_stop_ids, decode_segment, init_state, load_samples,
+                         prefill, read_slots, sample_keys)
 from rl.trajectory import Trajectory
 
 
@@ -31,7 +37,8 @@ from rl.trajectory import Trajectory
 class RolloutConfig:
     """num_slots samples decode in parallel; group_size N samples per prompt;
     segment_len S tokens per step; prompts up to max_prompt_len tokens; responses up to
-    max_new_tokens tokens (including tokens made before an extract/resume)."""
+    max_new_tokens tokens (including tokens made before an extract/resume). kv_layout:
+    "segmented" (prompt KV stored once per group) or "replicated" (see the module doc)."""
 
     num_slots: int
     group_size: int
@@ -42,6 +49,7 @@ class RolloutConfig:
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
     attn_impl: str | None = None
+    kv_layout: str = "segmented"
 
     def __post_init__(self):
         for name in ("num_slots", "group_size", "segment_len", "max_prompt_len", "max_new_tokens"):
@@ -52,6 +60,9 @@ class RolloutConfig:
             raise ValueError(
                 f"RolloutConfig.num_slots={self.num_slots} cannot hold one group of "
                 f"group_size={self.group_size}; use num_slots >= group_size")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"RolloutConfig.kv_layout must be one of {KV_LAYOUTS}, got "
+                             f"{self.kv_layout!r}")
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
 
 
@@ -95,12 +106,17 @@ class RolloutEngine:
             raise ValueError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
         check_stop_ids(rollout.stop_ids, config)
         self.config, self.rollout = config, rollout
-        self.state = init_state(config, num_slots=rollout.num_slots,
+        n = rollout.group_size
+        # Groups only ever take N slots at a time, so slots past the last multiple of N
+        # could never be used; the segmented cache needs whole blocks of N.
+        num_slots = rollout.num_slots // n * n
+        self.state = init_state(config, num_slots=num_slots,
                                 max_prompt_len=rollout.max_prompt_len,
                                 max_new_tokens=rollout.max_new_tokens, sampling=rollout.sampling,
-                                stop_ids=rollout.stop_ids, attn_impl=rollout.attn_impl)
+                                stop_ids=rollout.stop_ids, attn_impl=rollout.attn_impl,
+                                group_size=n, kv_layout=rollout.kv_layout)
         self._key = as_key_data(rollout.seed)
-        self._free = list(range(rollout.num_slots))
+        self._free = list(range(num_slots))
         self._active: dict[int, list[int]] = {}  # group id -> its N slots
         self._prompts: dict[int, np.ndarray] = {}  # group id -> prompt, while in the engine
         self._new: collections.deque[tuple[int, np.ndarray]] = collections.deque()
@@ -143,6 +159,8 @@ class RolloutEngine:
         n = self.rollout.group_size
         if len(self._free) < n:
             return None
+        # Slots are taken and released in whole aligned blocks of N and the free list is
+        # kept sorted, so its first N entries are one block (what the segmented cache needs).
         slots, self._free = self._free[:n], self._free[n:]
         return slots
 

@@ -4,8 +4,22 @@ A state has S slots; each slot holds one sample (one response to one prompt) wit
 cache rows, the token to feed next, its response so far, the behaviour log-prob and the
 policy version of every response token, a token budget, and its own rng key.
 
+KV layouts (`kv_layout`, fixed when the state is made):
+  * "segmented" (the default when the group size N is known): slots are organised as
+    [groups, N] (slot s = sample s % N of group-slot s // N) and the cache is a
+    models.kv_cache.SegmentedKVCache: each group's prompt keys/values are stored ONCE and
+    read once per decode step for all N samples (kernels.segment_decode); each sample
+    owns a response segment. A group occupies one aligned block of N slots.
+  * "replicated": a dense KVCache row per slot holding prompt + response, the prompt
+    copied N times (the comparison baseline; any slots may form a group).
+Both layouts draw the same tokens from the same keys (the logits agree to float rounding).
+
 How a slot runs. Its *context* (prompt, plus the partial response when a sample is
-resumed) is prefilled except for the last token, which is left `pending`. Each decode
+resumed) is prefilled except for the last token, which is left `pending`. In the
+segmented layout the prompt segment holds prompt[:-1] and the response segment
+[prompt[-1], r_0, ...]: a resumed group's prompt runs once and each sample's partial
+response is teacher-forced behind it in the same packed forward
+(models.decoder.prefill_segments), so resuming is exact and costs P + sum(n_i) tokens. Each decode
 step feeds the pending token through the model (`models.decoder._decode_jit`, the one
 model code path), samples the next token from the resulting logits and makes it pending.
 So every token is drawn inside `decode_segment`, from logits computed with the params
@@ -36,9 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from models import kv_cache as kvc
 from models.config import ModelConfig
-from models.decoder import _decode_jit, _prefill_jit
-from models.kv_cache import KVCache, init_cache
+from models.decoder import _decode_jit, _prefill_jit, prefill_segments
+from models.kv_cache import KVCache, SegmentedKVCache, init_cache, init_segmented_cache
 
 Params = Any
 
@@ -94,17 +109,42 @@ def warn_if_truncated(sampling: SamplingConfig) -> None:
 
 
 # ----------------------------------------------------------------------------- state
+KV_LAYOUTS = ("segmented", "replicated")
+
+
+def resolve_kv_layout(kv_layout: str | None, group_size: int | None) -> str:
+    """kv_layout, or the default: "segmented" when the group size is known, else
+    "replicated". ValueError for unknown names or "segmented" without a group size."""
+    if kv_layout is None:
+        return "replicated" if group_size is None else "segmented"
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS} or None, got {kv_layout!r}")
+    if kv_layout == "segmented" and group_size is None:
+        raise ValueError("kv_layout='segmented' needs group_size (the N samples per prompt "
+                         "that share one prompt segment); pass group_size or use "
+                         "kv_layout='replicated'")
+    return kv_layout
+
+
 @struct.dataclass
 class SamplerState:
-    """S fixed slots. cache: KVCache [layers, S, max_prompt_len + max_new_tokens, ...];
-    pending [S] int32 (next token to feed); prompt_ids [S, P_max], prompt_lengths [S];
-    response_ids [S, R_max], logprobs [S, R_max] float32, versions [S, R_max] int32
-    (-1 where no token yet); num_generated [S]; budget [S] (max response tokens, counted
-    from the start of the response); done [S] (finished, or empty slot); stopped [S]
-    (ended on a stop id); keys [S, 2] uint32; stop_ids [n_stop] int32 (-1 = unused). config, sampling
-    and attn_impl are static (part of the jit cache key)."""
+    """S fixed slots (S = groups * N in the segmented layout).
 
-    cache: KVCache
+    Per-slot leaves, leading axis [S]: pending [S] int32 (next token to feed);
+    prompt_ids [S, P_max], prompt_lengths [S]; response_ids [S, R_max], logprobs
+    [S, R_max] float32, versions [S, R_max] int32 (-1 where no token yet); num_generated
+    [S]; budget [S] (max response tokens, counted from the start of the response); done
+    [S] (finished, or empty slot); stopped [S] (ended on a stop id); keys [S, 2] uint32.
+    stop_ids [n_stop] int32 (-1 = unused) is shared by all slots.
+    cache (the layers axis comes first because the decoder scans over layers; the slot /
+    group axis is axis 1, see `state_logical_axes`):
+      replicated: KVCache k, v [layers, S, P_max + R_max, kv_heads, head_dim], lengths [S];
+      segmented: SegmentedKVCache k/v_prompt [layers, groups, P_max, kv_heads, head_dim],
+        k/v_resp [layers, groups, N, R_max, kv_heads, head_dim], prompt_lengths [groups],
+        resp_lengths [groups, N]; slot s = (s // N, s % N).
+    config, sampling and attn_impl are static (part of the jit cache key)."""
+
+    cache: KVCache | SegmentedKVCache
     pending: jax.Array
     prompt_ids: jax.Array
     prompt_lengths: jax.Array
@@ -132,6 +172,28 @@ class SamplerState:
     @property
     def max_new_tokens(self) -> int:
         return self.response_ids.shape[1]
+
+    @property
+    def kv_layout(self) -> str:
+        return "segmented" if isinstance(self.cache, SegmentedKVCache) else "replicated"
+
+    @property
+    def group_size(self) -> int | None:
+        """N of the segmented layout (slots come in aligned blocks of N); None if replicated."""
+        return self.cache.group_size if isinstance(self.cache, SegmentedKVCache) else None
+
+
+def state_logical_axes(state: SamplerState) -> SamplerState:
+    """Same tree as `state`, each array leaf replaced by its logical axis names ("batch"
+    = the slot axis of per-slot leaves and the group axis of the segmented cache), for
+    mapping onto a mesh with models.sharding (e.g. "batch" -> "data")."""
+    slot = lambda x: ("batch",) + (None,) * (x.ndim - 1)  # noqa: E731
+    cache_axes = (kvc.segmented_cache_logical_axes() if state.kv_layout == "segmented"
+                  else kvc.cache_logical_axes())
+    fields = {f: slot(getattr(state, f)) for f in (
+        "pending", "prompt_ids", "prompt_lengths", "response_ids", "logprobs", "versions",
+        "num_generated", "budget", "done", "stopped", "keys")}
+    return state.replace(cache=cache_axes, stop_ids=(None,), **fields)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -166,19 +228,34 @@ def init_state(
     stop_ids: Sequence[int] = (),
     attn_impl: str | None = None,
     cache_dtype: str | None = None,
+    group_size: int | None = None,
+    kv_layout: str | None = None,
 ) -> SamplerState:
-    """All slots empty (done). The cache holds max_prompt_len + max_new_tokens positions,
-    enough for any prompt plus a full response. Warns once if `sampling` is truncated
-    (top-k/top-p), since this state's log-probs are meant for RL."""
+    """All slots empty (done). The cache holds max_prompt_len + max_new_tokens positions
+    per sample, enough for any prompt plus a full response. kv_layout "segmented" (the
+    default when group_size is given) stores each group's prompt KV once for its
+    group_size samples and needs num_slots to be a multiple of group_size; "replicated"
+    (the default without group_size) copies it into every slot. attn_impl picks the
+    attention kernels (segmented: kernels.segment_decode for decode and
+    kernels.shared_prefix_attention for prefill; None = their platform default).
+    Warns once if `sampling` is truncated (top-k/top-p), since this state's log-probs
+    are meant for RL."""
     warn_if_truncated(sampling)
     return _new_state(config, num_slots=num_slots, max_prompt_len=max_prompt_len,
                       max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
-                      attn_impl=attn_impl, cache_dtype=cache_dtype)
+                      attn_impl=attn_impl, cache_dtype=cache_dtype, group_size=group_size,
+                      kv_layout=kv_layout)
 
 
 def _new_state(config, *, num_slots, max_prompt_len, max_new_tokens, sampling, stop_ids,
-               attn_impl, cache_dtype) -> SamplerState:
+               attn_impl, cache_dtype, group_size=None, kv_layout=None) -> SamplerState:
     num_slots = _positive_int("num_slots", num_slots)
+    if group_size is not None:
+        group_size = _positive_int("group_size", group_size)
+    kv_layout = resolve_kv_layout(kv_layout, group_size)
+    if kv_layout == "segmented" and num_slots % group_size:
+        raise ValueError(f"kv_layout='segmented' needs num_slots ({num_slots}) to be a multiple "
+                         f"of group_size ({group_size}): slots come in blocks of one group")
     max_prompt_len = _positive_int("max_prompt_len", max_prompt_len)
     max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
     if not isinstance(sampling, SamplingConfig):
@@ -190,8 +267,12 @@ def _new_state(config, *, num_slots, max_prompt_len, max_new_tokens, sampling, s
             f"max_prompt_len + max_new_tokens = {max_len} exceeds the model's "
             f"max_position_embeddings={config.max_position_embeddings}; shorten one of them")
     s, p, r = num_slots, max_prompt_len, max_new_tokens
+    if kv_layout == "segmented":
+        cache = init_segmented_cache(config, s // group_size, group_size, p, r, cache_dtype)
+    else:
+        cache = init_cache(config, s, max_len, cache_dtype)
     return SamplerState(
-        cache=init_cache(config, s, max_len, cache_dtype),
+        cache=cache,
         pending=jnp.zeros((s,), jnp.int32),
         prompt_ids=jnp.zeros((s, p), jnp.int32),
         prompt_lengths=jnp.zeros((s,), jnp.int32),
@@ -298,59 +379,156 @@ def _draw(z: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # ----------------------------------------------------------------------------- jitted core
-@jax.jit
-def _fill_jit(params, state: SamplerState, ctx_ids, ctx_lengths, prompt_lengths, slot, row,
-              keys, budget, logprobs, versions, done, stopped) -> SamplerState:
-    """Prefill R contexts ctx_ids [R, T] (lengths [R], of which prompt_lengths [R] are
-    prompt) and load them into slots: entry m writes context row[m] into slot[m]
-    (slot >= S drops the entry). Per-entry: keys [M, 2], budget [M], the partial
-    response's logprobs/versions [M, R_max], done/stopped [M]."""
+@struct.dataclass
+class ReplicatedFill:
+    """Device inputs of one fill of a replicated-layout state (built by `prefill` /
+    `load_samples`). ctx_ids [Rows, T] right-padded contexts (prompt + partial response),
+    ctx_lengths [Rows], prompt_lengths [Rows]; entry m copies context row[m] into slot[m]
+    (slot >= S drops the entry); per entry: keys [M, 2] uint32, budget [M], the partial
+    response's logprobs [M, R_max] float32 / versions [M, R_max] int32, done/stopped [M]."""
+
+    ctx_ids: jax.Array
+    ctx_lengths: jax.Array
+    prompt_lengths: jax.Array
+    slot: jax.Array
+    row: jax.Array
+    keys: jax.Array
+    budget: jax.Array
+    logprobs: jax.Array
+    versions: jax.Array
+    done: jax.Array
+    stopped: jax.Array
+
+
+@struct.dataclass
+class SegmentedFill:
+    """Device inputs of one fill of a segmented-layout state: Gb groups, each loaded into
+    group-slot group_slot[g] (slots group_slot[g] * N + i; >= groups drops the group).
+    prompt_ids [Gb, Tp] right-padded, prompt_lengths [Gb] >= 1; resp_ids [Gb, N, Tr] each
+    sample's partial response (num_generated [Gb, N] valid tokens, 0 for a new group);
+    per sample: keys [Gb, N, 2] uint32, budget [Gb, N], logprobs [Gb, N, R_max] float32,
+    versions [Gb, N, R_max] int32, done/stopped [Gb, N]."""
+
+    prompt_ids: jax.Array
+    prompt_lengths: jax.Array
+    resp_ids: jax.Array
+    num_generated: jax.Array
+    group_slot: jax.Array
+    keys: jax.Array
+    budget: jax.Array
+    logprobs: jax.Array
+    versions: jax.Array
+    done: jax.Array
+    stopped: jax.Array
+
+
+def _pad_cols(x: jax.Array, width: int, valid: jax.Array) -> jax.Array:
+    """x [M, w] (w <= width) -> [M, width], zero outside the valid [M] leading entries."""
+    x = jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+    return jnp.where(jnp.arange(width)[None, :] < valid[:, None], x, 0)
+
+
+def _load_slots(state: SamplerState, cache, slot, prompt, plen, resp, n_gen, pending, keys,
+                budget, logprobs, versions, done, stopped) -> SamplerState:
+    """The per-slot bookkeeping of a fill, shared by both layouts: entry m goes to
+    slot[m] (out of range: dropped). prompt [M, P_max], resp [M, R_max], the rest [M, ...]."""
+    def put(field, value):
+        return getattr(state, field).at[slot].set(value, mode="drop")
+
+    return state.replace(
+        cache=cache, pending=put("pending", pending), prompt_ids=put("prompt_ids", prompt),
+        prompt_lengths=put("prompt_lengths", plen), response_ids=put("response_ids", resp),
+        logprobs=put("logprobs", logprobs), versions=put("versions", versions),
+        num_generated=put("num_generated", n_gen), budget=put("budget", budget),
+        done=put("done", done | (n_gen >= budget)), stopped=put("stopped", stopped),
+        keys=put("keys", keys))
+
+
+def _fill_replicated(params, state: SamplerState, f: ReplicatedFill) -> SamplerState:
     c = state.config
-    r, t = ctx_ids.shape
+    r, t = f.ctx_ids.shape
     kv_shape = (c.num_layers, r, t, c.num_kv_heads, c.head_dim)
     dt = state.cache.k.dtype
     empty = KVCache(k=jnp.zeros(kv_shape, dt), v=jnp.zeros(kv_shape, dt),
                     lengths=jnp.zeros((r,), jnp.int32))
-    _, pc = _prefill_jit(params, ctx_ids, ctx_lengths, empty, config=c, attn_impl=state.attn_impl)
-    clen, plen = ctx_lengths[row], prompt_lengths[row]
-    rows_ctx = ctx_ids[row]  # [M, T]
-
-    def gather(offset, width):  # [M, width]: rows_ctx[m, offset[m] + j], 0 outside the row
-        j = jnp.arange(width)[None, :] + offset[:, None]
-        vals = jnp.take_along_axis(rows_ctx, jnp.clip(j, 0, t - 1), axis=1)
-        return vals, j
-
-    p_max, r_max = state.prompt_ids.shape[1], state.response_ids.shape[1]
-    prompt, j = gather(jnp.zeros_like(plen), p_max)
-    prompt = jnp.where(j < plen[:, None], prompt, 0)
-    resp, j = gather(plen, r_max)
+    _, pc = _prefill_jit(params, f.ctx_ids, f.ctx_lengths, empty, config=c,
+                         attn_impl=state.attn_impl)
+    row, slot = f.row, f.slot
+    clen, plen = f.ctx_lengths[row], f.prompt_lengths[row]
+    rows_ctx = f.ctx_ids[row]  # [M, T]
+    p_max, r_max = state.max_prompt_len, state.max_new_tokens
     n_gen = clen - plen
-    in_resp = j < clen[:, None]
+    # Response token j of entry m sits at context column plen[m] + j.
+    j = jnp.clip(jnp.arange(r_max)[None, :] + plen[:, None], 0, t - 1)
+    resp = _pad_cols(jnp.take_along_axis(rows_ctx, j, axis=1), r_max, n_gen)
     cache = state.cache
-    return state.replace(
-        cache=KVCache(
-            # The only place a slot's KV rows are replaced: positions [0, T) of each slot.
-            k=cache.k.at[:, slot, :t].set(pc.k[:, row], mode="drop"),
-            v=cache.v.at[:, slot, :t].set(pc.v[:, row], mode="drop"),
-            lengths=cache.lengths.at[slot].set(clen - 1, mode="drop"),
-        ),
-        pending=state.pending.at[slot].set(rows_ctx[jnp.arange(row.shape[0]), clen - 1], mode="drop"),
-        prompt_ids=state.prompt_ids.at[slot].set(prompt, mode="drop"),
-        prompt_lengths=state.prompt_lengths.at[slot].set(plen, mode="drop"),
-        response_ids=state.response_ids.at[slot].set(jnp.where(in_resp, resp, 0), mode="drop"),
-        logprobs=state.logprobs.at[slot].set(logprobs, mode="drop"),
-        versions=state.versions.at[slot].set(versions, mode="drop"),
-        num_generated=state.num_generated.at[slot].set(n_gen, mode="drop"),
-        budget=state.budget.at[slot].set(budget, mode="drop"),
-        done=state.done.at[slot].set(done | (n_gen >= budget), mode="drop"),
-        stopped=state.stopped.at[slot].set(stopped, mode="drop"),
-        keys=state.keys.at[slot].set(keys, mode="drop"),
-    )
+    cache = KVCache(
+        # The only place a slot's KV rows are replaced: positions [0, T) of each slot.
+        k=cache.k.at[:, slot, :t].set(pc.k[:, row], mode="drop"),
+        v=cache.v.at[:, slot, :t].set(pc.v[:, row], mode="drop"),
+        lengths=cache.lengths.at[slot].set(clen - 1, mode="drop"))
+    pending = rows_ctx[jnp.arange(row.shape[0]), clen - 1]
+    return _load_slots(state, cache, slot, _pad_cols(rows_ctx[:, :min(t, p_max)], p_max, plen),
+                       plen, resp, n_gen, pending, f.keys, f.budget, f.logprobs, f.versions,
+                       f.done, f.stopped)
 
 
-@jax.jit
-def _decode_segment_jit(params, state: SamplerState, num_tokens, version) -> SamplerState:
-    """Up to num_tokens decode steps in one while_loop; stops early when all slots are done."""
+def _fill_segmented(params, state: SamplerState, f: SegmentedFill) -> SamplerState:
+    cache = state.cache
+    gb, tp = f.prompt_ids.shape
+    n, tr = f.resp_ids.shape[1:]
+    # Prompt segment = prompt[:-1]; sample i's response segment = [prompt[-1], r_0 ..
+    # r_{n_i - 2}] (n_i tokens), leaving r_{n_i - 1} (or prompt[-1] if n_i = 0) pending.
+    last = jnp.take_along_axis(f.prompt_ids, (f.prompt_lengths - 1)[:, None], axis=1)[:, 0]
+    ctx = jnp.concatenate([jnp.broadcast_to(last[:, None, None], (gb, n, 1)),
+                           f.resp_ids[:, :, :tr - 1]], axis=2)
+    seg_plen = f.prompt_lengths - 1
+    kp, vp, kr, vr = prefill_segments(params, state.config, f.prompt_ids, seg_plen, ctx,
+                                      f.num_generated, attn_impl=state.attn_impl)
+    gs, dt = f.group_slot, cache.k_prompt.dtype
+    cache = cache.replace(
+        # The only place segments are replaced: [0, Tp) of the prompt, [0, Tr) of responses.
+        k_prompt=cache.k_prompt.at[:, gs, :tp].set(kp.astype(dt), mode="drop"),
+        v_prompt=cache.v_prompt.at[:, gs, :tp].set(vp.astype(dt), mode="drop"),
+        k_resp=cache.k_resp.at[:, gs, :, :tr].set(kr.astype(dt), mode="drop"),
+        v_resp=cache.v_resp.at[:, gs, :, :tr].set(vr.astype(dt), mode="drop"),
+        prompt_lengths=cache.prompt_lengths.at[gs].set(seg_plen, mode="drop"),
+        resp_lengths=cache.resp_lengths.at[gs].set(f.num_generated, mode="drop"))
+    prev = jnp.take_along_axis(f.resp_ids, jnp.maximum(f.num_generated - 1, 0)[..., None],
+                               axis=2)[..., 0]
+    pending = jnp.where(f.num_generated == 0, last[:, None], prev)
+    m = gb * n
+    slot = (gs[:, None] * n + jnp.arange(n)[None, :]).reshape(m)
+    plen = jnp.repeat(f.prompt_lengths, n)
+    prompt = jnp.repeat(f.prompt_ids[:, :min(tp, state.max_prompt_len)], n, axis=0)
+    n_gen = f.num_generated.reshape(m)
+    resp = _pad_cols(f.resp_ids.reshape(m, tr), state.max_new_tokens, n_gen)
+
+    def flat(x):
+        return x.reshape((m,) + x.shape[2:])
+
+    return _load_slots(state, cache, slot, _pad_cols(prompt, state.max_prompt_len, plen), plen,
+                       resp, n_gen, pending.reshape(m), flat(f.keys), flat(f.budget),
+                       flat(f.logprobs), flat(f.versions), flat(f.done), flat(f.stopped))
+
+
+def fill_impl(params: Params, state: SamplerState, fill: ReplicatedFill | SegmentedFill
+              ) -> SamplerState:
+    """Pure body of a fill (prefill of new groups or reload of partial samples): run the
+    contexts through the model and load them into their slots. `fill` must match the
+    state's layout (SegmentedFill for "segmented"). Not jitted: wrap it with jax.jit (and
+    shardings) as `prefill` / `load_samples` do."""
+    if isinstance(fill, SegmentedFill) != (state.kv_layout == "segmented"):
+        raise ValueError(f"a {type(fill).__name__} cannot fill a {state.kv_layout!r} state")
+    if isinstance(fill, SegmentedFill):
+        return _fill_segmented(params, state, fill)
+    return _fill_replicated(params, state, fill)
+
+
+def decode_segment_impl(params: Params, state: SamplerState, num_tokens: jax.Array,
+                        version: jax.Array) -> SamplerState:
+    """Pure body of `decode_segment`: up to num_tokens decode steps in one while_loop;
+    stops early when all slots are done. num_tokens, version: int32 scalars. Not jitted."""
     s, r_max = state.response_ids.shape
     rows = jnp.arange(s)
     stop = state.stop_ids
@@ -365,8 +543,8 @@ def _decode_segment_jit(params, state: SamplerState, num_tokens, version) -> Sam
         logits, cache = _decode_jit(params, st.pending, st.cache, config=st.config,
                                     attn_impl=st.attn_impl)
         # Done slots computed a throw-away step: keep their cache length (the write they
-        # made lies past it, inside the cache, and is never read).
-        cache = cache.replace(lengths=jnp.where(live, cache.lengths, st.cache.lengths))
+        # made lies past it, or is dropped, and is never read).
+        cache = kvc.keep_lengths_where(cache, st.cache, live)
         keys = jax.vmap(jax.random.fold_in)(st.keys, st.num_generated)
         tok, logp = sample_tokens(logits, keys, st.sampling)
         col = jnp.where(live, st.num_generated, r_max)  # r_max: out of range, dropped
@@ -386,6 +564,10 @@ def _decode_segment_jit(params, state: SamplerState, num_tokens, version) -> Sam
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state
+
+
+_fill_jit = jax.jit(fill_impl)
+_decode_segment_jit = jax.jit(decode_segment_impl)
 
 
 # ----------------------------------------------------------------------------- host wrappers
@@ -441,11 +623,66 @@ def _budgets(max_new_tokens: int | None, n: int, state: SamplerState) -> np.ndar
 _FILL_SAMPLING = SamplingConfig()
 
 
+def _run_fill(params, state: SamplerState, fill: ReplicatedFill | SegmentedFill) -> SamplerState:
+    # The fill does not depend on the sampling config: compile it once per geometry.
+    out = _fill_jit(params, state.replace(sampling=_FILL_SAMPLING), fill)
+    return out.replace(sampling=state.sampling)
+
+
+def _fill_groups(params, state: SamplerState, prompts: list[np.ndarray], group_slot: list[int],
+                 responses: list[list[np.ndarray]], keys: np.ndarray, budget: np.ndarray,
+                 logprobs: np.ndarray, versions: np.ndarray, done: np.ndarray,
+                 stopped: np.ndarray) -> SamplerState:
+    """Segmented layout: pad G groups (responses[g][i] = partial response of the sample
+    going to slot group_slot[g] * N + i; per-sample arrays [G, N, ...]) to buckets and
+    call the jitted fill."""
+    n, n_groups = state.group_size, state.cache.groups
+    g = len(prompts)
+    gb = _bucket(g, n_groups)
+    tp = _bucket_width(max(p.size for p in prompts), state.max_prompt_len)
+    longest = max(r.size for rs in responses for r in rs)
+    tr = 1 if longest == 0 else _bucket_width(longest, state.max_new_tokens)
+    prompt_ids = np.zeros((gb, tp), np.int32)
+    prompt_lengths = np.ones((gb,), np.int32)
+    resp_ids = np.zeros((gb, n, tr), np.int32)
+    n_gen = np.zeros((gb, n), np.int32)
+    for i, (p, rs) in enumerate(zip(prompts, responses)):
+        prompt_ids[i, :p.size], prompt_lengths[i] = p, p.size
+        for j, r in enumerate(rs):
+            resp_ids[i, j, :r.size], n_gen[i, j] = r, r.size
+
+    def pad(x, fill):
+        out = np.full((gb,) + x.shape[1:], fill, x.dtype)
+        out[:g] = x
+        return out
+
+    return _run_fill(params, state, SegmentedFill(
+        prompt_ids=prompt_ids, prompt_lengths=prompt_lengths, resp_ids=resp_ids,
+        num_generated=n_gen, group_slot=pad(np.asarray(group_slot, np.int32), n_groups),
+        keys=pad(keys.astype(np.uint32), 0), budget=pad(budget.astype(np.int32), 1),
+        logprobs=pad(logprobs.astype(np.float32), 0), versions=pad(versions.astype(np.int32), -1),
+        done=pad(done.astype(bool), True), stopped=pad(stopped.astype(bool), False)))
+
+
+def _group_blocks(slots: np.ndarray, n: int, what: str) -> np.ndarray:
+    """Segmented layout: the group-slot of each row of slots [G, N], which must be one
+    aligned block b*N .. b*N + N-1 (in any order)."""
+    blocks = slots // n
+    bad = [g for g in range(slots.shape[0]) if (blocks[g] != blocks[g, 0]).any()]
+    if bad:
+        raise ValueError(
+            f"{what}: with kv_layout='segmented' a group's N={n} slots must be one aligned "
+            f"block b*N .. b*N+N-1 (they share one prompt segment); group {bad[0]} has slots "
+            f"{slots[bad[0]].tolist()}")
+    return blocks[:, 0]
+
+
 def _fill(params, state: SamplerState, contexts: list[np.ndarray], prompt_lengths: np.ndarray,
           row: np.ndarray, slot: np.ndarray, keys: np.ndarray, budget: np.ndarray,
           logprobs: np.ndarray, versions: np.ndarray, done: np.ndarray, stopped: np.ndarray
           ) -> SamplerState:
-    """Pad rows / entries / context width to buckets and call the jitted fill."""
+    """Replicated layout: pad rows / entries / context width to buckets and call the
+    jitted fill."""
     s = state.num_slots
     n_rows, n_ent = len(contexts), row.size
     # Entries are padded to S and rows/width to coarse buckets: few compiled shapes, at the
@@ -464,13 +701,12 @@ def _fill(params, state: SamplerState, contexts: list[np.ndarray], prompt_length
         out[:n_ent] = x
         return out
 
-    # The fill does not depend on the sampling config: compile it once per geometry.
-    out = _fill_jit(params, state.replace(sampling=_FILL_SAMPLING), ctx, clen, plen, pad(slot.astype(np.int32), s),
-                     pad(row.astype(np.int32), 0), pad(keys.astype(np.uint32), 0),
-                     pad(budget.astype(np.int32), 1), pad(logprobs.astype(np.float32), 0),
-                     pad(versions.astype(np.int32), -1), pad(done.astype(bool), True),
-                     pad(stopped.astype(bool), False))
-    return out.replace(sampling=state.sampling)
+    return _run_fill(params, state, ReplicatedFill(
+        ctx_ids=ctx, ctx_lengths=clen, prompt_lengths=plen, slot=pad(slot.astype(np.int32), s),
+        row=pad(row.astype(np.int32), 0), keys=pad(keys.astype(np.uint32), 0),
+        budget=pad(budget.astype(np.int32), 1), logprobs=pad(logprobs.astype(np.float32), 0),
+        versions=pad(versions.astype(np.int32), -1), done=pad(done.astype(bool), True),
+        stopped=pad(stopped.astype(bool), False)))
 
 
 def prefill(
@@ -482,10 +718,13 @@ def prefill(
     *,
     max_new_tokens: int | None = None,
 ) -> SamplerState:
-    """Start G groups: prompts (G token lists) are prefilled once each and their KV rows
-    copied into the N slots of their group. slots [G, N] int (distinct); keys [G, N, 2]
-    uint32 (see `sample_keys`); max_new_tokens (default: the state's) is each sample's
-    budget. The slots' previous contents are discarded."""
+    """Start G groups: prompts (G token lists) are prefilled once each. Segmented layout:
+    the prompt KV is written once into the group's prompt segment, and slots[g] must be
+    one aligned block of the state's group_size slots (any order); replicated: it is
+    copied into the N slots of the group. slots [G, N] int (distinct); keys [G, N, 2]
+    uint32 (see `sample_keys`; keys[g, i] goes with slot slots[g, i]); max_new_tokens
+    (default: the state's) is each sample's budget. The slots' previous contents are
+    discarded."""
     config = state.config
     if len(prompts) == 0:
         return state
@@ -501,6 +740,18 @@ def prefill(
         raise ValueError(f"keys must be [G, N, 2] = {(g, n, 2)} uint32, got shape {keys.shape}")
     ctx = [check_prompt(p, state.max_prompt_len, config, f"prompts[{i}]") for i, p in enumerate(prompts)]
     m, r_max = g * n, state.max_new_tokens
+    if state.kv_layout == "segmented":
+        if n != state.group_size:
+            raise ValueError(f"slots has groups of N={n} but the state's segmented cache holds "
+                             f"groups of group_size={state.group_size}")
+        blocks = _group_blocks(slots, n, "prefill")
+        order = np.argsort(slots % n, axis=1)  # sample i of group g -> member slots[g, i] % N
+        member_keys = np.take_along_axis(keys, order[:, :, None], axis=1)
+        return _fill_groups(params, state, ctx, blocks.tolist(),
+                            [[np.zeros((0,), np.int32)] * n] * g, member_keys,
+                            _budgets(max_new_tokens, m, state).reshape(g, n),
+                            np.zeros((g, n, r_max), np.float32), np.full((g, n, r_max), -1, np.int32),
+                            np.zeros((g, n), bool), np.zeros((g, n), bool))
     return _fill(params, state, ctx, np.array([c.size for c in ctx]), np.repeat(np.arange(g), n),
                  slots.reshape(-1), keys.reshape(m, 2), _budgets(max_new_tokens, m, state),
                  np.zeros((m, r_max), np.float32), np.full((m, r_max), -1, np.int32),
@@ -549,7 +800,10 @@ def load_samples(params: Params, state: SamplerState, samples: Sequence[PartialS
                  slots: Sequence[int]) -> SamplerState:
     """Put samples (e.g. from `read_slots`) back into `slots`. Each one's KV is rebuilt by
     prefilling prompt + partial response with `params`; its tokens, log-probs, versions,
-    key and budget are kept, so decoding continues where it stopped."""
+    key and budget are kept, so decoding continues where it stopped. Segmented layout:
+    `slots` must cover whole aligned blocks of group_size slots and the samples of one
+    block must share their prompt; the prompt then runs once per block and each sample's
+    partial response is teacher-forced into its response segment."""
     config = state.config
     slots = np.asarray(slots, np.int32).reshape(-1)
     if slots.size != len(samples):
@@ -575,9 +829,31 @@ def load_samples(params: Params, state: SamplerState, samples: Sequence[PartialS
         plen.append(p.size)
         logprobs[i, :n], versions[i, :n] = smp.logprobs, smp.versions
     keys = np.stack([np.asarray(s.key, np.uint32) for s in samples])
-    return _fill(params, state, ctx, np.asarray(plen), np.arange(m), slots, keys,
-                 np.array([s.budget for s in samples]), logprobs, versions,
-                 np.array([s.done for s in samples]), np.array([s.stopped for s in samples]))
+    budget = np.array([s.budget for s in samples])
+    done = np.array([s.done for s in samples])
+    stopped = np.array([s.stopped for s in samples])
+    if state.kv_layout == "segmented":
+        n = state.group_size
+        blocks = sorted(set((slots // n).tolist()))
+        where = {int(s): i for i, s in enumerate(slots)}  # slot -> sample index
+        missing = [b for b in blocks if any(b * n + j not in where for j in range(n))]
+        if missing:
+            raise ValueError(
+                f"load_samples: with kv_layout='segmented' samples fill whole aligned blocks of "
+                f"group_size={n} slots (one group each); block {missing[0]} (slots "
+                f"{missing[0] * n}..{missing[0] * n + n - 1}) is only partly covered by {slots.tolist()}")
+        idx = np.array([[where[b * n + j] for j in range(n)] for b in blocks])  # [G, N]
+        for row in idx:
+            p0 = ctx[row[0]][:plen[row[0]]]
+            if any(plen[i] != p0.size or (ctx[i][:p0.size] != p0).any() for i in row):
+                raise ValueError(
+                    f"load_samples: samples {row.tolist()} go to one block of the segmented "
+                    "cache and must share their prompt (one group); their prompts differ")
+        return _fill_groups(params, state, [ctx[r[0]][:plen[r[0]]] for r in idx], blocks,
+                            [[ctx[i][plen[i]:] for i in r] for r in idx], keys[idx], budget[idx],
+                            logprobs[idx], versions[idx], done[idx], stopped[idx])
+    return _fill(params, state, ctx, np.asarray(plen), np.arange(m), slots, keys, budget,
+                 logprobs, versions, done, stopped)
 
 
 def decode_segment(params: Params, state: SamplerState, num_tokens: int, version: int) -> SamplerState:
@@ -620,11 +896,13 @@ def generate(
     segment_len: int = 32,
     progress: Callable[[int], Any] | None = None,
     attn_impl: str | None = None,
+    kv_layout: str = "segmented",
 ) -> GenerationResult:
     """Sample num_samples responses per prompt (one prefill per prompt) with the sampler.
     stop_ids default to config.eos_token_ids; rng is an int seed or a key. progress, if
     given, is called after every segment with the number of tokens that segment produced
-    (e.g. a tqdm bar's `update`)."""
+    (e.g. a tqdm bar's `update`). kv_layout: "segmented" (each prompt's KV stored once for
+    its num_samples samples) or "replicated" (the same tokens, prompt KV copied per sample)."""
     if not prompts:
         raise ValueError("prompts is empty; pass at least one prompt")
     n = _positive_int("num_samples", num_samples)
@@ -634,7 +912,8 @@ def generate(
     # No truncation warning here: plain generation is not RL.
     state = _new_state(config, num_slots=g * n, max_prompt_len=max(len(p) for p in prompts),
                        max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
-                       attn_impl=attn_impl, cache_dtype=None)
+                       attn_impl=attn_impl, cache_dtype=None, group_size=n,
+                       kv_layout=kv_layout)
     keys = sample_keys(rng, np.arange(g), n)
     state = prefill(params, state, prompts, np.arange(g * n).reshape(g, n), keys)
     produced = 0
