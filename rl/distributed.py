@@ -1,0 +1,235 @@
+"""Multi-process runs through JAX's own runtime (`jax.distributed.initialize`).
+
+One Python process per host (GPU cluster) or per TPU VM; every process runs the same
+script. Each one samples its own share of the prompts, and the learner sees one global
+batch whose rows live on the devices of the process that produced them:
+
+    parser = argparse.ArgumentParser(); add_distributed_flags(parser)
+    args = parser.parse_args()
+    initialize_distributed(args)                 # before any other JAX call
+    mesh = rl.sharding.make_mesh_preset("fsdp")  # over the devices of all processes
+    offset, my_prompts = process_shard(prompts)  # contiguous slice; group ids stay global
+    batch = global_batch(local_batch, mesh)      # a global jax.Array per field
+    if is_main_process(): write results
+
+Flags (or environment variables): --coordinator HOST:PORT (JAX_COORDINATOR_ADDRESS),
+--num-processes K (JAX_NUM_PROCESSES), --process-id I (JAX_PROCESS_ID); the flag wins
+over the variable. --distributed-auto calls `jax.distributed.initialize()` with no
+arguments, so JAX detects the cluster itself (TPU pod slices, SLURM, Open MPI).
+On CPU the cross-process collectives use gloo.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any, Sequence, TypeVar
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from rl.sharding import mesh_axes
+from rl.trainer import TrainBatch, batch_sharding
+
+T = TypeVar("T")
+
+ENV_VARS = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+            "process_id": "JAX_PROCESS_ID"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Where the coordinator is and who this process is. All None (and auto False) =
+    a single-process run; auto = let JAX detect the cluster (TPU pods, SLURM)."""
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    auto: bool = False
+    timeout_s: int = 300
+
+    def __post_init__(self):
+        given = [f for f in ("coordinator", "num_processes", "process_id")
+                 if getattr(self, f) is not None]
+        if self.auto:
+            if given:
+                raise ValueError("--distributed-auto lets JAX detect the cluster: do not also give "
+                                 f"{', '.join('--' + g.replace('_', '-') for g in given)}")
+            return
+        if given and len(given) != 3:
+            missing = sorted({"coordinator", "num_processes", "process_id"} - set(given))
+            raise ValueError(
+                "a multi-process run needs all of --coordinator, --num-processes and --process-id "
+                f"(or {', '.join(ENV_VARS.values())}); missing: "
+                f"{', '.join('--' + m.replace('_', '-') for m in missing)}")
+        if self.coordinator is not None:
+            host, sep, port = self.coordinator.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--coordinator must be HOST:PORT (port 1-65535), got "
+                                 f"{self.coordinator!r}")
+            for name in ("num_processes", "process_id"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise ValueError(f"--{name.replace('_', '-')} must be an int, got {v!r}")
+            if self.num_processes < 1:
+                raise ValueError(f"--num-processes must be >= 1, got {self.num_processes}")
+            if not 0 <= self.process_id < self.num_processes:
+                raise ValueError(f"--process-id must be in [0, --num-processes={self.num_processes}), "
+                                 f"got {self.process_id}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int) \
+                or self.timeout_s < 1:
+            raise ValueError(f"timeout_s must be an int >= 1, got {self.timeout_s!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.auto or self.coordinator is not None
+
+
+def add_distributed_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add --coordinator, --num-processes, --process-id, --distributed-auto and
+    --distributed-timeout to `parser` (defaults: the JAX_* environment variables)."""
+    g = parser.add_argument_group("multi-process (jax.distributed)")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help=f"address of process 0's coordinator (env {ENV_VARS['coordinator']})")
+    g.add_argument("--num-processes", type=int, metavar="K",
+                   help=f"number of processes (env {ENV_VARS['num_processes']})")
+    g.add_argument("--process-id", type=int, metavar="I",
+                   help=f"this process's index in [0, K) (env {ENV_VARS['process_id']})")
+    g.add_argument("--distributed-auto", action="store_true",
+                   help="jax.distributed.initialize() with auto-detection (TPU pod slices, SLURM)")
+    g.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
+                   help="seconds to wait for all processes to join (default 300)")
+    return parser
+
+
+def distributed_config(args: argparse.Namespace | None = None,
+                       environ: dict[str, str] | None = None) -> DistributedConfig:
+    """DistributedConfig from parsed flags, falling back to the JAX_* environment variables
+    (ValueError for malformed values)."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for field, var in ENV_VARS.items():
+        v = getattr(args, field, None) if args is not None else None
+        if v is None and env.get(var):
+            v = env[var]
+            if field != "coordinator":
+                if not v.strip().lstrip("-").isdigit():
+                    raise ValueError(f"environment variable {var} must be an int, got {v!r}")
+                v = int(v)
+        values[field] = v
+    auto = bool(getattr(args, "distributed_auto", False)) if args is not None else False
+    timeout = getattr(args, "distributed_timeout", 300) if args is not None else 300
+    return DistributedConfig(**values, auto=auto, timeout_s=timeout)
+
+
+def initialize_distributed(args: argparse.Namespace | DistributedConfig | None = None) -> bool:
+    """Join the multi-process run described by `args` (flags / env, see
+    add_distributed_flags) and check the coordinator agrees on the process count and
+    this process's index. Call it before any other JAX computation. Returns True for a
+    multi-process run, False (nothing done) for a single-process one. ValueError, before
+    anything compiles, when the flags are malformed or disagree with the coordinator."""
+    config = args if isinstance(args, DistributedConfig) else distributed_config(args)
+    if not config.enabled:
+        return False
+    if jax.distributed.is_initialized():
+        _check_agreement(config)
+        return True
+    # CPU processes exchange collectives through gloo (GPU: NCCL, TPU: ICI need nothing).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if config.auto:
+        jax.distributed.initialize(initialization_timeout=config.timeout_s)
+    else:
+        jax.distributed.initialize(coordinator_address=config.coordinator,
+                                   num_processes=config.num_processes,
+                                   process_id=config.process_id,
+                                   initialization_timeout=config.timeout_s)
+    _check_agreement(config)
+    return True
+
+
+def _check_agreement(config: DistributedConfig) -> None:
+    if config.auto:
+        return
+    count, index = jax.process_count(), jax.process_index()
+    if count != config.num_processes or index != config.process_id:
+        jax.distributed.shutdown()
+        raise ValueError(
+            f"this process was launched with --num-processes {config.num_processes} "
+            f"--process-id {config.process_id}, but the coordinator at {config.coordinator} "
+            f"runs {count} processes and calls this one {index}; launch every process with the "
+            "same --num-processes and a distinct --process-id in [0, K)")
+
+
+def is_main_process() -> bool:
+    """True on process 0 (the one that logs and writes result files)."""
+    return jax.process_index() == 0
+
+
+def process_shard(items: Sequence[T], *, process_index: int | None = None,
+                  process_count: int | None = None) -> tuple[int, Sequence[T]]:
+    """(offset, items[offset : offset + len/K]): process i's contiguous share of a global
+    list. Keep the offset: numbering groups by their global index (offset + local index)
+    makes every per-sample rng key the same as in a one-process run. ValueError if the
+    items do not split evenly."""
+    i = jax.process_index() if process_index is None else process_index
+    k = jax.process_count() if process_count is None else process_count
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or not 0 <= i < k:
+        raise ValueError(f"process_index must be in [0, process_count) with process_count >= 1, "
+                         f"got {i} of {k}")
+    n = len(items)
+    if n % k:
+        raise ValueError(f"{n} items do not split evenly over {k} processes; make the global "
+                         f"count (e.g. prompts per step) a multiple of {k}")
+    share = n // k
+    return i * share, items[i * share:(i + 1) * share]
+
+
+def _rows_per_process(mesh: jax.sharding.Mesh, global_rows: int) -> int:
+    """Rows of a ("data", "fsdp")-sharded batch that one process holds."""
+    sharding = batch_sharding(mesh)
+    index_map = sharding.addressable_devices_indices_map((global_rows,))
+    starts = {idx[0].indices(global_rows)[:2] for idx in index_map.values()}
+    return sum(stop - start for start, stop in starts)
+
+
+def global_batch(local: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
+    """Assemble the global TrainBatch from each process's local rows (rows first in every
+    field, laid out as rl.trainer.batch_sharding(mesh)): process i's rows become global
+    rows [i*b, (i+1)*b) when the batch axis splits over processes, or the whole batch when
+    each process holds it all (e.g. a tensor axis spanning processes). Every process must
+    call it with the same shapes. ValueError for packed batches (their group indices are
+    per process) and when the rows do not fit the mesh."""
+    if not isinstance(local, TrainBatch):
+        raise ValueError(f"global_batch takes a TrainBatch, got {type(local).__name__}")
+    if local.packed is not None and jax.process_count() > 1:
+        raise ValueError("packed (shared-prefix) batches hold per-process group indices and "
+                         "cannot be assembled across processes; run without packing")
+    b = int(np.shape(local.tokens)[0])
+    rows = mesh_axes(mesh)["data"] * mesh_axes(mesh)["fsdp"]
+    procs = len({d.process_index for d in mesh.devices.flat})
+    # The process's rows out of the global batch: 1/procs of it, or all of it.
+    per = _rows_per_process(mesh, rows)  # shards of one row per data*fsdp slot
+    global_rows = b * rows // per
+    if global_rows % rows:
+        raise ValueError(f"the global batch of {global_rows} rows is not divisible by "
+                         f"data*fsdp = {rows}; make the per-process batch a multiple of "
+                         f"{max(1, rows // procs)}")
+    sharding = batch_sharding(mesh)
+
+    def put(x):
+        if x is None:
+            return None
+        x = np.asarray(x)
+        return jax.make_array_from_process_local_data(sharding, x, (global_rows,) + x.shape[1:])
+
+    return jax.tree.map(put, local)
+
+
+def gather_to_host(tree: Any) -> Any:
+    """The full value of every leaf as host numpy on every process (e.g. params for a
+    per-process sampler); a collective, so every process must call it."""
+    leaves = jax.tree.leaves(tree)
+    if all(getattr(x, "is_fully_addressable", True) for x in leaves):
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
