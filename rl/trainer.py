@@ -17,6 +17,10 @@ its prompt, `batch_from_trajectory(..., packed=True)` attaches `models.packed.Pa
 and the step computes the same log-probs with `models.packed.packed_token_logprobs` (each
 prompt runs once per group instead of once per response); the loss code is the same.
 
+VCPO (`TrainConfig.vcpo`, rl.vcpo): sequence importance weights against the behaviour
+policy, the minimum-variance off-policy baseline and an ESS-scaled final update; off by
+default (the step is then exactly the one above).
+
 `make_train_step` jits `train_step` with explicit in/out shardings derived from the
 models' logical axis rules (params by `models.sharding`, batch rows (packed: groups) over
 ("data", "fsdp")), donating the state.
@@ -45,6 +49,9 @@ from rl.losses import LossConfig, compute_loss, token_entropy
 from rl.offpolicy import (approx_proximal_logp, behaviour_weights, ratio_decomposition_metrics,
                           truncated_is_weights)
 from rl.trajectory import Trajectory
+from rl.vcpo import (VCPOConfig, ess_lr_scale, ess_ratio, per_trajectory_logprob_grads, scale_by_ess,
+                     sequence_log_weights, truncated_sequence_weights, vcpo_advantages,
+                     weight_tail_stats)
 
 Params = Any
 sg = jax.lax.stop_gradient
@@ -119,9 +126,12 @@ def make_schedule(config: OptimizerConfig) -> optax.Schedule:
     return schedule
 
 
-def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+def make_optimizer(config: OptimizerConfig, vcpo: VCPOConfig | None = None
+                   ) -> optax.GradientTransformation:
     """optax.chain(clip_by_global_norm, adamw | sgd) from a frozen config (deterministic:
-    building it twice gives the same update rule, so it need not live in the state)."""
+    building it twice gives the same update rule, so it need not live in the state).
+    With VCPO enabled and its lr_scale not "none", rl.vcpo.scale_by_ess is chained last
+    (its update then needs the extra argument ess=ρ)."""
     sched = make_schedule(config)
     if config.name == "adamw":
         opt = optax.adamw(sched, b1=config.b1, b2=config.b2, eps=config.eps,
@@ -130,7 +140,13 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
         opt = optax.sgd(sched)
     clip = (optax.identity() if config.max_grad_norm is None
             else optax.clip_by_global_norm(config.max_grad_norm))
+    if _scales_lr(vcpo):
+        return optax.chain(clip, opt, scale_by_ess(vcpo.rho_base, vcpo.lr_scale))
     return optax.chain(clip, opt)
+
+
+def _scales_lr(vcpo: VCPOConfig | None) -> bool:
+    return vcpo is not None and vcpo.enabled and vcpo.lr_scale != "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +204,14 @@ class TrainConfig:
         carries one (`batch_from_trajectory(..., packed=True)` attaches it when every group
         shares its prompt); batches without it use the naive rows. Same results up to
         float rounding; needs the groups to split evenly into micro_batches.
+    vcpo: VCPO (rl.vcpo.VCPOConfig; default disabled, and then the step is unchanged).
+        Enabled, the step computes each row's log w = Σ_t (log π_θ - log μ) with the
+        step's starting params before the micro-batches (plus exact per-row gradient norms
+        for the "opob" baseline unless grad_norms="none"), replaces the advantages by
+        VCPO's (R - b_g)/σ_g, multiplies each sequence's loss by its truncated weight
+        min(exp(clamp(log w, ±20)), is_cap), and scales the optimizer's final update by
+        the ESS of the whole batch. It cannot be combined with `offpolicy` (both weight the
+        loss by π/μ) and needs advantage "grpo" (which it replaces).
     """
 
     loss: LossConfig = LossConfig()
@@ -200,6 +224,7 @@ class TrainConfig:
     reward_weights: Any = ()
     attn_impl: str | None = None
     packed: bool = False
+    vcpo: VCPOConfig = VCPOConfig()
 
     def __post_init__(self):
         if not isinstance(self.packed, bool):
@@ -215,16 +240,25 @@ class TrainConfig:
         items = weights.items() if isinstance(weights, Mapping) else weights
         object.__setattr__(self, "reward_weights", tuple(sorted((str(k), float(v)) for k, v in items)))
         for name, cls in (("loss", LossConfig), ("advantage", AdvantageConfig),
-                          ("optimizer", OptimizerConfig), ("offpolicy", OffPolicyConfig)):
+                          ("optimizer", OptimizerConfig), ("offpolicy", OffPolicyConfig),
+                          ("vcpo", VCPOConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"TrainConfig.{name} must be a {cls.__name__}, got "
                                  f"{type(getattr(self, name)).__name__}")
+        if self.vcpo.enabled and self.offpolicy.correction != "none":
+            raise ValueError("TrainConfig.vcpo (enabled) already weights each sequence by its "
+                             "truncated π/μ; set offpolicy=OffPolicyConfig() (correction "
+                             f"'none'), got correction {self.offpolicy.correction!r}")
+        if self.vcpo.enabled and self.advantage.name != "grpo":
+            raise ValueError("TrainConfig.vcpo (enabled) computes its own advantages "
+                             "(R - b_g)/σ_g; leave TrainConfig.advantage at 'grpo', got "
+                             f"{self.advantage.name!r}")
 
 
 # ----------------------------------------------------------------------------- pytrees
 @struct.dataclass
 class TrainState:
-    """params; opt_state (optax state of make_optimizer(config.optimizer)); step int32 []
+    """params; opt_state (optax state of make_optimizer(config.optimizer, config.vcpo)); step int32 []
     (optimizer updates so far); version int32 [] (policy version of `params`; +1 per
     update); rng uint32 [2] (raw key data, for the loop's sampling seeds)."""
 
@@ -245,7 +279,7 @@ def init_train_state(params: Params, config: TrainConfig, rng: Any = 0) -> Train
             key = jax.random.key_data(key)
     if key.shape != (2,) or key.dtype != jnp.uint32:
         raise ValueError(f"rng must be an int seed or a PRNG key, got dtype {key.dtype} shape {key.shape}")
-    opt_state = make_optimizer(config.optimizer).init(params)
+    opt_state = make_optimizer(config.optimizer, config.vcpo).init(params)
     return TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
                       version=jnp.zeros((), jnp.int32), rng=key)
 
@@ -430,6 +464,50 @@ def _offpolicy_weights(config: OffPolicyConfig, prox, behaviour, mask):
     return fn(prox, behaviour, mask, **kw)
 
 
+def _vcpo(config: TrainConfig, model_config: ModelConfig, params: Params, batch: TrainBatch
+          ) -> dict:
+    """VCPO's per-row quantities for the WHOLE batch (the jitted step sees the global array,
+    so ρ counts every micro-batch and device): log w from the step's starting params (with
+    exact per-row gradient norms when the OPOB baseline needs them), advantages, truncated
+    sequence weights [B] and the vcpo_* metrics."""
+    vc = config.vcpo
+    tokens, positions, loss_mask = batch.tokens, batch.positions, batch.loss_mask
+    mask = loss_mask[:, 1:]
+    norms = None
+    if vc.baseline == "opob" and vc.grad_norms == "exact":
+        logp, norms = per_trajectory_logprob_grads(params, model_config, tokens, positions,
+                                                   loss_mask, config.temperature, vc.chunk,
+                                                   config.attn_impl)
+    else:  # one forward, micro-batch by micro-batch (the activations of one at a time)
+        m = config.micro_batches
+
+        def fwd(xs):
+            return token_logprobs(params, model_config, *xs, config.temperature, config.attn_impl)[0]
+
+        split = lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:])  # noqa: E731
+        logp = jax.lax.map(fwd, (split(tokens), split(positions))).reshape(mask.shape)
+    log_w = sequence_log_weights(logp, batch.behaviour_logprobs[:, 1:], mask)
+    valid = jnp.any(mask, axis=1)
+    rewards = _scalar_rewards(config, batch)
+    adv, base = vcpo_advantages(rewards, log_w, norms, batch.group_size, baseline=vc.baseline,
+                                variant=vc.variant, valid=valid, is_cap=vc.is_cap)
+    rho = ess_ratio(log_w, valid)
+    seq_w = truncated_sequence_weights(log_w, vc.is_cap)
+    group_mean = jnp.mean(rewards.reshape(base.shape[0], -1), axis=1)
+    metrics = {
+        "vcpo_ess": rho,
+        "vcpo_lr_scale": ess_lr_scale(rho, vc.rho_base, vc.lr_scale),
+        "vcpo_baseline_minus_mean": jnp.mean(jnp.abs(base - group_mean)),
+        "vcpo_capped_frac": jnp.sum(valid & (log_w > math.log(vc.is_cap)))
+        / jnp.maximum(jnp.sum(valid), 1),
+        **weight_tail_stats(log_w, valid),
+    }
+    if norms is not None:
+        metrics["vcpo_grad_sq_norm_mean"] = jnp.sum(jnp.where(valid, norms, 0.0)) \
+            / jnp.maximum(jnp.sum(valid), 1)
+    return {"advantages": adv, "seq_weights": seq_w, "metrics": metrics}
+
+
 def _micro_loss(params, mb, ref_params, norm, version, *, config: TrainConfig,
                 model_config: ModelConfig):
     """Loss of one micro-batch, scaled to its share of the full batch, and its metrics.
@@ -491,7 +569,9 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         clip_frac*, ratio_mean/max, approx_kl, kl (with a reference), entropy,
         mismatch_* / staleness_* / total_* (log π/μ statistics), is_* or behav_* (with an
         off-policy correction), grad_norm (before clipping), lr, tokens, response_len,
-        reward_mean, reward_<name>, adv_mean, adv_abs_mean.
+        reward_mean, reward_<name>, adv_mean, adv_abs_mean; with VCPO also vcpo_ess (ρ),
+        vcpo_lr_scale, vcpo_baseline_minus_mean (mean |b_g - group mean|), vcpo_capped_frac,
+        vcpo_logw_max / _p99 / _mean / _std and (exact norms) vcpo_grad_sq_norm_mean.
     """
     if (config.loss.kl_coef > 0) != (ref_params is not None):
         raise ValueError("ref_params must be given exactly when config.loss.kl_coef > 0 "
@@ -511,9 +591,15 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
     if b % m:
         raise ValueError(f"batch of {b} rows does not split into micro_batches={m}; "
                          "make the batch a multiple of micro_batches")
-    adv_out = _advantages(config, batch)
-    adv = adv_out.advantages
-    mask = batch.loss_mask[:, 1:] & (adv_out.sample_mask[:, None] > 0)
+    vcpo_out = None
+    if config.vcpo.enabled:
+        vcpo_out = _vcpo(config, model_config, state.params, batch)
+        adv = vcpo_out["advantages"]
+        mask = batch.loss_mask[:, 1:]
+    else:
+        adv_out = _advantages(config, batch)
+        adv = adv_out.advantages
+        mask = batch.loss_mask[:, 1:] & (adv_out.sample_mask[:, None] > 0)
     n_tok_all = jnp.sum(mask).astype(jnp.float32)
     n_seq_all = jnp.sum(jnp.any(mask, axis=1)).astype(jnp.float32)
     norm = jnp.maximum(n_tok_all if config.loss.aggregation == "token-mean" else n_seq_all, 1.0)
@@ -532,8 +618,12 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         packed = packed.replace(rows=packed.rows % (b // m))
     mbs = tuple(split(x) for x in (batch.tokens, batch.positions, mask,
                                    batch.behaviour_logprobs[:, 1:], adv, batch.versions[:, 1:]))
+    loss_weights = batch.loss_weights
+    if vcpo_out is not None:  # the truncated sequence weight, on every token of the row
+        w = jnp.broadcast_to(vcpo_out["seq_weights"][:, None], batch.tokens.shape)
+        loss_weights = w if loss_weights is None else w * loss_weights
     mbs += tuple(None if f is None else split(f[:, 1:])
-                 for f in (batch.proximal_logprobs, batch.loss_weights))
+                 for f in (batch.proximal_logprobs, loss_weights))
     mbs += (None if packed is None else jax.tree.map(split, packed),)
     grad_fn = jax.value_and_grad(partial(_micro_loss, config=config, model_config=model_config),
                                  has_aux=True)
@@ -555,8 +645,12 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         else:
             metrics[k] = jnp.sum(v * tok_w)
 
-    tx = make_optimizer(config.optimizer)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    tx = make_optimizer(config.optimizer, config.vcpo)
+    if _scales_lr(config.vcpo):
+        updates, opt_state = tx.update(grads, state.opt_state, state.params,
+                                       ess=vcpo_out["metrics"]["vcpo_ess"])
+    else:
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     rewards = _scalar_rewards(config, batch) if config.advantage.name != "gdpo" \
         else jnp.sum(batch.rewards, axis=1)
@@ -571,6 +665,8 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
     )
     for k, name in enumerate(batch.reward_names):
         metrics[f"reward_{name}"] = jnp.mean(batch.rewards[:, k])
+    if vcpo_out is not None:
+        metrics.update(vcpo_out["metrics"])
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                               version=state.version + 1)
     return new_state, metrics
@@ -591,7 +687,7 @@ def state_shardings(model_config: ModelConfig, config: TrainConfig, mesh: jax.sh
     params_sh = logical_to_mesh_sharding(param_logical_axes(model_config), mesh, rules)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     abstract = abstract_train_state(model_config, config)
-    opt_sh = optax.tree_map_params(make_optimizer(config.optimizer), lambda _, s: s,
+    opt_sh = optax.tree_map_params(make_optimizer(config.optimizer, config.vcpo), lambda _, s: s,
                                    abstract.opt_state, params_sh,
                                    transform_non_params=lambda _: replicated)
     return TrainState(params=params_sh, opt_state=opt_sh, step=replicated, version=replicated,

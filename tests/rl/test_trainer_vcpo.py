@@ -1,0 +1,124 @@
+"""VCPO in the train step (TrainConfig.vcpo): one SGD step against a float64 reference
+built from per-row jax.grad calls (log w, exact gradient norms, the OPOB baseline, the
+truncated sequence weights, the √ρ update scale of the whole batch over 2 micro-batches);
+with all weights 1 and the cheap mode's equal norms VCPO's step equals GRPO's; off by
+default (the plain step); bad combinations raise."""
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from models.decoder import init_params
+from rl.advantages import AdvantageConfig
+from rl.trainer import (OffPolicyConfig, TrainConfig, batch_from_trajectory, init_train_state,
+                        make_train_step)
+from rl.vcpo import VCPOConfig
+from test_trainer import (CFG, FAST, GROUP, LR, PG_CONFIG, TEMP, _np_logprobs, _seq_logprob_grad,
+                          fresh_state, make_traj)
+
+EXACT = TrainConfig(loss=PG_CONFIG.loss, advantage=PG_CONFIG.advantage,
+                    optimizer=PG_CONFIG.optimizer, temperature=TEMP, micro_batches=2,
+                    vcpo=VCPOConfig(enabled=True, chunk=3))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, 3)
+
+
+def _with_behaviour(batch, mu):
+    blp = np.zeros(batch.tokens.shape, np.float32)
+    blp[:, 1:] = mu
+    return batch.replace(behaviour_logprobs=blp), blp[:, 1:].astype(np.float64)
+
+
+def _deltas(new_params, params):
+    return [np.asarray(n, np.float64) - np.asarray(p, np.float64)
+            for n, p in zip(jax.tree.leaves(new_params), jax.tree.leaves(params))]
+
+
+def _assert_same_update(got, want):
+    scale = max(float(np.abs(w).max()) for w in want)
+    assert scale > 1e-4  # the step really moves the params
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=2e-5 * scale, rtol=1e-3)
+
+
+def test_vcpo_step_matches_float64_reference(params):
+    batch = batch_from_trajectory(make_traj(31, empty_row=6), group_size=GROUP, model_config=CFG)
+    mask = np.asarray(batch.loss_mask)[:, 1:]
+    logp = _np_logprobs(params, batch.tokens)
+    noise = np.random.default_rng(3).uniform(-0.8, 0.8, logp.shape)
+    first = np.argmax(mask[2])
+    noise[2, first] = -3.0  # row 2: log w > log 8, capped in the loss
+    batch, mu = _with_behaviour(batch, np.where(mask, logp + noise, 0.0))
+    new, m = make_train_step(EXACT, CFG, compiler_options=FAST)(fresh_state(params, EXACT), batch)
+
+    b = mask.shape[0]
+    rewards = np.asarray(batch.rewards[:, 0], np.float64)
+    log_w = np.array([sum(logp[i, t] - mu[i, t] for t in range(mask.shape[1]) if mask[i, t])
+                      for i in range(b)])
+    valid = mask.any(axis=1)
+    grads, norms = [], []
+    for i in range(b):
+        g = _seq_logprob_grad(params, batch.tokens[i:i + 1], batch.loss_mask[i].astype(np.float32))
+        grads.append([np.asarray(x, np.float64) for x in jax.tree.leaves(g)])
+        norms.append(sum(float(np.sum(x * x)) for x in grads[-1]))
+    adv, base = np.zeros(b), []
+    for g0 in range(0, b, GROUP):
+        rows = range(g0, g0 + GROUP)
+        big_w = {i: math.exp(2 * log_w[i]) * norms[i] for i in rows if valid[i]}
+        bg = sum(big_w[i] * rewards[i] for i in big_w) / (sum(big_w.values()) + 1e-8)
+        base.append(bg)
+        mean = sum(rewards[i] for i in rows) / GROUP
+        std = math.sqrt(sum((rewards[i] - mean) ** 2 for i in rows) / GROUP)
+        for i in rows:
+            adv[i] = (rewards[i] - bg) / std
+    w = [math.exp(x) for x, v in zip(log_w, valid) if v]
+    rho = sum(w) ** 2 / sum(x * x for x in w) / len(w)
+    trunc = np.minimum(np.exp(np.clip(log_w, -20, 20)), 8.0)
+    assert trunc[2] == 8.0 and rho < 0.9  # the cap and the ESS scale are both exercised
+    # PPO-clip at ratio 1, seq-mean-token-sum: θ' = θ + √ρ lr / B' Σ_i A_i w̃_i ∇ log π(y_i)
+    n_seq = int(valid.sum())
+    want = [math.sqrt(rho) * LR / n_seq * sum(adv[i] * trunc[i] * grads[i][k] for i in range(b))
+            for k in range(len(grads[0]))]
+    _assert_same_update(_deltas(new.params, params), want)
+    np.testing.assert_allclose(m["vcpo_ess"], rho, rtol=1e-4)
+    np.testing.assert_allclose(m["vcpo_lr_scale"], math.sqrt(rho), rtol=1e-4)
+    group_means = rewards.reshape(-1, GROUP).mean(axis=1)
+    np.testing.assert_allclose(m["vcpo_baseline_minus_mean"], np.abs(np.array(base) - group_means).mean(),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(m["vcpo_logw_max"], log_w[valid].max(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(m["vcpo_capped_frac"], 1 / n_seq, rtol=1e-6)
+
+
+def test_equal_weights_and_norms_give_the_grpo_step(params):
+    batch = batch_from_trajectory(make_traj(32), group_size=GROUP, model_config=CFG)
+    mask = np.asarray(batch.loss_mask)[:, 1:]
+    batch, _ = _with_behaviour(batch, np.where(mask, _np_logprobs(params, batch.tokens), 0.0))
+    vcpo = TrainConfig(loss=PG_CONFIG.loss, optimizer=PG_CONFIG.optimizer, temperature=TEMP,
+                       vcpo=VCPOConfig(enabled=True, grad_norms="none"))
+    # OPOB with equal W is the group mean; VCPO divides by the population std, no eps
+    grpo = TrainConfig(loss=PG_CONFIG.loss, optimizer=PG_CONFIG.optimizer, temperature=TEMP,
+                       advantage=AdvantageConfig("grpo", {"eps": 0.0, "unbiased_std": False}))
+    a, ma = make_train_step(vcpo, CFG, compiler_options=FAST)(fresh_state(params, vcpo), batch)
+    b, _ = make_train_step(grpo, CFG, compiler_options=FAST)(fresh_state(params, grpo), batch)
+    _assert_same_update(_deltas(a.params, params), _deltas(b.params, params))
+    assert float(ma["vcpo_ess"]) == pytest.approx(1.0, abs=1e-5)
+    assert abs(float(ma["vcpo_logw_max"])) < 1e-4
+
+
+def test_vcpo_is_off_by_default_and_validated(params):
+    assert TrainConfig() == TrainConfig(vcpo=VCPOConfig(enabled=False))
+    plain = init_train_state(params, TrainConfig()).opt_state
+    on = init_train_state(params, TrainConfig(vcpo=VCPOConfig(enabled=True))).opt_state
+    none = init_train_state(params, TrainConfig(vcpo=VCPOConfig(enabled=True, lr_scale="none")))
+    assert len(plain) == 2 and len(on) == 3  # scale_by_ess is chained only when it scales
+    assert jax.tree.structure(none.opt_state) == jax.tree.structure(plain)
+    with pytest.raises(ValueError, match="offpolicy"):
+        TrainConfig(vcpo=VCPOConfig(enabled=True), offpolicy=OffPolicyConfig(correction="truncated_is"))
+    with pytest.raises(ValueError, match="advantage"):
+        TrainConfig(vcpo=VCPOConfig(enabled=True), advantage=AdvantageConfig("rloo"))
+    with pytest.raises(ValueError, match="vcpo"):
+        TrainConfig(vcpo={"enabled": True})
