@@ -7,6 +7,13 @@ writes into a temporary directory and renames it when complete), and only the la
 `keep` checkpoints are kept. Restoring needs a template state with the same tree
 (e.g. a freshly initialised one); a missing, incomplete or corrupted checkpoint raises
 `CheckpointError` saying what is wrong and where.
+
+Meshes and processes: orbax stores each array whole (not per device), so a checkpoint
+written under one mesh restores onto any other. The restored arrays take the template's
+shardings, or `shardings=` (e.g. `rl.trainer.state_shardings(model, train, new_mesh)`,
+with `rl.trainer.abstract_train_state` as a template that allocates nothing). In a
+multi-process run every process calls save / restore with the same arguments and orbax
+coordinates them (each writes or reads the shards it holds).
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from rl.sharding import with_shardings
 from rl.trainer import TrainState
 
 # Orbax logs every save at INFO; a training loop's progress bar is the better place.
@@ -64,9 +72,13 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+    def restore(self, template: TrainState, step: int | None = None, *,
+                shardings: Any = None) -> tuple[TrainState, dict]:
         """(state, meta) of checkpoint `step` (default: the latest). `template` gives the
-        tree, shapes, dtypes and shardings to restore into."""
+        tree, shapes and dtypes (arrays or jax.ShapeDtypeStruct), and the shardings to
+        restore into unless `shardings` is given: a tree like the template's of
+        jax.sharding.Sharding (e.g. rl.trainer.state_shardings(..., mesh)) or one
+        Sharding for every array. Any mesh works, whatever mesh wrote the checkpoint."""
         self.wait()
         steps = self.all_steps()
         if not steps:
@@ -78,7 +90,14 @@ class Checkpointer:
         elif step not in steps:
             raise CheckpointError(f"checkpoint step {step} not found in {str(self.directory)!r}; "
                                   f"available steps: {steps}")
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        if shardings is None:
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        else:
+            try:
+                abstract = with_shardings(template, shardings)
+            except ValueError as err:  # tree structures differ
+                raise ValueError("restore: `shardings` must be one jax.sharding.Sharding or a "
+                                 f"tree shaped like the template ({err})") from err
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))

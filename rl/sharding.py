@@ -187,9 +187,10 @@ def with_shardings(tree: Any, shardings: Any) -> Any:
     """jax.ShapeDtypeStruct tree (shape, dtype of `tree`'s leaves: arrays or abstract
     values) carrying `shardings` (a tree of the same structure, or one sharding for
     all). E.g. the target of an orbax restore onto another mesh."""
-    if isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                                           sharding=shardings), tree)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
-                        tree, shardings)
+    def spec(x, s):
+        x = x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
+        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=s)
 
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: spec(x, shardings), tree)
+    return jax.tree.map(spec, tree, shardings)
