@@ -160,10 +160,15 @@ def evaluate(params: Any, version: int, model_config: ModelConfig, task: Task,
 
 
 # ----------------------------------------------------------------------------- the loop
+def rollout_seed(rng: jax.Array) -> tuple[int, jax.Array]:
+    """Split a raw key [2] uint32: (seed for one rollout, the key to keep)."""
+    key, sub = jax.random.split(jnp.asarray(rng))
+    return int(jax.random.randint(sub, (), 0, np.iinfo(np.int32).max)), key
+
+
 def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:
     """Split the state's rng: one half stays in the state, the other seeds this rollout."""
-    key, sub = jax.random.split(jnp.asarray(state.rng))
-    seed = int(jax.random.randint(sub, (), 0, np.iinfo(np.int32).max))
+    seed, key = rollout_seed(state.rng)
     return seed, state.replace(rng=key)
 
 
@@ -270,6 +275,84 @@ def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, conf
     return batch, state, data_position, stats
 
 
+@dataclasses.dataclass
+class RunContext:
+    """The pieces every loop sets up the same way (see open_run): the placed state, the
+    KL reference (or None), checkpointer, logger, jitted step, data position to start
+    from, the first step and the restored checkpoint's meta ({} for a fresh run)."""
+
+    state: TrainState
+    ref: Any
+    ckpt: Checkpointer
+    logger: MetricsLogger
+    step_fn: Any
+    data_position: int
+    start: int
+    meta: dict
+
+    def close(self) -> None:
+        try:
+            self.ckpt.close()
+        finally:
+            self.logger.close()
+
+
+def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: LoopConfig,
+             run_dir: Path, *, resume: bool, wandb_mode: str, run_config: dict | None,
+             mesh: jax.sharding.Mesh | None, compiler_options: dict | None) -> RunContext:
+    """Run dir, own copy of the params (+ frozen reference with KL), fresh or restored
+    state placed for the jitted step, checkpointer and logger."""
+    if resume and not (run_dir / "checkpoints").is_dir():
+        raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ directory "
+                              "(run without resume first, or point at an existing run dir)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
+    ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
+    state = init_train_state(params, config, loop.seed)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints)
+    data_position, meta = 0, {}
+    if resume:
+        try:
+            state, meta = ckpt.restore(state)
+        except BaseException:
+            ckpt.close()
+            raise
+        data_position = int(meta["data_position"])
+    start = int(state.step)
+    logger = MetricsLogger(run_dir, wandb_mode=wandb_mode, config=run_config,
+                           resume_step=start if resume else None, run_name=run_dir.name)
+    step_fn = make_train_step(config, model_config, mesh, compiler_options=compiler_options)
+    state = step_fn.place_state(state)
+    return RunContext(state=state, ref=ref, ckpt=ckpt, logger=logger, step_fn=step_fn,
+                      data_position=data_position, start=start, meta=meta)
+
+
+def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, loop: LoopConfig,
+                   logger: MetricsLogger, on_eval: Callable[[dict], Any] | None = None
+                   ) -> Callable[[int, Any, int], dict]:
+    """do_eval(step, params, version) -> the logged eval record (sampled at the train
+    temperature, plus greedy with loop.eval_greedy; seed from loop.seed and step)."""
+    eval_prompts = task.eval_prompts(loop.eval_prompts)
+    weights = dict(config.reward_weights)
+
+    def do_eval(step: int, params: Any, version: int) -> dict:
+        rec = {}
+        modes = [("", SamplingConfig(temperature=config.temperature))]
+        if loop.eval_greedy:
+            modes.append(("greedy_", SamplingConfig(greedy=True)))
+        for prefix, sampling in modes:
+            res = evaluate(params, version, model_config, task, eval_prompts, sampling=sampling,
+                           segment_len=loop.segment_len, seed=(loop.seed * 7919 + step) % (2 ** 31),
+                           reward_weights=weights)
+            rec.update({f"{prefix}{k}": v for k, v in res.items()})
+        record = logger.log(step, rec, kind="eval")
+        if on_eval is not None:
+            on_eval(record)
+        return record
+
+    return do_eval
+
+
 def run(
     model_config: ModelConfig,
     params: Any,
@@ -296,42 +379,13 @@ def run(
     config.loss.kl_coef > 0); they are copied, never donated.
     """
     run_dir = Path(run_dir)
-    if resume and not (run_dir / "checkpoints").is_dir():
-        raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ directory "
-                              "(run without resume first, or point at an existing run dir)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
-    ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
-    state = init_train_state(params, config, loop.seed)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints)
-    data_position = 0
-    if resume:
-        state, meta = ckpt.restore(state)
-        data_position = int(meta["data_position"])
-    start = int(state.step)
-    logger = MetricsLogger(run_dir, wandb_mode=wandb_mode, config=run_config,
-                           resume_step=start if resume else None, run_name=run_dir.name)
-    step_fn = make_train_step(config, model_config, mesh, compiler_options=compiler_options)
-    state = step_fn.place_state(state)
-    eval_prompts = task.eval_prompts(loop.eval_prompts)
-    weights = dict(config.reward_weights)
-
-    def do_eval(step: int, params: Any, version: int) -> dict:
-        rec = {}
-        modes = [("", SamplingConfig(temperature=config.temperature))]
-        if loop.eval_greedy:
-            modes.append(("greedy_", SamplingConfig(greedy=True)))
-        for prefix, sampling in modes:
-            res = evaluate(params, version, model_config, task, eval_prompts, sampling=sampling,
-                           segment_len=loop.segment_len, seed=(loop.seed * 7919 + step) % (2 ** 31),
-                           reward_weights=weights)
-            rec.update({f"{prefix}{k}": v for k, v in res.items()})
-        record = logger.log(step, rec, kind="eval")
-        if on_eval is not None:
-            on_eval(record)
-        return record
-
+    ctx = open_run(model_config, params, config, loop, run_dir, resume=resume,
+                   wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
+                   compiler_options=compiler_options)
+    state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn
+    data_position, start = ctx.data_position, ctx.start
     try:
+        do_eval = make_evaluator(model_config, task, config, loop, logger, on_eval)
         if not resume:
             do_eval(0, state.params, 0)
         bar = tqdm(total=loop.steps, initial=start, disable=not progress, desc="grpo",
@@ -361,8 +415,7 @@ def run(
                 ckpt.save(done, state, {"data_position": data_position, "task": task.name})
         bar.close()
     finally:
-        ckpt.close()
-        logger.close()
+        ctx.close()
     train = [r for r in logger.records if r["kind"] == "train"]
     evals = [r for r in logger.records if r["kind"] == "eval"]
     return RunResult(state=state, train=train, eval=evals, run_dir=run_dir,

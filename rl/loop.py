@@ -1,0 +1,594 @@
+"""The asynchronous GRPO loop: a rollout producer and the learner with a
+`rl.buffer.TrajectoryBuffer` between them, under one staleness knob η = max_staleness
+(0 = synchronous on-policy, 1 = one-step overlap, larger = fully asynchronous).
+
+Two modes (AsyncConfig.mode):
+  * "threaded": a producer thread samples with the latest published params, picking
+    them up at every segment boundary (in-flight weight updates: tokens after a swap carry
+    the new version), scores finished groups and puts them into the buffer under AReaL's
+    admission rule; the learner (main thread) takes b groups per step, trains, and
+    publishes the new params (a copy, on the rollout device) to the producer. With more
+    than one device, jax.devices() is split into training devices (a data-parallel mesh
+    for the train step) and rollout devices (the sampler runs on the first of them; new
+    params are resharded onto it before publishing); with one device they interleave.
+  * "deterministic": no threads; step v samples its batch with the params of version
+    max(v − k, 0), k = η, from a `rl.snapshots.ParamSnapshots` ring, so every token of
+    step v has version exactly v − k (v ≥ k) and runs are reproducible on one CPU.
+With η = 0 both modes reproduce `rl.sync_loop.run` exactly (same rng splits, same
+sampling calls; rollout "static" in threaded mode, and "continuous" on equal-length
+responses).
+
+Rollouts (AsyncConfig.rollout): "static" samples whole rounds of up to b groups and
+hands them over sorted by prompt (threaded: one engine per round; deterministic: exactly
+`rl.sync_loop.sample_batch_groups`, DAPO dynamic sampling included); "continuous"
+(threaded only) keeps one engine whose free slots are refilled with new prompts at every
+segment boundary while the admission rule allows.
+
+Proximal policy (AsyncConfig.proximal): "current" keeps the TrainConfig as given;
+"versions" sets old_logp="versions" (AReaL's log-linear interpolation from per-token
+versions); "exact" computes TrainBatch.proximal_logprobs with
+`rl.proximal.exact_proximal_logprobs` from the snapshot ring (log π at each token's own
+behaviour version) and sets old_logp="proximal", so the PPO ratio is π_θ / π_v(b) (pure
+staleness) and π_prox/μ is the pure train–inference discrepancy; "ewma" keeps PPO-EWMA
+params θ_prox ← β θ_prox + (1 − β) θ (rl.proximal.ewma_update) and uses their log-probs
+(old_logp="proximal"). The trainer logs both factors of the ratio (mismatch_* =
+π_prox/μ, staleness_* = π_θ/π_prox), plus the buffer's counters (buffer_*) and the
+behaviour-version lag of each batch.
+
+Faults: an exception in the producer thread stops the run: the learner writes a final
+checkpoint and raises RuntimeError chained to the original exception (its traceback
+intact); KeyboardInterrupt (Ctrl-C, or raised from a hook) writes a final checkpoint and
+re-raises; the producer is always stopped and joined (timeout, then it is a daemon
+thread, so it can never keep the process alive). Resume: deterministic mode resumes
+exactly (the snapshot ring is saved beside each checkpoint under run_dir/snapshots/);
+threaded mode restarts the producer at the data position it had reached when the
+checkpoint was written: groups that were queued or still being sampled then are NOT
+restored and are counted as dropped (`dropped_on_resume_groups` in the first record).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from models.config import ModelConfig
+from models.sharding import make_mesh
+from rl.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer
+from rl.checkpoint import CheckpointError
+from rl.logging import atomic_write_bytes
+from rl.offpolicy import kept_group_indices
+from rl.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
+from rl.rollout import RolloutConfig, RolloutEngine
+from rl.sampling import SamplingConfig
+from rl.snapshots import ParamSnapshots
+from rl.sync_loop import (LoopConfig, RunResult, _take_rows, _total_reward, build_batch,
+                          make_evaluator, open_run, rollout_seed, sample_batch_groups, score)
+from rl.tasks.base import Task
+from rl.trainer import TrainBatch, TrainConfig, TrainState
+
+MODES = ("threaded", "deterministic")
+ROLLOUTS = ("static", "continuous")
+PROXIMAL = ("current", "exact", "versions", "ewma")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncConfig:
+    """max_staleness η: data may be at most η versions older than the learner (0 =
+    synchronous). mode "threaded" | "deterministic" (module doc). stale_policy "drop" |
+    "downweight" (per stale token, factor stale_weight) for data older than η (see
+    rl.buffer). rollout "static" | "continuous" (continuous: threaded mode only).
+    proximal "current" | "exact" | "versions" | "ewma" (+ ewma_beta). snapshot_capacity:
+    versions kept in the param ring (default η + 2; at least η + 1). rollout_devices:
+    devices given to the sampler in threaded mode (None: half of them when there are
+    several, 0 when there is one: rollout and training share it). join_timeout_s: how long
+    shutdown waits for the producer thread."""
+
+    max_staleness: int = 1
+    mode: str = "threaded"
+    stale_policy: str = "drop"
+    stale_weight: float = 0.5
+    rollout: str = "static"
+    proximal: str = "current"
+    ewma_beta: float = 0.9
+    snapshot_capacity: int | None = None
+    rollout_devices: int | None = None
+    join_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        k = self.max_staleness
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"AsyncConfig.max_staleness must be an int >= 0, got {k!r}")
+        for name, allowed in (("mode", MODES), ("stale_policy", STALE_POLICIES),
+                              ("rollout", ROLLOUTS), ("proximal", PROXIMAL)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"AsyncConfig.{name} must be one of {allowed}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.mode == "deterministic" and self.rollout != "static":
+            raise ValueError("AsyncConfig.rollout='continuous' needs mode='threaded' (the "
+                             "deterministic mode samples each batch whole with the params of "
+                             "version v - k); use rollout='static'")
+        if not (0.0 <= self.stale_weight <= 1.0):
+            raise ValueError(f"AsyncConfig.stale_weight must be in [0, 1], got {self.stale_weight}")
+        if not (0.0 <= self.ewma_beta < 1.0):
+            raise ValueError(f"AsyncConfig.ewma_beta must be in [0, 1), got {self.ewma_beta}")
+        cap = self.snapshot_capacity
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < k + 1):
+            raise ValueError(f"AsyncConfig.snapshot_capacity must be an int >= max_staleness + 1 "
+                             f"= {k + 1} (the ring must hold every admissible version), got {cap!r}")
+        if self.proximal == "exact" and self.stale_policy != "drop":
+            raise ValueError("AsyncConfig.proximal='exact' needs stale_policy='drop': down-weighted "
+                             "stale tokens can be older than any snapshot in the ring")
+        r = self.rollout_devices
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise ValueError(f"AsyncConfig.rollout_devices must be None or an int >= 0, got {r!r}")
+        if not self.join_timeout_s > 0:
+            raise ValueError(f"AsyncConfig.join_timeout_s must be > 0, got {self.join_timeout_s}")
+
+    @property
+    def ring_capacity(self) -> int:
+        return self.snapshot_capacity or self.max_staleness + 2
+
+
+def train_config_for(config: TrainConfig, async_config: AsyncConfig) -> TrainConfig:
+    """The TrainConfig the learner runs with: old_logp set by the proximal option."""
+    old = {"current": config.old_logp, "versions": "versions", "exact": "proximal",
+           "ewma": "proximal"}[async_config.proximal]
+    return config if old == config.old_logp else dataclasses.replace(config, old_logp=old)
+
+
+# ----------------------------------------------------------------------------- producer
+def _split_groups(traj, rewards: dict[str, np.ndarray], group_size: int) -> list[tuple[int, ScoredGroup]]:
+    """(engine group id, ScoredGroup) per group of a harvested Trajectory (rows grouped)."""
+    gids = np.asarray(traj.group_ids)
+    out = []
+    for start in range(0, gids.size, group_size):
+        rows = list(range(start, start + group_size))
+        out.append((int(gids[start]), ScoredGroup(traj=_take_rows(traj, rows),
+                                                  rewards={k: v[rows] for k, v in rewards.items()})))
+    return out
+
+
+class _Producer:
+    """The rollout thread's work: admit prompts under the buffer's rule, sample with the
+    latest published params segment by segment, score, put finished groups."""
+
+    def __init__(self, *, model_config: ModelConfig, task: Task, config: TrainConfig,
+                 loop: LoopConfig, rollout: str, buffer: TrajectoryBuffer,
+                 latest: Callable[[], tuple[Any, int]], data_position: int, rng: np.ndarray,
+                 device: jax.Device | None):
+        self.model_config, self.task, self.config, self.loop = model_config, task, config, loop
+        self.rollout, self.buffer, self.latest, self.device = rollout, buffer, latest, device
+        self._lock = threading.Lock()
+        self._pos, self._rng = int(data_position), np.asarray(rng, np.uint32)
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.sampled_tokens = 0
+        self.filtered_in_a_row = 0
+        self._engine: RolloutEngine | None = None
+        self._prompts: dict[int, Any] = {}
+
+    # -------------------------------------------------------------- shared state
+    def position(self) -> tuple[int, np.ndarray]:
+        """(data position of the next prompt, rng key) — consistent with each other."""
+        with self._lock:
+            return self._pos, self._rng.copy()
+
+    def _take_prompts(self, n: int) -> tuple[int, list]:
+        """Seed + the next n train prompts; advances position and rng together."""
+        with self._lock:
+            seed, key = rollout_seed(self._rng)
+            prompts = self.task.train_prompts(self._pos, n)
+            self._pos += n
+            self._rng = np.asarray(key, np.uint32)
+        return seed, prompts
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set() or self.buffer.closed
+
+    # -------------------------------------------------------------- pieces
+    def _engine_for(self, seed: int) -> RolloutEngine:
+        lp, t = self.loop, self.task
+        rc = RolloutConfig(num_slots=lp.prompts_per_step * lp.group_size, group_size=lp.group_size,
+                           segment_len=lp.segment_len, max_prompt_len=t.max_prompt_len,
+                           max_new_tokens=t.max_new_tokens,
+                           sampling=SamplingConfig(temperature=self.config.temperature),
+                           stop_ids=tuple(t.stop_ids), seed=int(seed))
+        return RolloutEngine(self.model_config, rc)
+
+    def _admit(self, most: int, block: bool) -> int:
+        """Reserve up to `most` groups (blocking until at least one fits if `block`)."""
+        while most > 0:
+            n = min(most, self.buffer.capacity())
+            if n > 0 and self.buffer.reserve(n):
+                return n
+            if not block or self.stopping:
+                return 0
+            self.buffer.wait_for_capacity(1, timeout=0.1)
+        return 0
+
+    def _segment(self) -> list[tuple[int, ScoredGroup]]:
+        """One segment with the latest params; the finished groups, scored."""
+        params, version = self.latest()
+        self._engine.step(params, version)
+        part = self._engine.harvest()
+        if part is None:
+            return []
+        self.sampled_tokens += part.num_tokens()
+        rewards = score(self.task, self._prompts, part)
+        for g in np.unique(np.asarray(part.group_ids)):
+            self._prompts.pop(int(g), None)
+        return _split_groups(part, rewards, self.loop.group_size)
+
+    def _offer(self, group: ScoredGroup) -> None:
+        """Put a group, or (dynamic sampling, all rewards equal) release it as filtered."""
+        if self.loop.dynamic_sampling:
+            total = _total_reward(dict(group.rewards), self.config)
+            if kept_group_indices(total, self.loop.group_size).size == 0:
+                self.buffer.release(1, "filtered")
+                self.filtered_in_a_row += 1
+                limit = (self.loop.max_resample_rounds + 1) * self.loop.prompts_per_step
+                if self.filtered_in_a_row >= limit:
+                    raise ValueError(
+                        f"empty batch after dynamic sampling: {self.filtered_in_a_row} groups in a "
+                        "row had equal rewards within their group (no learning signal); raise "
+                        "max_resample_rounds, the group size or the temperature, or turn dynamic "
+                        "sampling off")
+                return
+        self.filtered_in_a_row = 0
+        self.buffer.put(group)
+
+    def _static_round(self) -> None:
+        n = self._admit(self.loop.prompts_per_step, block=True)
+        if n == 0:
+            return
+        seed, prompts = self._take_prompts(n)
+        self._engine = self._engine_for(seed)
+        self._prompts = dict(zip(self._engine.submit([p.ids for p in prompts]), prompts))
+        done: list[tuple[int, ScoredGroup]] = []
+        while not self._engine.idle and not self.stopping:
+            done += self._segment()
+        for _, group in sorted(done, key=lambda x: x[0]):  # prompt order, as the sync loop
+            self._offer(group)
+
+    def _continuous_step(self) -> None:
+        n_slots = self.loop.prompts_per_step
+        if self._engine is None or self._engine.idle:
+            n = self._admit(n_slots, block=True)
+            if n == 0:
+                return
+            seed, prompts = self._take_prompts(n)
+            self._engine = self._engine_for(seed)
+            self._prompts = dict(zip(self._engine.submit([p.ids for p in prompts]), prompts))
+        else:  # refill free slots while the admission rule allows
+            free = self._engine.num_free_slots // self.loop.group_size - self._engine.num_queued
+            n = self._admit(free, block=False) if free > 0 else 0
+            if n:
+                with self._lock:
+                    prompts = self.task.train_prompts(self._pos, n)
+                    self._pos += n
+                self._prompts.update(zip(self._engine.submit([p.ids for p in prompts]), prompts))
+        for _, group in self._segment():
+            self._offer(group)
+
+    # -------------------------------------------------------------- thread body
+    def run(self) -> None:
+        try:
+            place = (jax.default_device(self.device) if self.device is not None
+                     else contextlib.nullcontext())
+            with place:
+                while not self.stopping:
+                    if self.rollout == "static":
+                        self._static_round()
+                    else:
+                        self._continuous_step()
+        except BaseException as err:  # handed to the learner, which re-raises it
+            self.error = err
+            self.buffer.close()
+        finally:
+            running = self.buffer.stats()["running_groups"]
+            if running:
+                self.buffer.release(running, "cancelled")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _batch_metrics(batch: TrainBatch, version: int) -> dict[str, float]:
+    """Behaviour-version statistics of a batch: min/max version and the lag v − v_b."""
+    mask = np.asarray(batch.loss_mask)
+    vers = np.asarray(batch.versions)[mask]
+    if vers.size == 0:
+        return {}
+    lag = version - vers
+    return {"behaviour_version_min": float(vers.min()), "behaviour_version_max": float(vers.max()),
+            "version_lag_mean": float(lag.mean()), "version_lag_max": float(lag.max())}
+
+
+def _alive(tree: Any) -> bool:
+    return not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(tree))
+
+
+def _save_snapshots(path: Path, snaps: ParamSnapshots, versions: list[int]) -> None:
+    """The ring's params of `versions` as one .npz (leaves in tree order per version)."""
+    arrays = {}
+    for v in versions:
+        for i, leaf in enumerate(jax.tree.leaves(snaps[v])):
+            arrays[f"v{v}_{i}"] = np.asarray(jax.device_get(leaf))
+    buf = io.BytesIO()
+    np.savez(buf, versions=np.asarray(versions, np.int64), **arrays)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _load_snapshots(path: Path, template: Any) -> dict[int, Any]:
+    if not path.exists():
+        raise CheckpointError(f"cannot resume the deterministic async run: the parameter "
+                              f"snapshots {str(path)!r} written with the checkpoint are missing")
+    data = np.load(path)
+    leaves, treedef = jax.tree.flatten(template)
+    out = {}
+    for v in data["versions"].tolist():
+        out[int(v)] = jax.tree.unflatten(
+            treedef, [jnp.asarray(data[f"v{v}_{i}"], dtype=leaf.dtype) for i, leaf in enumerate(leaves)])
+    return out
+
+
+# ----------------------------------------------------------------------------- the loop
+def run_async(
+    model_config: ModelConfig,
+    params: Any,
+    task: Task,
+    config: TrainConfig,
+    loop: LoopConfig,
+    async_config: AsyncConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    wandb_mode: str = "disabled",
+    run_config: dict | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    progress: bool = True,
+    on_eval: Callable[[dict], Any] | None = None,
+    on_step: Callable[[dict], Any] | None = None,
+    compiler_options: dict | None = None,
+) -> RunResult:
+    """Train with the asynchronous loop (module doc) for loop.steps optimizer steps.
+
+    Same outputs as rl.sync_loop.run (metrics.jsonl, checkpoints/, wandb, RunResult);
+    train records add buffer_* counters, behaviour_version_* / version_lag_*, and
+    rollout_wait_s (time the learner waited for data). on_step(record) is called after
+    each train record (raise KeyboardInterrupt there to stop the run like Ctrl-C). In
+    threaded mode with several devices and mesh=None, the training devices get a
+    data-parallel mesh (the batch's rows must divide by their number)."""
+    if not isinstance(async_config, AsyncConfig):
+        raise ValueError(f"async_config must be an AsyncConfig, got {type(async_config).__name__}")
+    acfg = async_config
+    if acfg.mode == "deterministic" and acfg.rollout != "static":
+        raise ValueError("deterministic mode samples with rollout='static'")
+    train_cfg = train_config_for(config, acfg)
+    run_dir = Path(run_dir)
+    rollout_device, mesh = _split_devices(acfg, mesh)
+    ctx = open_run(model_config, params, train_cfg, loop, run_dir, resume=resume,
+                   wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
+                   compiler_options=compiler_options)
+    state, logger, ckpt = ctx.state, ctx.logger, ctx.ckpt
+    b, k = loop.prompts_per_step, acfg.max_staleness
+    v0 = int(state.version)
+    snaps = ParamSnapshots(acfg.ring_capacity)
+    buffer = TrajectoryBuffer(b, k, stale_policy=acfg.stale_policy, stale_weight=acfg.stale_weight,
+                              start_version=v0)
+    resume_note = {}
+    if resume:
+        meta_async = dict(ctx.meta.get("async") or {})
+        resume_note["dropped_on_resume_groups"] = int(meta_async.get("in_flight_groups", 0))
+    producer: _Producer | None = None
+    thread: threading.Thread | None = None
+    holder = {"state": state, "data_position": ctx.data_position}
+    published: dict[str, Any] = {}
+    ewma = None
+
+    def publish(st: TrainState) -> None:
+        v = int(st.version)
+        # one assignment: the producer never sees new params with an old version
+        published["latest"] = (snaps.put(v, st.params, device=rollout_device), v)
+
+    def latest() -> tuple[Any, int]:
+        return published["latest"]
+
+    def save(step: int, st: TrainState) -> None:
+        meta = {"task": task.name, "async": {"mode": acfg.mode, "max_staleness": k,
+                                             "buffer": buffer.stats()}}
+        if producer is not None:  # threaded: the producer's position and rng chain
+            pos, rng = producer.position()
+            st = st.replace(rng=jax.device_put(rng, st.rng.sharding))
+            stats = buffer.stats()
+            meta["async"]["in_flight_groups"] = stats["queued_groups"] + stats["running_groups"]
+        else:
+            pos = holder["data_position"]
+            versions = [v for v in range(max(int(st.version) - k, 0), int(st.version) + 1)
+                        if v in snaps]
+            _save_snapshots(run_dir / "snapshots" / f"{step}.npz", snaps, versions)
+        meta["data_position"] = int(pos)
+        ckpt.save(step, st, meta)
+
+    def final_checkpoint() -> None:
+        st = holder["state"]
+        step = int(st.step)
+        ckpt.wait()
+        if step in ckpt.all_steps():
+            return
+        if not _alive(st):
+            warnings.warn("the train state was consumed by an interrupted step; no final "
+                          "checkpoint written (the last periodic one stands)")
+            return
+        save(step, st)
+        ckpt.wait()
+
+    try:
+        if resume and acfg.mode == "deterministic":
+            for v, p in _load_snapshots(run_dir / "snapshots" / f"{ctx.start}.npz",
+                                        state.params).items():
+                snaps.put(v, p, copy=False, device=jax.devices()[0] if mesh is None else None)
+        publish(state)
+        if acfg.proximal == "ewma":
+            ewma = jax.tree.map(jnp.copy, state.params)
+        do_eval = make_evaluator(model_config, task, config, loop, logger, on_eval)
+        if not resume:
+            do_eval(0, snaps[v0], v0)
+        if acfg.mode == "threaded":
+            producer = _Producer(model_config=model_config, task=task, config=config, loop=loop,
+                                 rollout=acfg.rollout, buffer=buffer, latest=latest,
+                                 data_position=ctx.data_position,
+                                 rng=np.asarray(jax.device_get(state.rng)), device=rollout_device)
+            thread = threading.Thread(target=producer.run, name="tandem-rollout", daemon=True)
+            thread.start()
+        bar = tqdm(total=loop.steps, initial=ctx.start, disable=not progress,
+                   desc=f"async η={k}", dynamic_ncols=True)
+        last_tokens = 0
+        for step in range(ctx.start, loop.steps):
+            st = holder["state"]
+            v = int(st.version)
+            pos = holder["data_position"]
+            t0 = time.perf_counter()
+            if producer is None:  # deterministic: sample with the params of v - k
+                bv = max(v - k, 0)
+                sampler = st.replace(params=snaps[bv], version=jnp.asarray(bv, jnp.int32))
+                groups, sampler, pos, stats = sample_batch_groups(sampler, model_config, task,
+                                                                  config, loop, pos)
+                st = st.replace(rng=sampler.rng)
+                if not buffer.reserve(len(groups)):
+                    raise RuntimeError(f"admission refused {len(groups)} groups at version {v}: "
+                                       f"{buffer.stats()}")
+                for g in groups:
+                    buffer.put(g)
+                got = buffer.get_batch(b, v, timeout=0)
+                if got is None:  # only stale data: cannot happen with versions exactly v - k
+                    raise RuntimeError(f"step {step + 1}: the buffer dropped the batch as stale")
+            else:
+                got = None
+                while got is None:
+                    got = buffer.get_batch(b, v, timeout=0.1)
+                    if producer.error is not None:
+                        raise RuntimeError(
+                            f"the rollout thread failed: {type(producer.error).__name__}: "
+                            f"{producer.error}") from producer.error
+                    if got is None and not thread.is_alive():
+                        raise RuntimeError("the rollout thread stopped without an error before "
+                                           "the run was complete")
+                stats = {"sampled_tokens": producer.sampled_tokens - last_tokens}
+                last_tokens = producer.sampled_tokens
+            t1 = time.perf_counter()
+            batch = build_batch(got.groups, model_config=model_config, task=task, config=config,
+                                group_size=loop.group_size, token_weights=got.token_weights)
+            if acfg.proximal == "exact":
+                batch = batch.replace(proximal_logprobs=exact_proximal_logprobs(
+                    snaps, model_config, batch, config.temperature, config.attn_impl))
+            elif acfg.proximal == "ewma":
+                batch = batch.replace(proximal_logprobs=policy_logprobs(
+                    ewma, model_config, batch, config.temperature, config.attn_impl))
+            extra = _batch_metrics(batch, v)
+            t2 = time.perf_counter()
+            st, metrics = ctx.step_fn(st, batch, ctx.ref)
+            holder.update(state=st, data_position=pos)
+            if ewma is not None:
+                ewma = ewma_update(ewma, st.params, acfg.ewma_beta)
+            publish(st)
+            buffer.set_version(int(st.version))
+            metrics = {kk: float(x) for kk, x in jax.device_get(metrics).items()}
+            t3 = time.perf_counter()
+            if producer is not None:
+                holder["data_position"] = producer.position()[0]
+            metrics.update(stats)
+            metrics.update(extra, rollout_wait_s=t1 - t0, train_s=t3 - t2,
+                           tokens_per_s=stats["sampled_tokens"] / max(t3 - t0, 1e-9),
+                           data_position=holder["data_position"],
+                           **{f"buffer_{kk}": x for kk, x in buffer.stats().items()})
+            if step == ctx.start:
+                metrics.update(resume_note)
+            done = step + 1
+            record = logger.log(done, metrics, kind="train")
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                            lag=f"{extra.get('version_lag_mean', 0):.1f}")
+            is_last = done == loop.steps
+            if is_last or (loop.eval_every and done % loop.eval_every == 0):
+                ev = do_eval(done, snaps[int(st.version)], int(st.version))
+                if progress:
+                    bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
+            if is_last or (loop.save_every and done % loop.save_every == 0):
+                save(done, st)
+                _prune_snapshot_files(run_dir, ckpt)
+            if on_step is not None:
+                on_step(record)
+        bar.close()
+    except BaseException as err:
+        if producer is not None:
+            producer.stop()
+        buffer.close()
+        if isinstance(err, KeyboardInterrupt) or (producer is not None and producer.error is not None):
+            try:
+                final_checkpoint()
+            except Exception as save_err:  # keep the original error the one that surfaces
+                warnings.warn(f"final checkpoint failed: {type(save_err).__name__}: {save_err}")
+        raise
+    finally:
+        if producer is not None:
+            producer.stop()
+        buffer.close()
+        if thread is not None:
+            thread.join(acfg.join_timeout_s)
+            if thread.is_alive():
+                warnings.warn(f"the rollout thread did not stop within {acfg.join_timeout_s} s; "
+                              "it is a daemon thread and ends with the process")
+        ctx.close()
+    train = [r for r in logger.records if r["kind"] == "train"]
+    evals = [r for r in logger.records if r["kind"] == "eval"]
+    return RunResult(state=holder["state"], train=train, eval=evals, run_dir=run_dir,
+                     data_position=holder["data_position"])
+
+
+def _prune_snapshot_files(run_dir: Path, ckpt) -> None:
+    """Delete snapshot files of checkpoints orbax no longer keeps."""
+    folder = run_dir / "snapshots"
+    if not folder.is_dir():
+        return
+    steps = ckpt.all_steps()
+    if not steps:
+        return
+    for f in folder.glob("*.npz"):
+        if f.stem.isdigit() and int(f.stem) < steps[0]:
+            f.unlink(missing_ok=True)
+
+
+def _split_devices(acfg: AsyncConfig, mesh: jax.sharding.Mesh | None
+                   ) -> tuple[jax.Device | None, jax.sharding.Mesh | None]:
+    """(rollout device or None = share the default one, training mesh or None)."""
+    if acfg.mode != "threaded":
+        return None, mesh
+    devices = jax.devices()
+    if mesh is not None:
+        used = set(mesh.devices.flat)
+        rest = [d for d in devices if d not in used]
+        return (rest[0] if rest else None), mesh
+    n_roll = acfg.rollout_devices
+    if n_roll is None:
+        n_roll = len(devices) // 2 if len(devices) > 1 else 0
+    if n_roll == 0:
+        return None, None
+    if n_roll >= len(devices):
+        raise ValueError(f"AsyncConfig.rollout_devices={n_roll} leaves no training device out of "
+                         f"{len(devices)}; use at most {len(devices) - 1}")
+    train = devices[:len(devices) - n_roll]
+    roll = devices[len(devices) - n_roll:]
+    return roll[0], (make_mesh(data=len(train), devices=train) if len(train) > 1 else None)
