@@ -504,7 +504,8 @@ def run_async(
             if ewma is not None:
                 ewma = ewma_update(ewma, st.params, acfg.ewma_beta)
             publish(st)
-            buffer.set_version(int(st.version))
+            if step + 1 < loop.steps:  # after the last step, admit nothing more
+                buffer.set_version(int(st.version))
             metrics = {kk: float(x) for kk, x in jax.device_get(metrics).items()}
             t3 = time.perf_counter()
             if producer is not None:

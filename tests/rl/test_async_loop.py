@@ -1,0 +1,186 @@
+"""The asynchronous loop: η = 0 reproduces the synchronous loop bit for bit (both modes);
+deterministic staleness k samples step v with the params of exactly v − k; the exact
+proximal log-probs recomputed from the snapshot ring equal the sampler's recorded ones
+(no train–inference mismatch); a failing rollout thread, and a KeyboardInterrupt, end
+the run with a final checkpoint and no thread left; deterministic resume is exact;
+threaded resume counts the in-flight groups as dropped.
+
+Same geometry as tests/rl/test_sync_loop.py (tiny-synthetic preset, 2 groups of 4, 8
+eval prompts), so the compiled sampler and train step are shared with it."""
+import dataclasses
+import json
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from experiments.train import PRESETS, load_policy
+from rl.loop import AsyncConfig, run_async
+from rl.sync_loop import build_batch, run, sample_batch_groups
+from rl.tasks import SyntheticTask
+from rl.trainer import init_train_state
+
+PRESET = PRESETS["tiny-synthetic"]
+FAST = {"xla_backend_optimization_level": 0}  # a config of its own: compile it quickly
+LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=4, eval_prompts=8,
+                           eval_every=0, save_every=0, eval_greedy=False)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    config, params, task = load_policy(PRESET, 0)
+    return config, jax.device_put(params, jax.devices()[0]), task
+
+
+def rollout_threads():
+    return [t for t in threading.enumerate() if t.name == "tandem-rollout" and t.is_alive()]
+
+
+def leaves(result):
+    return [np.asarray(x) for x in jax.tree.leaves(result.state.params)]
+
+
+def ckpt_steps(run_dir):
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+class FailingTask(SyntheticTask):
+    """The preset's task whose reward raises from call `fail_at` on (a frozen dataclass:
+    the counter lives in a list)."""
+
+    def __init__(self, fail_at):
+        base = SyntheticTask(**dict(PRESET.task_options))
+        super().__init__(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        object.__setattr__(self, "_calls", [0, fail_at])
+
+    def reward(self, prompt, response):
+        self._calls[0] += 1
+        if self._calls[0] >= self._calls[1]:
+            raise OSError("verifier service unreachable")
+        return SyntheticTask.reward(self, prompt, response)
+
+
+def test_eta_zero_equals_the_sync_loop(policy, tmp_path):
+    config, params, task = policy
+    sync = run(config, params, task, PRESET.train, LOOP, tmp_path / "sync", progress=False)
+    for mode in ("deterministic", "threaded"):
+        res = run_async(config, params, task, PRESET.train, LOOP,
+                        AsyncConfig(max_staleness=0, mode=mode), tmp_path / mode, progress=False)
+        for a, b in zip(leaves(sync), leaves(res)):
+            np.testing.assert_array_equal(a, b)
+        assert [r["reward_mean"] for r in res.train] == [r["reward_mean"] for r in sync.train]
+        assert [r["version_lag_max"] for r in res.train] == [0, 0, 0]
+        assert res.data_position == sync.data_position == 6
+        assert not rollout_threads()
+    assert int(res.state.step) == 3 and ckpt_steps(tmp_path / "threaded") == [3]
+
+
+def test_deterministic_staleness_and_exact_proximal(policy, tmp_path):
+    config, params, task = policy
+    k = 2
+    loop = dataclasses.replace(LOOP, steps=5)
+    res = run_async(config, params, task, PRESET.train, loop,
+                    AsyncConfig(max_staleness=k, mode="deterministic", proximal="exact"),
+                    tmp_path / "r", progress=False, compiler_options=FAST)
+    for v, r in enumerate(res.train):  # record of step v + 1 trained at version v
+        want = max(v - k, 0)
+        assert r["behaviour_version_min"] == r["behaviour_version_max"] == want
+        assert r["version_lag_max"] == v - want
+        assert r["buffer_dropped_stale_groups"] == 0
+        # π_prox is recomputed with the very params that sampled: no mismatch left.
+        assert r["mismatch_log_ratio_abs_mean"] < 1e-4
+    # Once the data is 2 versions old, the learner has moved away from the sampler.
+    assert res.train[-1]["staleness_log_ratio_abs_mean"] > 1e-3
+
+
+def test_deterministic_resume_is_exact(policy, tmp_path):
+    config, params, task = policy
+    acfg = AsyncConfig(max_staleness=1, mode="deterministic")
+    loop4 = dataclasses.replace(LOOP, steps=4)
+    straight = run_async(config, params, task, PRESET.train, loop4, acfg, tmp_path / "a",
+                         progress=False)
+    run_async(config, params, task, PRESET.train, dataclasses.replace(LOOP, steps=2), acfg,
+              tmp_path / "b", progress=False)
+    assert (tmp_path / "b" / "snapshots" / "2.npz").exists()
+    resumed = run_async(config, params, task, PRESET.train, loop4, acfg, tmp_path / "b",
+                        resume=True, progress=False)
+    for a, b in zip(leaves(straight), leaves(resumed)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_rollout_thread_error_surfaces_with_a_final_checkpoint(policy, tmp_path):
+    config, params, _ = policy
+    task = FailingTask(fail_at=8 + 2 * 8 + 3)  # eval (8 rows), two batches, then fail
+    loop = dataclasses.replace(LOOP, steps=50)
+    with pytest.raises(RuntimeError, match="rollout thread failed: OSError: verifier") as info:
+        run_async(config, params, task, PRESET.train, loop, AsyncConfig(max_staleness=1),
+                  tmp_path / "r", progress=False)
+    cause = info.value.__cause__
+    assert isinstance(cause, OSError)
+    frames = []
+    tb = cause.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert "reward" in frames and "run" in frames  # the producer thread's own traceback
+    assert not rollout_threads()
+    steps = ckpt_steps(tmp_path / "r")
+    assert steps and 1 <= steps[-1] <= 2
+    lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, steps[-1] + 1))
+
+
+def test_keyboard_interrupt_checkpoints_and_threaded_resume(policy, tmp_path):
+    config, params, task = policy
+    loop = dataclasses.replace(LOOP, steps=6)
+    acfg = AsyncConfig(max_staleness=1, rollout="continuous")
+
+    def stop_at_two(record):
+        if record["step"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_async(config, params, task, PRESET.train, loop, acfg, tmp_path / "r",
+                  progress=False, on_step=stop_at_two)
+    assert ckpt_steps(tmp_path / "r") == [2] and not rollout_threads()
+    res = run_async(config, params, task, PRESET.train, dataclasses.replace(loop, steps=3), acfg,
+                    tmp_path / "r", resume=True, progress=False)
+    assert [r["step"] for r in res.train] == [1, 2, 3] and int(res.state.step) == 3
+    # Groups queued or being sampled at the checkpoint are not restored: counted as dropped.
+    first = res.train[2]
+    assert first["dropped_on_resume_groups"] >= 1
+    assert first["data_position"] >= 2 * 2 + 2
+    assert not rollout_threads()
+
+
+def test_downweighted_tokens_become_loss_weights(policy):
+    config, params, task = policy
+    state = jax.device_put(init_train_state(params, PRESET.train, 3), jax.devices()[0])
+    groups, _, _, _ = sample_batch_groups(state, config, task, PRESET.train, LOOP, 0)
+    weights = []
+    for i, g in enumerate(groups):
+        w = np.ones(np.asarray(g.traj.response_mask).shape, np.float32)
+        w[:, 1] = 0.5 + i  # a distinct factor at response token 1 of each group
+        weights.append(w)
+    batch = build_batch(groups, model_config=config, task=task, config=PRESET.train,
+                        group_size=LOOP.group_size, token_weights=weights)
+    lw = np.asarray(batch.loss_weights)
+    for row in range(lw.shape[0]):
+        p = int(np.argmax(np.asarray(batch.loss_mask)[row]))  # first response token
+        want = np.ones(lw.shape[1], np.float32)
+        want[p + 1] = 0.5 + row // LOOP.group_size
+        np.testing.assert_array_equal(lw[row], want)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_staleness": -1}, "max_staleness"),
+    ({"mode": "eager"}, "mode"),
+    ({"mode": "deterministic", "rollout": "continuous"}, "needs mode='threaded'"),
+    ({"proximal": "exact", "stale_policy": "downweight"}, "needs stale_policy='drop'"),
+    ({"max_staleness": 3, "snapshot_capacity": 3}, "snapshot_capacity"),
+    ({"ewma_beta": 1.0}, "ewma_beta"),
+])
+def test_async_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AsyncConfig(**kwargs)
