@@ -16,7 +16,8 @@ import numpy as np
 from flax import linen as nn
 
 MESH_AXES = ("data", "fsdp", "tensor")
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+                "samples")
 
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -30,6 +31,7 @@ DEFAULT_RULES: LogicalRules = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("layers", None),
+    ("samples", None),  # the N samples of a group in the sampler's segmented KV cache
 )
 
 

@@ -20,6 +20,7 @@ contiguous block of batch rows (what `rl.distributed.global_batch` relies on).
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 import jax
@@ -120,10 +121,12 @@ def _mesh_size(mesh: jax.sharding.Mesh, entry: Any) -> tuple[int, str]:
 
 
 def validate_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, model_config: ModelConfig, *, batch: int | None = None,
-                  num_slots: int | None = None, rules: LogicalRules = DEFAULT_RULES) -> None:
+                  num_slots: int | None = None, groups: int | None = None,
+                  rules: LogicalRules = DEFAULT_RULES) -> None:
     """Check, before anything compiles, that `mesh` can hold `model_config`: every
     parameter dimension (heads, kv_heads, mlp, vocab, embed, ...) divides by the mesh axes
-    the rules shard it over, and the batch rows / sampler slots divide by data*fsdp.
+    the rules shard it over, and the batch rows / sampler slots / sampler groups (of the
+    segmented KV cache) divide by data*fsdp.
     Raises ValueError naming the axis, the sizes and what to change. An AbstractMesh
     (sizes without devices) is checked the same way, e.g. to vet a pod's mesh on a laptop."""
     if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
@@ -154,7 +157,7 @@ def validate_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, model_con
                          + ". Choose a mesh whose sharded axes divide these sizes (e.g. a "
                          "smaller tensor axis, or tensor=1)")
     rows = mesh_axes(mesh)["data"] * mesh_axes(mesh)["fsdp"]
-    for what, value in (("batch", batch), ("num_slots", num_slots)):
+    for what, value in (("batch", batch), ("num_slots", num_slots), ("groups", groups)):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -194,3 +197,40 @@ def with_shardings(tree: Any, shardings: Any) -> Any:
     if isinstance(shardings, jax.sharding.Sharding):
         return jax.tree.map(lambda x: spec(x, shardings), tree)
     return jax.tree.map(spec, tree, shardings)
+
+
+# ----------------------------------------------------------------------------- compiled HLO
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVE_RE = re.compile(r"=\s*(.*?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_SHAPE_RE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+
+
+def collectives(hlo_text: str) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """Every collective of a compiled module's text (`jitted.lower(...).compile()
+    .as_text()`), as (kind, result shapes); async pairs count once (their -start)."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE_RE.search(line)
+        if m is None:
+            continue
+        shapes = [tuple(int(d) for d in dims.split(",") if d)
+                  for _, dims in _SHAPE_RE.findall(m.group(1))]
+        out.append((m.group(2), shapes))
+    return out
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """{kind: count} over COLLECTIVES for a compiled module's text."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for kind, _ in collectives(hlo_text):
+        counts[kind] += 1
+    return counts
+
+
+def full_array_gathers(hlo_text: str, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Names in `shapes` ({name: full shape}) that some all-gather of the module produces
+    whole, e.g. a whole parameter or the whole KV cache re-assembled on every device.
+    Matching is by shape, so give shapes that nothing else in the program has."""
+    gathered = {s for kind, result in collectives(hlo_text) if kind == "all-gather"
+                for s in result}
+    return sorted(name for name, shape in shapes.items() if tuple(shape) in gathered)
