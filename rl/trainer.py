@@ -464,17 +464,18 @@ def _offpolicy_weights(config: OffPolicyConfig, prox, behaviour, mask):
     return fn(prox, behaviour, mask, **kw)
 
 
-def _vcpo(config: TrainConfig, model_config: ModelConfig, params: Params, batch: TrainBatch
-          ) -> dict:
+def _vcpo(config: TrainConfig, model_config: ModelConfig, params: Params, batch: TrainBatch,
+          monitor: bool = False) -> dict:
     """VCPO's per-row quantities for the WHOLE batch (the jitted step sees the global array,
     so ρ counts every micro-batch and device): log w from the step's starting params (with
     exact per-row gradient norms when the OPOB baseline needs them), advantages, truncated
-    sequence weights [B] and the vcpo_* metrics."""
+    sequence weights [B] and the vcpo_* metrics. monitor: only ρ and the log-weight
+    statistics (one forward)."""
     vc = config.vcpo
     tokens, positions, loss_mask = batch.tokens, batch.positions, batch.loss_mask
     mask = loss_mask[:, 1:]
     norms = None
-    if vc.baseline == "opob" and vc.grad_norms == "exact":
+    if not monitor and vc.baseline == "opob" and vc.grad_norms == "exact":
         logp, norms = per_trajectory_logprob_grads(params, model_config, tokens, positions,
                                                    loss_mask, config.temperature, vc.chunk,
                                                    config.attn_impl)
@@ -488,10 +489,12 @@ def _vcpo(config: TrainConfig, model_config: ModelConfig, params: Params, batch:
         logp = jax.lax.map(fwd, (split(tokens), split(positions))).reshape(mask.shape)
     log_w = sequence_log_weights(logp, batch.behaviour_logprobs[:, 1:], mask)
     valid = jnp.any(mask, axis=1)
+    rho = ess_ratio(log_w, valid)
+    if monitor:
+        return {"metrics": {"vcpo_ess": rho, **weight_tail_stats(log_w, valid)}}
     rewards = _scalar_rewards(config, batch)
     adv, base = vcpo_advantages(rewards, log_w, norms, batch.group_size, baseline=vc.baseline,
                                 variant=vc.variant, valid=valid, is_cap=vc.is_cap)
-    rho = ess_ratio(log_w, valid)
     seq_w = truncated_sequence_weights(log_w, vc.is_cap)
     group_mean = jnp.mean(rewards.reshape(base.shape[0], -1), axis=1)
     metrics = {
@@ -571,7 +574,8 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         off-policy correction), grad_norm (before clipping), lr, tokens, response_len,
         reward_mean, reward_<name>, adv_mean, adv_abs_mean; with VCPO also vcpo_ess (ρ),
         vcpo_lr_scale, vcpo_baseline_minus_mean (mean |b_g - group mean|), vcpo_capped_frac,
-        vcpo_logw_max / _p99 / _mean / _std and (exact norms) vcpo_grad_sq_norm_mean.
+        vcpo_logw_max / _p99 / _mean / _std and (exact norms) vcpo_grad_sq_norm_mean
+        (VCPOConfig.monitor without VCPO: vcpo_ess and vcpo_logw_* only).
     """
     if (config.loss.kl_coef > 0) != (ref_params is not None):
         raise ValueError("ref_params must be given exactly when config.loss.kl_coef > 0 "
@@ -597,6 +601,8 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         adv = vcpo_out["advantages"]
         mask = batch.loss_mask[:, 1:]
     else:
+        if config.vcpo.monitor:  # metrics only: the loss and the update stay the plain ones
+            vcpo_out = _vcpo(config, model_config, state.params, batch, monitor=True)
         adv_out = _advantages(config, batch)
         adv = adv_out.advantages
         mask = batch.loss_mask[:, 1:] & (adv_out.sample_mask[:, None] > 0)
@@ -619,7 +625,7 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
     mbs = tuple(split(x) for x in (batch.tokens, batch.positions, mask,
                                    batch.behaviour_logprobs[:, 1:], adv, batch.versions[:, 1:]))
     loss_weights = batch.loss_weights
-    if vcpo_out is not None:  # the truncated sequence weight, on every token of the row
+    if config.vcpo.enabled:  # the truncated sequence weight, on every token of the row
         w = jnp.broadcast_to(vcpo_out["seq_weights"][:, None], batch.tokens.shape)
         loss_weights = w if loss_weights is None else w * loss_weights
     mbs += tuple(None if f is None else split(f[:, 1:])

@@ -58,6 +58,10 @@ class VCPOConfig:
         of `chunk` rows (one extra forward+backward per row); "none" drops the norm factor
         (W_i = w_i², cheap: one extra forward).
     is_cap: cap of the truncated sequence weight in the loss (8).
+    monitor: with enabled=False, still log ρ and the log-weight tail statistics (vcpo_ess,
+        vcpo_logw_*; one extra forward) while the loss and update stay the plain ones: the
+        diagnostic for any method (e.g. watch ESS collapse under GRPO). No effect when
+        enabled (those metrics are logged then anyway).
     """
 
     enabled: bool = False
@@ -68,10 +72,13 @@ class VCPOConfig:
     grad_norms: str = "exact"
     chunk: int = 8
     is_cap: float = 8.0
+    monitor: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"VCPOConfig.enabled must be True or False, got {self.enabled!r}")
+        for name in ("enabled", "monitor"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"VCPOConfig.{name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
         for name, allowed in (("lr_scale", LR_SCALES), ("baseline", BASELINES),
                               ("variant", VARIANTS), ("grad_norms", GRAD_NORMS)):
             if getattr(self, name) not in allowed:

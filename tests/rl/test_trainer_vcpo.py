@@ -99,18 +99,23 @@ def test_equal_weights_and_norms_give_the_grpo_step(params):
     batch, _ = _with_behaviour(batch, np.where(mask, _np_logprobs(params, batch.tokens), 0.0))
     vcpo = TrainConfig(loss=PG_CONFIG.loss, optimizer=PG_CONFIG.optimizer, temperature=TEMP,
                        vcpo=VCPOConfig(enabled=True, grad_norms="none"))
-    # OPOB with equal W is the group mean; VCPO divides by the population std, no eps
+    # OPOB with equal W is the group mean; VCPO divides by the population std, no eps.
+    # The GRPO step also monitors ρ (metrics only: its update must stay GRPO's).
     grpo = TrainConfig(loss=PG_CONFIG.loss, optimizer=PG_CONFIG.optimizer, temperature=TEMP,
-                       advantage=AdvantageConfig("grpo", {"eps": 0.0, "unbiased_std": False}))
+                       advantage=AdvantageConfig("grpo", {"eps": 0.0, "unbiased_std": False}),
+                       vcpo=VCPOConfig(monitor=True))
     a, ma = make_train_step(vcpo, CFG, compiler_options=FAST)(fresh_state(params, vcpo), batch)
-    b, _ = make_train_step(grpo, CFG, compiler_options=FAST)(fresh_state(params, grpo), batch)
+    b, mb = make_train_step(grpo, CFG, compiler_options=FAST)(fresh_state(params, grpo), batch)
     _assert_same_update(_deltas(a.params, params), _deltas(b.params, params))
-    assert float(ma["vcpo_ess"]) == pytest.approx(1.0, abs=1e-5)
-    assert abs(float(ma["vcpo_logw_max"])) < 1e-4
+    for m in (ma, mb):
+        assert float(m["vcpo_ess"]) == pytest.approx(1.0, abs=1e-5)
+        assert abs(float(m["vcpo_logw_max"])) < 1e-4
+    assert "vcpo_lr_scale" not in mb and "vcpo_lr_scale" in ma
 
 
 def test_vcpo_is_off_by_default_and_validated(params):
     assert TrainConfig() == TrainConfig(vcpo=VCPOConfig(enabled=False))
+    assert len(init_train_state(params, TrainConfig(vcpo=VCPOConfig(monitor=True))).opt_state) == 2
     plain = init_train_state(params, TrainConfig()).opt_state
     on = init_train_state(params, TrainConfig(vcpo=VCPOConfig(enabled=True))).opt_state
     none = init_train_state(params, TrainConfig(vcpo=VCPOConfig(enabled=True, lr_scale="none")))
