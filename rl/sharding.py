@@ -201,7 +201,7 @@ def with_shardings(tree: Any, shardings: Any) -> Any:
 
 # ----------------------------------------------------------------------------- compiled HLO
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_COLLECTIVE_RE = re.compile(r"=\s*(.*?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_COLLECTIVE_RE = re.compile(r"=\s*(.*?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _SHAPE_RE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
 
 
@@ -215,6 +215,8 @@ def collectives(hlo_text: str) -> list[tuple[str, list[tuple[int, ...]]]]:
             continue
         shapes = [tuple(int(d) for d in dims.split(",") if d)
                   for _, dims in _SHAPE_RE.findall(m.group(1))]
+        if m.group(3) and len(shapes) > 1:  # an async start's tuple is (operands, results)
+            shapes = shapes[len(shapes) // 2:]
         out.append((m.group(2), shapes))
     return out
 
