@@ -22,7 +22,16 @@ Rollouts (AsyncConfig.rollout): "static" samples whole rounds of up to b groups 
 hands them over sorted by prompt (threaded: one engine per round; deterministic: exactly
 `rl.sync_loop.sample_batch_groups`, DAPO dynamic sampling included); "continuous"
 (threaded only) keeps one engine whose free slots are refilled with new prompts at every
-segment boundary while the admission rule allows.
+segment boundary while the admission rule allows; "april" runs `rl.april.AprilRollout`
+rounds (⌈over_provision·b⌉ groups started, the round ends when b are complete, the
+unfinished ones wait whole in a FIFO drained first next round). An APRIL round samples
+under one params version (rl.april's collect takes the params per round), so its weight
+swaps happen at round boundaries, and resumed groups carry prefixes of older versions:
+with stale_policy="drop" the groups with a prefix older than η versions are dropped
+(counted), with "downweight" none is discarded. mask_offpolicy_prefix removes, per
+group, the tokens older than the group's newest token from the loss. In threaded mode
+the dynamic-sampling filter runs in the producer (filtered groups are counted and
+replaced; no filler groups).
 
 Proximal policy (AsyncConfig.proximal): "current" keeps the TrainConfig as given;
 "versions" sets old_logp="versions" (AReaL's log-linear interpolation from per-token
@@ -40,16 +49,21 @@ checkpoint and raises RuntimeError chained to the original exception (its traceb
 intact); KeyboardInterrupt (Ctrl-C, or raised from a hook) writes a final checkpoint and
 re-raises; the producer is always stopped and joined (timeout, then it is a daemon
 thread, so it can never keep the process alive). Resume: deterministic mode resumes
-exactly (the snapshot ring is saved beside each checkpoint under run_dir/snapshots/);
-threaded mode restarts the producer at the data position it had reached when the
-checkpoint was written: groups that were queued or still being sampled then are NOT
-restored and are counted as dropped (`dropped_on_resume_groups` in the first record).
+exactly (the snapshot ring is saved beside each checkpoint under run_dir/snapshots/,
+and APRIL's FIFO under run_dir/rollout_state/); threaded mode restarts the producer at
+the data position it had reached when the checkpoint was written: groups that were
+queued or still being sampled then are NOT restored and are counted as dropped
+(`dropped_on_resume_groups` in the first record); with APRIL the FIFO of unfinished
+groups as of the producer's last finished round IS restored (partial responses,
+log-probs, versions), the queued groups count as dropped and the prompts of the round
+then running are sampled again.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import io
+import math
 import threading
 import time
 import warnings
@@ -63,6 +77,7 @@ from tqdm.auto import tqdm
 
 from models.config import ModelConfig
 from models.sharding import make_mesh
+from rl.april import AprilConfig, AprilRollout, offpolicy_prefix_mask
 from rl.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer
 from rl.checkpoint import CheckpointError
 from rl.logging import atomic_write_bytes
@@ -77,7 +92,7 @@ from rl.tasks.base import Task
 from rl.trainer import TrainBatch, TrainConfig, TrainState
 
 MODES = ("threaded", "deterministic")
-ROLLOUTS = ("static", "continuous")
+ROLLOUTS = ("static", "continuous", "april")
 PROXIMAL = ("current", "exact", "versions", "ewma")
 
 
@@ -86,7 +101,8 @@ class AsyncConfig:
     """max_staleness η: data may be at most η versions older than the learner (0 =
     synchronous). mode "threaded" | "deterministic" (module doc). stale_policy "drop" |
     "downweight" (per stale token, factor stale_weight) for data older than η (see
-    rl.buffer). rollout "static" | "continuous" (continuous: threaded mode only).
+    rl.buffer). rollout "static" | "continuous" (threaded mode only) | "april" (+
+    over_provision, mask_offpolicy_prefix).
     proximal "current" | "exact" | "versions" | "ewma" (+ ewma_beta). snapshot_capacity:
     versions kept in the param ring (default η + 2; at least η + 1). rollout_devices:
     devices given to the sampler in threaded mode (None: half of them when there are
@@ -98,6 +114,8 @@ class AsyncConfig:
     stale_policy: str = "drop"
     stale_weight: float = 0.5
     rollout: str = "static"
+    over_provision: float = 1.5
+    mask_offpolicy_prefix: bool = False
     proximal: str = "current"
     ewma_beta: float = 0.9
     snapshot_capacity: int | None = None
@@ -113,10 +131,14 @@ class AsyncConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"AsyncConfig.{name} must be one of {allowed}, got "
                                  f"{getattr(self, name)!r}")
-        if self.mode == "deterministic" and self.rollout != "static":
+        if self.mode == "deterministic" and self.rollout == "continuous":
             raise ValueError("AsyncConfig.rollout='continuous' needs mode='threaded' (the "
-                             "deterministic mode samples each batch whole with the params of "
-                             "version v - k); use rollout='static'")
+                             "deterministic mode samples each batch in one go with the params "
+                             "of version v - k); use rollout='static' or 'april'")
+        AprilConfig(over_provision=self.over_provision,
+                    mask_offpolicy_prefix=self.mask_offpolicy_prefix)  # validates both
+        if self.mask_offpolicy_prefix and self.rollout != "april":
+            raise ValueError("AsyncConfig.mask_offpolicy_prefix needs rollout='april'")
         if not (0.0 <= self.stale_weight <= 1.0):
             raise ValueError(f"AsyncConfig.stale_weight must be in [0, 1], got {self.stale_weight}")
         if not (0.0 <= self.ewma_beta < 1.0):
@@ -158,6 +180,99 @@ def _split_groups(traj, rewards: dict[str, np.ndarray], group_size: int) -> list
     return out
 
 
+def _flatten(d: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = np.asarray(v)
+    return out
+
+
+def _unflatten(flat: Any) -> dict:
+    out: dict = {}
+    for key in flat.keys():
+        node = out
+        *path, leaf = key.split("/")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = np.asarray(flat[key])
+    return out
+
+
+class _AprilSource:
+    """APRIL rounds (rl.april.AprilRollout) over the task's train stream from `base`;
+    the group with global id g is the prompt at stream position base + g."""
+
+    def __init__(self, model_config: ModelConfig, task: Task, config: TrainConfig,
+                 loop: LoopConfig, acfg: AsyncConfig, *, base: int, seed: int,
+                 saved: dict | None = None):
+        self.task, self.config, self.loop, self.base = task, config, loop, int(base)
+        n, b = loop.group_size, loop.prompts_per_step
+        rc = RolloutConfig(num_slots=math.ceil(acfg.over_provision * b - 1e-9) * n, group_size=n,
+                           segment_len=loop.segment_len, max_prompt_len=task.max_prompt_len,
+                           max_new_tokens=task.max_new_tokens,
+                           sampling=SamplingConfig(temperature=config.temperature),
+                           stop_ids=tuple(task.stop_ids), seed=int(seed))
+        submitted = 0 if saved is None else int(saved["counts"]["submitted"])
+        self.rollout = AprilRollout(model_config, rc, self._prompts(self.base + submitted),
+                                    AprilConfig(over_provision=acfg.over_provision,
+                                                mask_offpolicy_prefix=acfg.mask_offpolicy_prefix))
+        if saved is not None:
+            self.rollout.load_state_dict(saved)
+
+    def _prompts(self, start: int):
+        chunk = max(self.loop.prompts_per_step, 8)
+        while True:
+            for p in self.task.train_prompts(start, chunk):
+                yield p.ids
+            start += chunk
+
+    def _prompt_map(self, traj) -> dict[int, Any]:
+        return {int(g): self.task.train_prompts(self.base + int(g), 1)[0]
+                for g in np.unique(np.asarray(traj.group_ids))}
+
+    def _accept(self, group) -> bool:
+        rewards = score(self.task, self._prompt_map(group), group)
+        return kept_group_indices(_total_reward(rewards, self.config),
+                                  self.loop.group_size).size > 0
+
+    def round(self, params: Any, version: int, n: int) -> list[ScoredGroup]:
+        """n finished groups sampled under (params, version), scored, in group order."""
+        accept = self._accept if self.loop.dynamic_sampling else None
+        traj = self.rollout.collect(params, int(version), n, accept=accept)
+        rewards = score(self.task, self._prompt_map(traj), traj)
+        return [g for _, g in _split_groups(traj, rewards, self.loop.group_size)]
+
+    @property
+    def position(self) -> int:
+        return self.base + self.rollout.counts["submitted"]
+
+    @property
+    def generated_tokens(self) -> int:
+        return int(self.rollout.last_round.get("generated_tokens", 0))
+
+    def state(self) -> dict:
+        """Between rounds: {"base", "april": AprilRollout.state_dict()} (numpy)."""
+        return {"base": np.asarray(self.base, np.int64), "april": self.rollout.state_dict()}
+
+    def metrics(self) -> dict[str, float]:
+        return {f"april_{k}": float(v) for k, v in self.rollout.counts.items()}
+
+
+def _offpolicy_prefix_batch(batch: TrainBatch, group_size: int) -> TrainBatch:
+    """APRIL's optional mask: per group, drop from the loss the tokens drawn under a
+    version older than the group's newest token (the part sampled before its last resume)."""
+    mask, vers = np.asarray(batch.loss_mask), np.asarray(batch.versions)
+    out = mask.copy()
+    for start in range(0, mask.shape[0], group_size):
+        rows = slice(start, start + group_size)
+        if mask[rows].any():
+            out[rows] = offpolicy_prefix_mask(vers[rows], mask[rows], int(vers[rows][mask[rows]].max()))
+    return batch.replace(loss_mask=out)
+
+
 class _Producer:
     """The rollout thread's work: admit prompts under the buffer's rule, sample with the
     latest published params segment by segment, score, put finished groups."""
@@ -165,8 +280,11 @@ class _Producer:
     def __init__(self, *, model_config: ModelConfig, task: Task, config: TrainConfig,
                  loop: LoopConfig, rollout: str, buffer: TrajectoryBuffer,
                  latest: Callable[[], tuple[Any, int]], data_position: int, rng: np.ndarray,
-                 device: jax.Device | None):
+                 device: jax.Device | None, april: _AprilSource | None = None):
         self.model_config, self.task, self.config, self.loop = model_config, task, config, loop
+        self.april = april
+        # APRIL: (state between rounds, data position) of the last round, for checkpoints
+        self.april_snapshot = None if april is None else (april.state(), april.position)
         self.rollout, self.buffer, self.latest, self.device = rollout, buffer, latest, device
         self._lock = threading.Lock()
         self._pos, self._rng = int(data_position), np.asarray(rng, np.uint32)
@@ -179,9 +297,23 @@ class _Producer:
 
     # -------------------------------------------------------------- shared state
     def position(self) -> tuple[int, np.ndarray]:
-        """(data position of the next prompt, rng key) — consistent with each other."""
+        """(data position of the next prompt, rng key) — consistent with each other
+        (APRIL: the position at the end of the last round)."""
         with self._lock:
-            return self._pos, self._rng.copy()
+            pos = self._pos if self.april is None else self.april_snapshot[1]
+            return pos, self._rng.copy()
+
+    def _april_round(self) -> None:
+        n = self._admit(self.loop.prompts_per_step, block=True)
+        if n == 0:
+            return
+        params, version = self.latest()
+        groups = self.april.round(params, version, n)
+        self.sampled_tokens += self.april.generated_tokens
+        with self._lock:
+            self.april_snapshot = (self.april.state(), self.april.position)
+        for g in groups:
+            self.buffer.put(g)
 
     def _take_prompts(self, n: int) -> tuple[int, list]:
         """Seed + the next n train prompts; advances position and rng together."""
@@ -293,6 +425,8 @@ class _Producer:
                 while not self.stopping:
                     if self.rollout == "static":
                         self._static_round()
+                    elif self.rollout == "april":
+                        self._april_round()
                     else:
                         self._continuous_step()
         except BaseException as err:  # handed to the learner, which re-raises it
@@ -326,16 +460,24 @@ def _save_snapshots(path: Path, snaps: ParamSnapshots, versions: list[int]) -> N
     for v in versions:
         for i, leaf in enumerate(jax.tree.leaves(snaps[v])):
             arrays[f"v{v}_{i}"] = np.asarray(jax.device_get(leaf))
+    atomic_write_bytes(path, _npz_bytes({"versions": np.asarray(versions, np.int64), **arrays}))
+
+
+def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     buf = io.BytesIO()
-    np.savez(buf, versions=np.asarray(versions, np.int64), **arrays)
-    atomic_write_bytes(path, buf.getvalue())
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _load_npz(path: Path):
+    if not path.exists():
+        raise CheckpointError(f"cannot resume the async run: {str(path)!r}, written beside the "
+                              "checkpoint, is missing")
+    return np.load(path)
 
 
 def _load_snapshots(path: Path, template: Any) -> dict[int, Any]:
-    if not path.exists():
-        raise CheckpointError(f"cannot resume the deterministic async run: the parameter "
-                              f"snapshots {str(path)!r} written with the checkpoint are missing")
-    data = np.load(path)
+    data = _load_npz(path)
     leaves, treedef = jax.tree.flatten(template)
     out = {}
     for v in data["versions"].tolist():
@@ -374,8 +516,6 @@ def run_async(
     if not isinstance(async_config, AsyncConfig):
         raise ValueError(f"async_config must be an AsyncConfig, got {type(async_config).__name__}")
     acfg = async_config
-    if acfg.mode == "deterministic" and acfg.rollout != "static":
-        raise ValueError("deterministic mode samples with rollout='static'")
     train_cfg = train_config_for(config, acfg)
     run_dir = Path(run_dir)
     rollout_device, mesh = _split_devices(acfg, mesh)
@@ -397,6 +537,7 @@ def run_async(
     holder = {"state": state, "data_position": ctx.data_position}
     published: dict[str, Any] = {}
     ewma = None
+    april: _AprilSource | None = None
 
     def publish(st: TrainState) -> None:
         v = int(st.version)
@@ -409,11 +550,18 @@ def run_async(
     def save(step: int, st: TrainState) -> None:
         meta = {"task": task.name, "async": {"mode": acfg.mode, "max_staleness": k,
                                              "buffer": buffer.stats()}}
+        if april is not None:  # the FIFO of unfinished groups is restored on resume
+            april_state = april.state() if producer is None else producer.april_snapshot[0]
+            atomic_write_bytes(run_dir / "rollout_state" / f"{step}.npz",
+                               _npz_bytes(_flatten(april_state)))
         if producer is not None:  # threaded: the producer's position and rng chain
             pos, rng = producer.position()
             st = st.replace(rng=jax.device_put(rng, st.rng.sharding))
             stats = buffer.stats()
-            meta["async"]["in_flight_groups"] = stats["queued_groups"] + stats["running_groups"]
+            # queued groups are lost on resume; APRIL re-samples its running round's new
+            # prompts and restores its FIFO, so only the queued ones count there
+            meta["async"]["in_flight_groups"] = stats["queued_groups"] + (
+                0 if april is not None else stats["running_groups"])
         else:
             pos = holder["data_position"]
             versions = [v for v in range(max(int(st.version) - k, 0), int(st.version) + 1)
@@ -441,6 +589,14 @@ def run_async(
                                         state.params).items():
                 snaps.put(v, p, copy=False, device=jax.devices()[0] if mesh is None else None)
         publish(state)
+        if acfg.rollout == "april":
+            saved, base = None, ctx.data_position
+            if resume:
+                saved = _unflatten(_load_npz(run_dir / "rollout_state" / f"{ctx.start}.npz"))
+                base = int(saved["base"])
+            april = _AprilSource(model_config, task, config, loop, acfg, base=base,
+                                 seed=rollout_seed(state.rng)[0],
+                                 saved=None if saved is None else saved["april"])
         if acfg.proximal == "ewma":
             ewma = jax.tree.map(jnp.copy, state.params)
         do_eval = make_evaluator(model_config, task, config, loop, logger, on_eval)
@@ -450,7 +606,8 @@ def run_async(
             producer = _Producer(model_config=model_config, task=task, config=config, loop=loop,
                                  rollout=acfg.rollout, buffer=buffer, latest=latest,
                                  data_position=ctx.data_position,
-                                 rng=np.asarray(jax.device_get(state.rng)), device=rollout_device)
+                                 rng=np.asarray(jax.device_get(state.rng)), device=rollout_device,
+                                 april=april)
             thread = threading.Thread(target=producer.run, name="tandem-rollout", daemon=True)
             thread.start()
         bar = tqdm(total=loop.steps, initial=ctx.start, disable=not progress,
@@ -463,18 +620,31 @@ def run_async(
             t0 = time.perf_counter()
             if producer is None:  # deterministic: sample with the params of v - k
                 bv = max(v - k, 0)
-                sampler = st.replace(params=snaps[bv], version=jnp.asarray(bv, jnp.int32))
-                groups, sampler, pos, stats = sample_batch_groups(sampler, model_config, task,
-                                                                  config, loop, pos)
-                st = st.replace(rng=sampler.rng)
-                if not buffer.reserve(len(groups)):
-                    raise RuntimeError(f"admission refused {len(groups)} groups at version {v}: "
-                                       f"{buffer.stats()}")
-                for g in groups:
-                    buffer.put(g)
-                got = buffer.get_batch(b, v, timeout=0)
-                if got is None:  # only stale data: cannot happen with versions exactly v - k
-                    raise RuntimeError(f"step {step + 1}: the buffer dropped the batch as stale")
+                got, stats, rounds = None, {"sampled_tokens": 0}, 0
+                while got is None:
+                    if april is None:
+                        sampler = st.replace(params=snaps[bv], version=jnp.asarray(bv, jnp.int32))
+                        groups, sampler, pos, stats = sample_batch_groups(
+                            sampler, model_config, task, config, loop, pos)
+                        st = st.replace(rng=sampler.rng)
+                    else:
+                        groups = april.round(snaps[bv], bv, b - buffer.stats()["queued_groups"])
+                        pos = april.position
+                        stats["sampled_tokens"] += april.generated_tokens
+                    if not buffer.reserve(len(groups)):
+                        raise RuntimeError(f"admission refused {len(groups)} groups at version "
+                                           f"{v}: {buffer.stats()}")
+                    for g in groups:
+                        buffer.put(g)
+                    got = buffer.get_batch(b, v, timeout=0)
+                    rounds += 1
+                    # static: versions are exactly v - k, never stale; APRIL's resumed
+                    # prefixes may be (dropped with stale_policy="drop"): sample more
+                    if got is None and (april is None or rounds > 4 * (k + 1)):
+                        raise RuntimeError(
+                            f"step {step + 1}: the buffer dropped every group as older than "
+                            f"max_staleness={k} versions ({buffer.stats()}); use "
+                            "stale_policy='downweight' or a larger max_staleness")
             else:
                 got = None
                 while got is None:
@@ -491,6 +661,8 @@ def run_async(
             t1 = time.perf_counter()
             batch = build_batch(got.groups, model_config=model_config, task=task, config=config,
                                 group_size=loop.group_size, token_weights=got.token_weights)
+            if acfg.mask_offpolicy_prefix:
+                batch = _offpolicy_prefix_batch(batch, loop.group_size)
             if acfg.proximal == "exact":
                 batch = batch.replace(proximal_logprobs=exact_proximal_logprobs(
                     snaps, model_config, batch, config.temperature, config.attn_impl))
@@ -515,6 +687,8 @@ def run_async(
                            tokens_per_s=stats["sampled_tokens"] / max(t3 - t0, 1e-9),
                            data_position=holder["data_position"],
                            **{f"buffer_{kk}": x for kk, x in buffer.stats().items()})
+            if april is not None:
+                metrics.update(april.metrics())
             if step == ctx.start:
                 metrics.update(resume_note)
             done = step + 1
@@ -560,16 +734,15 @@ def run_async(
 
 
 def _prune_snapshot_files(run_dir: Path, ckpt) -> None:
-    """Delete snapshot files of checkpoints orbax no longer keeps."""
-    folder = run_dir / "snapshots"
-    if not folder.is_dir():
-        return
+    """Delete side files (snapshots/, rollout_state/) of checkpoints orbax no longer keeps."""
     steps = ckpt.all_steps()
     if not steps:
         return
-    for f in folder.glob("*.npz"):
-        if f.stem.isdigit() and int(f.stem) < steps[0]:
-            f.unlink(missing_ok=True)
+    for name in ("snapshots", "rollout_state"):
+        folder = run_dir / name
+        for f in folder.glob("*.npz") if folder.is_dir() else ():
+            if f.stem.isdigit() and int(f.stem) < steps[0]:
+                f.unlink(missing_ok=True)
 
 
 def _split_devices(acfg: AsyncConfig, mesh: jax.sharding.Mesh | None
