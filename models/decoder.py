@@ -525,8 +525,9 @@ def decode_step(
     if _is_concrete(lengths):
         arr = np.asarray(lengths)
         if arr.max() >= limit:
+            where = "resp_len" if what == "resp_lengths" else "max_len"
             raise ValueError(
-                f"cache is full: {what} {arr.tolist()} reached the segment size {limit}; "
+                f"cache is full: {what} {arr.tolist()} reached {where}={limit}; "
                 "allocate a longer cache"
             )
     return _decode_jit(params, tokens, cache, config=config, attn_impl=attn_impl)
