@@ -1,8 +1,13 @@
-"""The main job: train a policy with synchronous GRPO.
+"""The main job: train a policy with GRPO, synchronously or asynchronously.
 
     python -m experiments.train                          # preset "tiny-synthetic" on CPU
     python -m experiments.train --preset smollm2-arith   # SmolLM2-135M on arithmetic problems
     python -m experiments.train --run-dir runs/a --steps 400 --resume
+    python -m experiments.train --max-staleness 2 --rollout continuous   # async (rl.loop)
+    python -m experiments.train --max-staleness 4 --async-mode deterministic --proximal exact
+
+Any async flag (--max-staleness, --async-mode, --rollout, ...) runs rl.loop.run_async
+(η defaults to 1 then); without one the synchronous rl.sync_loop.run runs as before.
 
 Each iteration: task prompts -> sampler (rl.rollout) -> task rewards -> advantages ->
 one train_step. Prints a tqdm bar (reward, tokens/s) and eval lines; writes into the
@@ -25,6 +30,7 @@ from models.decoder import init_params
 from rl.advantages import ADVANTAGE_PRESETS, AdvantageConfig
 from rl.checkpoint import CheckpointError
 from rl.logging import WANDB_MODES, atomic_write_json
+from rl.loop import MODES, PROXIMAL, ROLLOUTS, AsyncConfig, run_async
 from rl.losses import LOSS_PRESETS, LossConfig
 from rl.sync_loop import LoopConfig, RunResult, run
 from rl.tasks import make_task
@@ -127,7 +133,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamic-sampling", action="store_true", help="DAPO dynamic sampling")
     p.add_argument("--results-json", help="also write the headline summary JSON here (+ PNG beside)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    a = p.add_argument_group("asynchronous training (any of these selects rl.loop.run_async)")
+    a.add_argument("--max-staleness", type=int,
+                   help="η: data at most η policy versions old (0 = synchronous; default 1)")
+    a.add_argument("--async-mode", choices=MODES,
+                   help="threaded (producer thread + learner) or deterministic (batch v sampled "
+                        "with the params of v - η; reproducible); default threaded")
+    a.add_argument("--rollout", choices=ROLLOUTS, help="static (default), continuous (threaded "
+                   "only) or april (over-provisioned partial rollouts)")
+    a.add_argument("--over-provision", type=float, help="APRIL groups started per group trained "
+                   "(default 1.5)")
+    a.add_argument("--mask-offpolicy-prefix", action="store_true",
+                   help="APRIL: drop resumed groups' older-version prefix from the loss")
+    a.add_argument("--stale-policy", choices=("drop", "downweight"),
+                   help="data older than η versions: drop the group (default) or down-weight its "
+                        "stale tokens")
+    a.add_argument("--stale-weight", type=float, help="loss factor of stale tokens (downweight)")
+    a.add_argument("--proximal", choices=PROXIMAL,
+                   help="π_prox: current (default), exact (snapshot of each token's version), "
+                        "versions (log-linear approximation) or ewma (EWMA of weights)")
+    a.add_argument("--ewma-beta", type=float, help="EWMA proximal params' decay (default 0.9)")
+    a.add_argument("--rollout-devices", type=int, help="threaded: devices for the sampler (default "
+                   "half of them when there are several, else shared)")
     return p
+
+
+_ASYNC_FLAGS = {"max_staleness": "max_staleness", "async_mode": "mode", "rollout": "rollout",
+                "over_provision": "over_provision", "stale_policy": "stale_policy",
+                "stale_weight": "stale_weight", "proximal": "proximal", "ewma_beta": "ewma_beta",
+                "rollout_devices": "rollout_devices"}
+
+
+def async_config(args: argparse.Namespace) -> AsyncConfig | None:
+    """The AsyncConfig the command line asks for, or None (no async flag: synchronous)."""
+    kw = {field: getattr(args, arg) for arg, field in _ASYNC_FLAGS.items()
+          if getattr(args, arg) is not None}
+    if args.mask_offpolicy_prefix:
+        kw["mask_offpolicy_prefix"] = True
+    return AsyncConfig(**kw) if kw else None
 
 
 def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig]:
@@ -215,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     try:
         preset, train, loop = configure(args)
+        acfg = async_config(args)
     except ValueError as err:
         build_parser().error(str(err))
     run_dir = Path(args.run_dir or Path("runs") / preset.name)
@@ -227,17 +271,34 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     config, params, task = load_policy(preset, args.seed)
     run_config = {"preset": preset.name, "train": repr(train), "loop": dataclasses.asdict(loop)}
+    if acfg is not None:
+        run_config["async"] = dataclasses.asdict(acfg)
     try:
-        result = run(config, params, task, train, loop, run_dir, resume=args.resume,
-                     wandb_mode=args.wandb, run_config=run_config, progress=not args.no_progress)
+        if acfg is None:
+            result = run(config, params, task, train, loop, run_dir, resume=args.resume,
+                         wandb_mode=args.wandb, run_config=run_config,
+                         progress=not args.no_progress)
+        else:
+            result = run_async(config, params, task, train, loop, acfg, run_dir,
+                               resume=args.resume, wandb_mode=args.wandb, run_config=run_config,
+                               progress=not args.no_progress)
     except CheckpointError as err:
         sys.exit(f"error: {err}")
+    except KeyboardInterrupt:
+        if acfg is None:
+            raise
+        print(f"interrupted: a checkpoint was written in {run_dir}/checkpoints; continue with "
+              "--resume", file=sys.stderr)
+        sys.exit(130)
     wall = time.perf_counter() - t0
     from experiments.plots import plot_reward_curve
 
     summary = summarize(result, preset, train, loop, task, wall, load_before, command.strip())
+    if acfg is not None:
+        summary["config"]["async"] = dataclasses.asdict(acfg)
     baseline = result.eval[0]["reward"]
-    title = f"{preset.name}: GRPO reward"
+    title = f"{preset.name}: GRPO reward" + (
+        "" if acfg is None else f" (async {acfg.mode}, η={acfg.max_staleness})")
     atomic_write_json(run_dir / "summary.json", summary)
     plot_reward_curve(result.train, result.eval, run_dir / "reward_curve.png", baseline=baseline,
                       title=title)

@@ -184,3 +184,21 @@ def test_downweighted_tokens_become_loss_weights(policy):
 def test_async_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AsyncConfig(**kwargs)
+
+
+def test_cli_async_flags(tmp_path):
+    from experiments.train import async_config, build_parser, main
+
+    assert async_config(build_parser().parse_args([])) is None  # no flag: the sync loop
+    acfg = async_config(build_parser().parse_args(
+        ["--max-staleness", "3", "--async-mode", "deterministic", "--rollout", "april",
+         "--over-provision", "2", "--proximal", "versions", "--stale-policy", "downweight"]))
+    assert acfg == AsyncConfig(max_staleness=3, mode="deterministic", rollout="april",
+                               over_provision=2.0, proximal="versions", stale_policy="downweight")
+    assert async_config(build_parser().parse_args(["--rollout", "continuous"])).max_staleness == 1
+    summary = main(["--steps", "2", "--run-dir", str(tmp_path / "r"), "--wandb", "disabled",
+                    "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "8",
+                    "--eval-every", "0", "--no-progress", "--max-staleness", "1"])
+    assert summary["steps"] == 2 and summary["config"]["async"]["max_staleness"] == 1
+    with pytest.raises(SystemExit):
+        main(["--async-mode", "deterministic", "--rollout", "continuous", "--no-progress"])
