@@ -166,9 +166,14 @@ class ShardedSampler:
             return self._jit("decode", state)(params, state, jnp.int32(num_tokens),
                                               jnp.int32(version))
 
-    def decode_hlo(self, params: Params, state: SamplerState) -> str:
-        """The compiled decode-segment program's HLO text (for counting collectives)."""
+    def lower_decode(self, params: Params, state: SamplerState) -> jax.stages.Lowered:
+        """The decode-segment program lowered for these inputs: `.compile()` gives an
+        executable called as (params, state, num_tokens int32, version int32) -> state,
+        whose `.as_text()` is the HLO (for counting collectives)."""
         self._check_state(state)
         with mesh_context(self.mesh, self.rules):
-            lowered = self._jit("decode", state).lower(params, state, jnp.int32(1), jnp.int32(0))
-        return lowered.compile().as_text()
+            return self._jit("decode", state).lower(params, state, jnp.int32(1), jnp.int32(0))
+
+    def decode_hlo(self, params: Params, state: SamplerState) -> str:
+        """The compiled decode-segment program's HLO text."""
+        return self.lower_decode(params, state).compile().as_text()
