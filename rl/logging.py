@@ -5,6 +5,9 @@ uploads it later, or pass mode="online").
 Also the atomic file writes every result file uses: write a temporary file in the same
 directory, flush it to disk, then rename it over the target, so a crash never leaves a
 half-written file behind.
+
+Multi-process runs: only process 0 writes (metrics.jsonl, wandb); the other processes
+keep their records in memory, so the loop's code is the same on every process.
 """
 from __future__ import annotations
 
@@ -80,24 +83,36 @@ class MetricsLogger:
     With `resume_step`, records after that step (written after the checkpoint being
     resumed) are dropped first, atomically, so the file matches the resumed run;
     `records` holds what was kept.
+
+    writer: whether this process writes the file and wandb (default: it is JAX process 0;
+    every other process of a multi-process run only keeps `records`).
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, wandb_mode: str = "offline",
                  project: str = "tandem", run_name: str | None = None,
-                 config: Mapping[str, Any] | None = None, resume_step: int | None = None):
+                 config: Mapping[str, Any] | None = None, resume_step: int | None = None,
+                 writer: bool | None = None):
         if wandb_mode not in WANDB_MODES:
             raise ValueError(f"wandb_mode must be one of {WANDB_MODES}, got {wandb_mode!r}")
+        if writer is None:
+            import jax  # lazily: this module stays importable without initialising JAX
+
+            writer = jax.process_index() == 0
+        self.writer = bool(writer)
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
+        if self.writer:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
             self.records: list[dict] = []
-            atomic_write_text(self.path, "")
+            if self.writer:
+                atomic_write_text(self.path, "")
         else:
             self.records = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+            if self.writer:
+                atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self._wandb = None
-        if wandb_mode != "disabled":
+        if wandb_mode != "disabled" and self.writer:
             self._wandb = self._init_wandb(wandb_mode, project, run_name, config, resume_step)
 
     def _init_wandb(self, mode, project, run_name, config, resume_step):
@@ -116,6 +131,8 @@ class MetricsLogger:
         """Record scalar metrics at `step`; returns the record written."""
         record = {"step": int(step), "kind": kind, **_clean(metrics)}
         self.records.append(record)
+        if not self.writer:
+            return record
         line = (json.dumps(record) + "\n").encode("utf-8")
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -139,3 +139,18 @@ def test_process_shard_gives_contiguous_global_slices():
         process_shard(items, process_index=0, process_count=5)
     with pytest.raises(ValueError, match="process_index"):
         process_shard(items, process_index=3, process_count=3)
+
+
+def test_only_the_writer_process_writes_metrics(tmp_path):
+    from rl.logging import MetricsLogger, read_jsonl
+
+    quiet = MetricsLogger(tmp_path / "other", wandb_mode="offline", writer=False)
+    assert quiet.log(1, {"loss": 0.5}) == {"step": 1, "kind": "train", "loss": 0.5}
+    assert quiet.records == [{"step": 1, "kind": "train", "loss": 0.5}]
+    quiet.close()
+    assert not (tmp_path / "other").exists()  # no file, no wandb directory
+    main = MetricsLogger(tmp_path / "main", wandb_mode="disabled")  # process 0 by default
+    assert main.writer
+    main.log(2, {"loss": 0.25})
+    main.close()
+    assert read_jsonl(tmp_path / "main" / "metrics.jsonl") == [{"step": 2, "kind": "train", "loss": 0.25}]
