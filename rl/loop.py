@@ -139,9 +139,11 @@ class AsyncConfig:
                     mask_offpolicy_prefix=self.mask_offpolicy_prefix)  # validates both
         if self.mask_offpolicy_prefix and self.rollout != "april":
             raise ValueError("AsyncConfig.mask_offpolicy_prefix needs rollout='april'")
-        if not (0.0 <= self.stale_weight <= 1.0):
+        if isinstance(self.stale_weight, bool) or not isinstance(self.stale_weight, (int, float)) \
+                or not (0.0 <= self.stale_weight <= 1.0):
             raise ValueError(f"AsyncConfig.stale_weight must be in [0, 1], got {self.stale_weight}")
-        if not (0.0 <= self.ewma_beta < 1.0):
+        if isinstance(self.ewma_beta, bool) or not isinstance(self.ewma_beta, (int, float)) \
+                or not (0.0 <= self.ewma_beta < 1.0):
             raise ValueError(f"AsyncConfig.ewma_beta must be in [0, 1), got {self.ewma_beta}")
         cap = self.snapshot_capacity
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < k + 1):

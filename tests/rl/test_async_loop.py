@@ -64,16 +64,18 @@ class FailingTask(SyntheticTask):
 def test_eta_zero_equals_the_sync_loop(policy, tmp_path):
     config, params, task = policy
     sync = run(config, params, task, PRESET.train, LOOP, tmp_path / "sync", progress=False)
-    for mode in ("deterministic", "threaded"):
+    for mode, rollout in (("deterministic", "static"), ("threaded", "static"),
+                          ("threaded", "continuous")):  # continuous: equal-length responses
         res = run_async(config, params, task, PRESET.train, LOOP,
-                        AsyncConfig(max_staleness=0, mode=mode), tmp_path / mode, progress=False)
+                        AsyncConfig(max_staleness=0, mode=mode, rollout=rollout),
+                        tmp_path / (mode + rollout), progress=False)
         for a, b in zip(leaves(sync), leaves(res)):
             np.testing.assert_array_equal(a, b)
         assert [r["reward_mean"] for r in res.train] == [r["reward_mean"] for r in sync.train]
         assert [r["version_lag_max"] for r in res.train] == [0, 0, 0]
         assert res.data_position == sync.data_position == 6
         assert not rollout_threads()
-    assert int(res.state.step) == 3 and ckpt_steps(tmp_path / "threaded") == [3]
+    assert int(res.state.step) == 3 and ckpt_steps(tmp_path / "threadedcontinuous") == [3]
 
 
 def test_deterministic_staleness_and_exact_proximal(policy, tmp_path):
@@ -92,6 +94,21 @@ def test_deterministic_staleness_and_exact_proximal(policy, tmp_path):
         assert r["mismatch_log_ratio_abs_mean"] < 1e-4
     # Once the data is 2 versions old, the learner has moved away from the sampler.
     assert res.train[-1]["staleness_log_ratio_abs_mean"] > 1e-3
+
+
+def test_ewma_proximal_with_beta_zero_is_the_current_policy(policy, tmp_path):
+    config, params, task = policy
+    # β = 0: θ_prox is the params after the last update = the step's starting params, so
+    # the staleness factor π_θ/π_prox is 1 and the whole ratio is the mismatch π_prox/μ.
+    res = run_async(config, params, task, PRESET.train, LOOP,
+                    AsyncConfig(max_staleness=1, mode="deterministic", proximal="ewma",
+                                ewma_beta=0.0),
+                    tmp_path / "r", progress=False, compiler_options=FAST)
+    for r in res.train:
+        assert r["staleness_log_ratio_abs_mean"] < 1e-5
+        assert r["mismatch_log_ratio_abs_mean"] == pytest.approx(r["total_log_ratio_abs_mean"],
+                                                                abs=1e-5)
+    assert res.train[-1]["mismatch_log_ratio_abs_mean"] > 1e-3  # data one version old
 
 
 def test_deterministic_resume_is_exact(policy, tmp_path):
