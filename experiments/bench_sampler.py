@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from experiments.benchmarking import load_average, machine
 from models.assets import load_model, smollm2_gguf_path
+from rl.distributed import add_distributed_flags, initialize_distributed, is_main_process
 from rl.sampling import SamplingConfig, generate
 
 RESULT = Path(__file__).parent / "results" / "bench_sampler.json"
@@ -116,7 +117,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chat", action="store_true", help="chat-formatted prompts (~35 tokens)")
     ap.add_argument("--out", default=str(RESULT))
+    add_distributed_flags(ap)
     args = ap.parse_args(argv)
+    try:  # multi-process: every process benchmarks its own devices; process 0 writes
+        initialize_distributed(args)
+    except ValueError as err:
+        ap.error(str(err))
     batches = [int(b) for b in args.batches.split(",")]
     cores = os.cpu_count() or 1
 
@@ -189,10 +195,11 @@ def main(argv=None) -> dict:
         "versions": {"jax": jax.__version__, "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    if is_main_process():
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
     return result
 
 

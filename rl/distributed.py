@@ -10,6 +10,7 @@ batch whose rows live on the devices of the process that produced them:
     mesh = rl.sharding.make_mesh_preset("fsdp")  # over the devices of all processes
     offset, my_prompts = process_shard(prompts)  # contiguous slice; group ids stay global
     batch = global_batch(local_batch, mesh)      # a global jax.Array per field
+    sampler_params = process_local(state.params) # full values, for a per-process sampler
     if is_main_process(): write results
 
 Flags (or environment variables): --coordinator HOST:PORT (JAX_COORDINATOR_ADDRESS),
@@ -226,10 +227,12 @@ def global_batch(local: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
     return jax.tree.map(put, local)
 
 
-def gather_to_host(tree: Any) -> Any:
-    """The full value of every leaf as host numpy on every process (e.g. params for a
-    per-process sampler); a collective, so every process must call it."""
+def process_local(tree: Any) -> Any:
+    """`tree` as this process's own computations can use it (e.g. params for a
+    per-process sampler): unchanged when every leaf is fully addressable (one process),
+    else every leaf's full value gathered to host numpy on every process. The gather is a
+    collective: in a multi-process run every process must call it."""
     leaves = jax.tree.leaves(tree)
     if all(getattr(x, "is_fully_addressable", True) for x in leaves):
-        return jax.device_get(tree)
+        return tree
     return multihost_utils.process_allgather(tree, tiled=True)

@@ -59,7 +59,7 @@ def main():
     from models.config import get_config
     from models.decoder import init_params
     from rl.checkpoint import Checkpointer
-    from rl.distributed import gather_to_host, global_batch, is_main_process, process_shard
+    from rl.distributed import global_batch, is_main_process, process_local, process_shard
     from rl.sharding import make_mesh_preset, validate_mesh
     from rl.trainer import (OptimizerConfig, TrainConfig, batch_from_trajectory, init_train_state,
                             make_train_step)
@@ -78,7 +78,7 @@ def main():
         batch = batch_from_trajectory(local, group_size=GROUP, model_config=cfg,
                                       seq_len=P_MAX + R_MAX)
         state, metrics = step(state, global_batch(batch, mesh) if multi else batch)
-    params = gather_to_host(state.params)
+    params = process_local(state.params)
     with Checkpointer(Path(args.out) / "ckpt") as ck:
         ck.save(STEPS, state, {"processes": jax.process_count()})
     if is_main_process():
