@@ -154,3 +154,27 @@ def test_only_the_writer_process_writes_metrics(tmp_path):
     main.log(2, {"loss": 0.25})
     main.close()
     assert read_jsonl(tmp_path / "main" / "metrics.jsonl") == [{"step": 2, "kind": "train", "loss": 0.25}]
+
+
+def test_global_batch_in_one_process_is_the_local_batch():
+    from rl.distributed import global_batch
+    from rl.sharding import make_mesh_preset
+    from rl.trainer import TrainBatch, batch_sharding
+
+    rng = np.random.default_rng(0)
+    local = TrainBatch(tokens=rng.integers(0, 9, (4, 6)).astype(np.int32),
+                       positions=np.tile(np.arange(6, dtype=np.int32), (4, 1)),
+                       loss_mask=rng.random((4, 6)) > 0.5,
+                       behaviour_logprobs=rng.normal(size=(4, 6)).astype(np.float32),
+                       versions=np.zeros((4, 6), np.int32),
+                       rewards=rng.normal(size=(4, 1)).astype(np.float32),
+                       group_size=2, reward_names=("r",))
+    mesh = make_mesh_preset("single")
+    out = global_batch(local, mesh)
+    assert out.group_size == 2 and out.reward_names == ("r",) and out.packed is None
+    for name in ("tokens", "positions", "loss_mask", "behaviour_logprobs", "versions", "rewards"):
+        arr = getattr(out, name)
+        assert arr.sharding == batch_sharding(mesh)
+        np.testing.assert_array_equal(np.asarray(arr), getattr(local, name))
+    with pytest.raises(ValueError, match="takes a TrainBatch"):
+        global_batch({"tokens": local.tokens}, mesh)
