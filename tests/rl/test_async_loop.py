@@ -219,3 +219,12 @@ def test_cli_async_flags(tmp_path):
     assert summary["steps"] == 2 and summary["config"]["async"]["max_staleness"] == 1
     with pytest.raises(SystemExit):
         main(["--async-mode", "deterministic", "--rollout", "continuous", "--no-progress"])
+
+
+def test_rollout_devices_must_leave_a_training_device(policy, tmp_path):
+    config, params, task = policy
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match="leaves no training device"):
+        run_async(config, params, task, PRESET.train, LOOP, AsyncConfig(rollout_devices=n),
+                  tmp_path / "r", progress=False)
+    assert not rollout_threads()
