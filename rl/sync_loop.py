@@ -9,6 +9,11 @@ with a periodic eval on the task's eval split, metrics to JSONL (+ wandb), a tqd
 and orbax checkpoints from which `resume=True` continues exactly: the checkpoint holds
 params, optimizer state, step, rng (the source of every rollout seed) and the data
 position, so 2 steps + resume + 2 steps == 4 steps, bit for bit on CPU.
+
+Its pieces are shared with the asynchronous loop (rl.loop): open_run (run dir, state,
+checkpointer, logger, jitted step), make_evaluator, sample_batch_groups (one batch of
+scored groups) and build_batch (groups -> TrainBatch, with optional per-token loss
+weights), score, evaluate, rollout_seed.
 """
 from __future__ import annotations
 
