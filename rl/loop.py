@@ -49,14 +49,17 @@ checkpoint and raises RuntimeError chained to the original exception (its traceb
 intact); KeyboardInterrupt (Ctrl-C, or raised from a hook) writes a final checkpoint and
 re-raises; the producer is always stopped and joined (timeout, then it is a daemon
 thread, so it can never keep the process alive). Resume: deterministic mode resumes
-exactly (the snapshot ring is saved beside each checkpoint under run_dir/snapshots/,
-and APRIL's FIFO under run_dir/rollout_state/); threaded mode restarts the producer at
+exactly with static rollouts (the snapshot ring is saved beside each checkpoint under
+run_dir/snapshots/); with APRIL its FIFO is saved under run_dir/rollout_state/ and
+restored whole, but rl.april reseeds new groups on a restore, so the continuation is
+statistically, not bitwise, the same. Threaded mode restarts the producer at
 the data position it had reached when the checkpoint was written: groups that were
 queued or still being sampled then are NOT restored and are counted as dropped
 (`dropped_on_resume_groups` in the first record); with APRIL the FIFO of unfinished
 groups as of the producer's last finished round IS restored (partial responses,
 log-probs, versions), the queued groups count as dropped and the prompts of the round
-then running are sampled again.
+then running are sampled again. The buffer_* counters count from the (re)start of
+the process; a checkpoint's meta holds the counters at its save ("async"/"buffer").
 """
 from __future__ import annotations
 
