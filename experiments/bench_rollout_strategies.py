@@ -4,10 +4,11 @@ Part 1 — useful (trained-on) tokens per second of static batching, continuous 
 and APRIL (rl.april) at equal slots, and the fraction of off-policy tokens each returns
 (tokens drawn under a version older than the round's; the version is bumped every round
 as a trainer would, and the params alternate between two sets).
-Task: the `tiny` decoder from random init (vocab 256, near-uniform next-token
-distribution) with `--stop-ids` stop tokens, so every sample stops with probability
-≈ stop_ids/256 per token: geometric lengths capped at --max-new-tokens (a long tail; the
-histogram is printed and plotted). Each strategy has its own identical prompt stream;
+Task: a `tiny`-family decoder from random init (vocab 256, hidden --hidden-size, --layers
+layers; its next-token distribution is near uniform) with --stop-ids stop tokens, so every
+sample stops with probability ≈ stop_ids/256 per token: geometric lengths (mean ≈ 43 by
+default) capped at --max-new-tokens (256): a long tail; the histogram is printed and
+plotted. Each strategy has its own identical prompt stream;
 rounds run round-robin across strategies so load from other processes hits them alike;
 compilation time (jax.monitoring compile events) is subtracted from each round.
 
@@ -16,7 +17,7 @@ Part 2 — wall-clock per training step of rl.sync_loop.run vs rl.loop.run_async
 XLA_FLAGS), on the tiny-synthetic preset, plus a cost model projecting the async speedup
 to separate accelerators: t_sync = t_roll + t_train, t_async ≈ max(t_roll, t_train) + swap.
 
-    python -m experiments.bench_rollout_strategies            # both parts, ~5-10 min on 2 cores
+    python -m experiments.bench_rollout_strategies            # both parts, ~15 min on 2 loaded cores
     python -m experiments.bench_rollout_strategies --skip-async
 Writes experiments/results/bench_rollout_strategies.json and .png.
 """
@@ -73,7 +74,8 @@ def run_strategies(args) -> dict:
     from rl.rollout import RolloutConfig
     from rl.sampling import SamplingConfig
 
-    config = get_config("tiny")
+    config = get_config("tiny", hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+                        num_layers=args.layers, head_dim=args.hidden_size // 4)
     params = [init_params(config, 0), init_params(config, 1)]
     stops = tuple(range(200, 200 + args.stop_ids))
     rc = RolloutConfig(num_slots=args.groups * args.group_size, group_size=args.group_size,
@@ -132,7 +134,7 @@ def run_strategies(args) -> dict:
     edges = np.arange(0, args.max_new_tokens + args.segment_len, args.segment_len)
     hist, _ = np.histogram(np.minimum(lengths_arr, args.max_new_tokens - 1), bins=edges)
     return {
-        "setup": {"model": "tiny (random init)", "slots": rc.num_slots, "groups_per_round": args.groups,
+        "setup": {"model": f"tiny, hidden {args.hidden_size}, {args.layers} layers (random init)", "slots": rc.num_slots, "groups_per_round": args.groups,
                   "group_size": args.group_size, "segment_len": args.segment_len,
                   "max_new_tokens": args.max_new_tokens, "stop_ids": len(stops),
                   "stop_chance_per_token": len(stops) / config.vocab_size, "warmup_rounds": args.warmup,
@@ -264,7 +266,8 @@ def print_tables(result: dict) -> None:
     if "async" in result:
         a = result["async"]
         cm = a["cost_model"]
-        print(f"\nsync vs async (tiny-synthetic, {a['steps']} steps, 8 forced CPU devices, 4 train / 4 rollout):")
+        print(f"\nsync vs async (tiny-synthetic, {a['steps']} steps, 8 forced CPU devices, "
+              "4 train / 4 rollout):")
         print("| loop | s/step | rollout s | train s |")
         print("|---|---|---|---|")
         print(f"| sync | {a['sync_step_s']:.3f} | {a['sync_rollout_s']:.3f} | {a['sync_train_s']:.3f} |")
@@ -281,8 +284,10 @@ def main(argv=None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--groups", type=int, default=8, help="groups returned per round")
     p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=128, help="tiny decoder width (4 heads)")
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--segment-len", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop-ids", type=int, default=6, help="stop tokens (chance ≈ n/256 per token)")
     p.add_argument("--over-provision", type=float, nargs="+", default=[1.5, 2.0])
     p.add_argument("--warmup", type=int, default=3)

@@ -199,7 +199,8 @@ class _RoundRollout(abc.ABC):
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         if accept is not None and not callable(accept):
-            raise ValueError(f"accept must be a callable (one-group Trajectory -> bool) or None, got {accept!r}")
+            raise ValueError("accept must be a callable (one-group Trajectory -> bool) or None, "
+                             f"got {accept!r}")
         num_groups, version = int(num_groups), int(version)
         max_rej = 4 * num_groups if self.max_rejected is None else self.max_rejected
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ S = 8) so compiled sampler functions are shared."""
 import dataclasses
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
@@ -151,7 +152,8 @@ def test_state_dict_round_trip(params):
     assert both  # resumed FIFO groups came back in both
     for g in both:
         for f in ("response_ids", "response_mask", "behaviour_logprobs", "versions"):
-            np.testing.assert_array_equal(np.asarray(getattr(a, f))[ga == g], np.asarray(getattr(b, f))[gb == g])
+            np.testing.assert_array_equal(np.asarray(getattr(a, f))[ga == g],
+                                          np.asarray(getattr(b, f))[gb == g])
     new_ids = set(gb.tolist()) - set(fifo_ids)
     assert all(g >= c["submitted"] for g in new_ids)  # fresh global ids after a restore
     assert invariant(back.counts)
@@ -244,3 +246,27 @@ def test_bad_configs(params):
         AprilRollout(CFG, RC, iter(())).collect(params[0], 0, 1)
     with pytest.raises(ValueError, match="not a AprilRollout state dict"):
         ro.load_state_dict({"fifo": {}})
+
+
+def test_complete_group_carried_through_the_engine_is_unchanged(params):
+    """Complete groups beyond num_groups go back through the FIFO as all-done
+    PartialGroups: the engine must hand them back exactly as they were harvested."""
+    from rl.april import _as_partial
+    from rl.rollout import RolloutEngine
+
+    engine = RolloutEngine(CFG, RC)
+    engine.submit(PROMPTS[:2])
+    parts = []
+    while not engine.idle:
+        engine.step(params[0], 0)
+        if (t := engine.harvest()) is not None:
+            parts.append(t)
+    first = jax.tree.map(lambda x: np.asarray(x)[:N], parts[0])
+    again = RolloutEngine(CFG, RC)
+    again.resume([_as_partial(first, R_MAX)])
+    info = again.step(params[1], 7)
+    back = again.harvest()
+    assert info.new_tokens == 0 and back.batch_size == N and again.idle
+    for f in ("prompt_ids", "prompt_lengths", "response_ids", "response_mask", "behaviour_logprobs",
+              "versions", "group_ids", "finished", "truncated"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, f)), np.asarray(getattr(first, f)), err_msg=f)

@@ -2,7 +2,6 @@
 log-softmax of models.decoder.forward logits with that version's snapshot; the EWMA
 update against numpy; errors for missing versions and bad arguments."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
