@@ -153,7 +153,7 @@ class Attention(nn.Module):
     packed_nr: tuple[int, int] | None = None
 
     @nn.compact
-    def __call__(self, x, positions, mask, start, kv):
+    def __call__(self, x, positions, mask, start, kv, cache=None):
         c = self.config
         E, H, K, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
 
@@ -178,7 +178,9 @@ class Attention(nn.Module):
             out = attention(q, k, v, mask=mask, impl=self.attn_impl)
             new_kv = kvc.write_layer(kv[0], kv[1], k, v, start)
         elif self.mode == "decode":
-            out, new_kv = kvc.decode_layer(q, k, v, kv, mask, start, self.attn_impl)
+            # kv = this layer's index into the whole (broadcast) cache; returns the new
+            # token's (k, v), written into the cache once after the layer scan.
+            out, new_kv = kvc.decode_layer(q, k, v, cache, kv, mask, start, self.attn_impl)
         elif self.mode in ("packed", "fill"):
             if self.packed_nr is None:
                 raise ValueError(f"Attention mode {self.mode!r} needs packed_nr = (N, R)")
@@ -219,11 +221,11 @@ class Block(nn.Module):
     packed_nr: tuple[int, int] | None = None
 
     @nn.compact
-    def __call__(self, x, positions, mask, start, kv):
+    def __call__(self, x, positions, mask, start, kv, cache=None):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, "embed", name="input_norm", **_dtypes(c))(x)
         a, kv = Attention(c, self.mode, self.attn_impl, self.packed_nr, name="attn")(
-            h, positions, mask, start, kv)
+            h, positions, mask, start, kv, cache)
         x = x + a
         h = RMSNorm(c.rms_norm_eps, "embed", name="post_attn_norm", **_dtypes(c))(x)
         x = x + MLP(c, name="mlp")(h)
@@ -236,7 +238,9 @@ class Decoder(nn.Module):
     mask bool [batch, seq, kv_len] (modes "packed"/"fill": the pair (prompt_lengths [G],
     resp_lengths [G, N]) and packed_nr = (N, R), tokens [G, P + N*R]); start [batch] cache
     write offsets and kv (k, v) [layers, batch, max_len, kv_heads, head_dim] are used by
-    "prefill"/"decode" only (decode on a segmented cache: see kv_cache.decode_inputs). logits_at [batch, K] int (optional): compute the final norm
+    "prefill"/"decode" only (decode on a segmented cache: see kv_cache.decode_inputs).
+    Mode "decode" returns, instead of a new cache, the new token's (k, v) [layers, batch,
+    kv_heads, head_dim] per layer (kv_cache.after_decode writes them in place). logits_at [batch, K] int (optional): compute the final norm
     and the vocabulary head only at these sequence indices -> logits [batch, K, vocab]
     (the head is the costliest per-token layer of small models)."""
 
@@ -258,11 +262,17 @@ class Decoder(nn.Module):
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
             length=c.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.mode, self.attn_impl, self.packed_nr, name="layers")
-        x, kv = layers(x, positions, mask, start, kv)
+        if self.mode == "decode":
+            # The whole cache is broadcast to every layer (read in place) and the layer
+            # index is scanned: scanning over the cache would slice and restack (copy)
+            # all of it on every decode step. kv becomes the new tokens' (k, v) per layer.
+            x, kv = layers(x, positions, mask, start, jnp.arange(c.num_layers), kv)
+        else:
+            x, kv = layers(x, positions, mask, start, kv, None)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         x = RMSNorm(c.rms_norm_eps, "embed", name="final_norm", **_dtypes(c))(x)
@@ -494,9 +504,9 @@ def prefill(
 @partial(jax.jit, static_argnames=("config", "attn_impl"))
 def _decode_jit(params, tokens, cache, *, config, attn_impl):
     positions, mask, start, kv = kvc.decode_inputs(cache)
-    logits, written = Decoder(config, "decode", attn_impl).apply(
+    logits, new_kv = Decoder(config, "decode", attn_impl).apply(
         {"params": params}, tokens[:, None], positions, mask, start, kv)
-    return logits[:, 0], kvc.after_decode(cache, written)
+    return logits[:, 0], kvc.after_decode(cache, new_kv)
 
 
 def decode_step(

@@ -181,17 +181,19 @@ def decode_inputs(cache: KVCache | SegmentedKVCache):
             (cache.k, cache.v))
 
 
-def decode_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, mask, start,
-                 impl: str | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def decode_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, layer: jax.Array, mask,
+                 start, impl: str | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One layer's decode attention for either layout (see `decode_inputs`).
 
     q [batch, 1, heads, head_dim], k, v [batch, 1, kv_heads, head_dim]: the new token.
-    Writes k, v into the cache, then attends to every valid cached key including it.
-    Returns (out [batch, 1, heads, head_dim], the written (k, v) arrays of this layer:
-    dense [batch, max_len, ...]; segmented the response segment [groups, N, R, ...] — the
-    prompt segment is read-only here, so it is never copied by the layer scan)."""
+    kv: the whole cache's arrays (all layers, read only); layer: this layer's index.
+    Attends to every valid cached key of the layer plus the new token, which is written
+    into a copy of this layer's row/response segment only (the prompt segment is never
+    copied). Returns (out [batch, 1, heads, head_dim], the new token's (k, v) [batch,
+    kv_heads, head_dim]) for `after_decode` to write into the cache once for all layers."""
+    new = (k[:, 0], v[:, 0])
     if len(kv) == 4:  # segmented
-        k_prompt, v_prompt, k_resp, v_resp = kv
+        k_prompt, v_prompt, k_resp, v_resp = (x[layer] for x in kv)
         prompt_lengths, resp_lengths = mask
         g, n = resp_lengths.shape
         b, _, heads, d = q.shape
@@ -202,11 +204,10 @@ def decode_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, mask, star
             q.reshape(g, n, heads, d), k_prompt.astype(dt), v_prompt.astype(dt),
             k_resp.astype(dt), v_resp.astype(dt), prompt_lengths=prompt_lengths,
             resp_lengths=resp_lengths + 1, impl=impl)
-        return out.reshape(b, 1, heads, d), (k_resp, v_resp)
-    new_kv = write_layer(kv[0], kv[1], k, v, start)
-    out = attention(q, new_kv[0].astype(q.dtype), new_kv[1].astype(q.dtype), mask=mask,
-                    impl=impl)
-    return out, new_kv
+        return out.reshape(b, 1, heads, d), new
+    k_layer, v_layer = write_layer(kv[0][layer], kv[1][layer], k, v, start)
+    out = attention(q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), mask=mask, impl=impl)
+    return out, new
 
 
 def write_response(k_resp: jax.Array, v_resp: jax.Array, k_new: jax.Array, v_new: jax.Array,
@@ -222,14 +223,26 @@ def write_response(k_resp: jax.Array, v_resp: jax.Array, k_new: jax.Array, v_new
             v_resp.at[gi, ni, at].set(v_new.astype(v_resp.dtype), mode="drop"))
 
 
-def after_decode(cache: KVCache | SegmentedKVCache, written: tuple[jax.Array, jax.Array]
+def after_decode(cache: KVCache | SegmentedKVCache, new_kv: tuple[jax.Array, jax.Array]
                  ) -> KVCache | SegmentedKVCache:
-    """The cache after a decode step: the written arrays (stacked over layers) put back
-    and every row's length advanced by one."""
+    """The cache after a decode step: the new token's keys/values new_kv (k, v) [layers,
+    batch, kv_heads, head_dim] written at every row's length (one scatter, in place under
+    jit; an index past the end is dropped) and every length advanced by one."""
+    k, v = new_kv
     if isinstance(cache, SegmentedKVCache):
-        return cache.replace(k_resp=written[0], v_resp=written[1],
+        g, n = cache.resp_lengths.shape
+        gi, ni = jnp.arange(g)[:, None], jnp.arange(n)[None, :]
+
+        def put(seg, x):
+            x = x.reshape((x.shape[0], g, n) + x.shape[2:]).astype(seg.dtype)
+            return seg.at[:, gi, ni, cache.resp_lengths].set(x, mode="drop")
+
+        return cache.replace(k_resp=put(cache.k_resp, k), v_resp=put(cache.v_resp, v),
                              resp_lengths=cache.resp_lengths + 1)
-    return KVCache(k=written[0], v=written[1], lengths=cache.lengths + 1)
+    rows = jnp.arange(cache.batch)
+    return KVCache(k=cache.k.at[:, rows, cache.lengths].set(k.astype(cache.k.dtype), mode="drop"),
+                   v=cache.v.at[:, rows, cache.lengths].set(v.astype(cache.v.dtype), mode="drop"),
+                   lengths=cache.lengths + 1)
 
 
 def keep_lengths_where(new: KVCache | SegmentedKVCache, old: KVCache | SegmentedKVCache,
