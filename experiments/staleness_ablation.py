@@ -173,6 +173,8 @@ def summarize(runs: list[dict]) -> dict:
                "final_eval_mean": float(np.mean(finals)), "final_eval_min": float(np.min(finals)),
                "final_eval_max": float(np.max(finals)),
                "final_eval_per_seed": {str(r["seed"]): r["final_eval_reward"] for r in rs},
+               # a collapse shows as a final eval well below the run's best eval
+               "peak_eval_mean": float(np.mean([max(e[1] for e in r["eval"]) for r in rs])),
                "ess_median": float(np.nanmedian(ess)), "ess_min": float(np.nanmin(ess)),
                "ess_below_0.5_frac": float(np.nanmean(ess < 0.5)),
                "ess_median_after_k": float(np.nanmedian(after)) if after.size else None,
@@ -308,13 +310,13 @@ def report(runs_dir: Path = RUNS_DIR, out: Path = RESULTS_DIR / f"{NAME}.json",
 
 
 def print_table(summary: dict) -> None:
-    print(f"{'k':>4} {'method':<15} {'final eval (mean, min..max)':<30} {'ESS median':>10} "
-          f"{'ESS<0.5':>8} {'max log w':>10}")
+    print(f"{'k':>4} {'method':<15} {'final eval (mean, min..max)':<28} {'peak eval':>9} "
+          f"{'ESS median':>10} {'ESS min':>8} {'ESS<0.5':>8} {'max log w':>10}")
     for row in summary["table"]:
         print(f"{row['k']:>4} {row['method']:<15} "
               f"{row['final_eval_mean']:.3f} ({row['final_eval_min']:.3f}..{row['final_eval_max']:.3f})"
-              f"{'':<8} {row['ess_median']:>10.3f} {row['ess_below_0.5_frac']:>8.2f} "
-              f"{row['logw_max_median']:>10.2f}")
+              f"{'':<6} {row['peak_eval_mean']:>9.3f} {row['ess_median']:>10.3f} "
+              f"{row['ess_min']:>8.3f} {row['ess_below_0.5_frac']:>8.2f} {row['logw_max_median']:>10.2f}")
     for v in summary["verdicts"]:
         print(v)
     h = summary["headline"]
