@@ -17,7 +17,7 @@ Part 2 — wall-clock per training step of rl.sync_loop.run vs rl.loop.run_async
 XLA_FLAGS), on the tiny-synthetic preset, plus a cost model projecting the async speedup
 to separate accelerators: t_sync = t_roll + t_train, t_async ≈ max(t_roll, t_train) + swap.
 
-    python -m experiments.bench_rollout_strategies            # both parts, ~15 min on 2 loaded cores
+    python -m experiments.bench_rollout_strategies            # both parts, ~20 min on 2 loaded cores
     python -m experiments.bench_rollout_strategies --skip-async
 Writes experiments/results/bench_rollout_strategies.json and .png.
 """
@@ -282,7 +282,7 @@ def print_tables(result: dict) -> None:
 
 def main(argv=None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--groups", type=int, default=8, help="groups returned per round")
+    p.add_argument("--groups", type=int, default=16, help="groups returned per round")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=128, help="tiny decoder width (4 heads)")
     p.add_argument("--layers", type=int, default=2)
