@@ -134,6 +134,7 @@ class _RoundRollout(abc.ABC):
         self._next_id = 0
         self._restores = 0
         self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._in_hand = 0  # complete groups out of the engine, not yet returned / rejected / carried
         self.round_version: int | None = None
         self.last_round: dict[str, float] = {}
         self.last_rejected: list[Trajectory] = []
@@ -147,10 +148,12 @@ class _RoundRollout(abc.ABC):
     @property
     def counts(self) -> dict[str, int]:
         """submitted (new prompts started), harvested (returned for training), rejected,
-        dropped, in_fifo, in_engine (groups), resumed (FIFO groups put back), wasted_tokens
-        (tokens of dropped groups). submitted == harvested + rejected + dropped + in_fifo + in_engine."""
+        dropped, in_fifo, in_engine (groups in the slots or queued for them, plus complete
+        ones taken out this round and not yet returned), resumed (FIFO groups put back),
+        wasted_tokens (tokens of dropped groups). Between calls and inside `accept`:
+        submitted == harvested + rejected + dropped + in_fifo + in_engine."""
         return {**self._counts, "in_fifo": len(self._fifo),
-                "in_engine": self.engine.num_active_groups + self.engine.num_queued}
+                "in_engine": self.engine.num_active_groups + self.engine.num_queued + self._in_hand}
 
     @property
     def fifo(self) -> tuple[PartialGroup, ...]:
@@ -220,6 +223,7 @@ class _RoundRollout(abc.ABC):
             done = [] if traj is None else [
                 g.replace(group_ids=np.full_like(g.group_ids, self._global(g.group_ids[0])))
                 for g in _split_groups(traj, self.rollout.group_size)]
+            self._in_hand += len(done)
             for i, g in enumerate(done):
                 try:
                     ok = accept is None or bool(accept(g))
@@ -230,11 +234,12 @@ class _RoundRollout(abc.ABC):
                     kept.append(g)
                     continue
                 self.last_rejected.append(g)
+                self._in_hand -= 1
                 self._counts["rejected"] += 1
                 if budget is not None:
                     budget += 1  # replace it
                 if len(self.last_rejected) > max_rej:
-                    self._end_round(kept, 0)
+                    self._end_round(kept + done[i + 1:], 0)
                     raise ValueError(
                         f"accept rejected {len(self.last_rejected)} groups in one round (more than "
                         f"max_rejected={max_rej}); the accepted ones were carried to the FIFO. "
@@ -243,6 +248,7 @@ class _RoundRollout(abc.ABC):
         dropped, wasted = self._end_round(kept, num_groups)
         if not out_groups:
             raise ValueError("the prompt source is exhausted: no complete group to return")
+        self._in_hand -= len(out_groups)
         self._counts["harvested"] += len(out_groups)
         out = concat_trajectories(out_groups)
         mask, ver = np.asarray(out.response_mask), np.asarray(out.versions)
@@ -259,6 +265,7 @@ class _RoundRollout(abc.ABC):
         FIFO, oldest group first; drop the unfinished ones otherwise. Returns (dropped
         groups, their tokens)."""
         carry = [_as_partial(g, self.rollout.max_new_tokens) for g in kept[num_groups:]]
+        self._in_hand -= len(carry)
         unfinished = [dataclasses.replace(g, group_id=self._global(g.group_id))
                       for g in self.engine.extract_unfinished()]
         dropped = wasted = 0

@@ -186,8 +186,14 @@ def test_static_and_continuous_baselines(params):
 
 def test_accept_rejects_are_counted_and_kept(params):
     ro = AprilRollout(CFG, RC, iter(PROMPTS), AprilConfig(over_provision=1.5))
-    odd = lambda g: int(np.asarray(g.group_ids)[0]) % 2 == 0  # noqa: E731
-    t = ro.collect(params[0], 0, GROUPS, accept=odd)
+    seen = []
+
+    def even(g):  # the counts add up while the round is running too
+        seen.append(invariant(ro.counts))
+        return int(np.asarray(g.group_ids)[0]) % 2 == 0
+
+    t = ro.collect(params[0], 0, GROUPS, accept=even)
+    assert seen and all(seen)
     assert (np.asarray(t.group_ids) % 2 == 0).all() and t.batch_size == GROUPS * N
     rej = [int(np.asarray(g.group_ids)[0]) for g in ro.last_rejected]
     assert rej and all(g % 2 for g in rej) and ro.counts["rejected"] == len(rej)
@@ -196,7 +202,17 @@ def test_accept_rejects_are_counted_and_kept(params):
     ro = AprilRollout(CFG, RC, iter(PROMPTS), AprilConfig(max_rejected=3))
     with pytest.raises(ValueError, match="max_rejected=3"):
         ro.collect(params[0], 0, GROUPS, accept=lambda g: False)
-    assert ro.counts["rejected"] == 4 and invariant(ro.counts)
+    assert ro.counts["rejected"] == 4 and invariant(ro.counts) and ro.counts["in_engine"] == 0
+    # An exception inside accept loses nothing either.
+    ro = AprilRollout(CFG, RC, iter(PROMPTS))
+
+    def boom(g):
+        raise KeyError("reward server down")
+
+    with pytest.raises(KeyError, match="reward server down"):
+        ro.collect(params[0], 0, GROUPS, accept=boom)
+    c = ro.counts
+    assert invariant(c) and c["in_engine"] == 0 and c["in_fifo"] == c["submitted"] > 0
 
 
 def test_offpolicy_prefix_mask(april_run):
