@@ -27,7 +27,8 @@ one more start each (at most `max_rejected` per round, then a ValueError).
 
 Every strategy carries complete groups beyond num_groups (several can finish in the same
 segment) to the next round through the same FIFO: they are put back into the engine,
-which returns them finished at its next step. Invariant, at every moment:
+which returns them finished at its next step. Invariant, between calls and inside
+`accept` (complete groups taken out this round and not yet returned count as in_engine):
     submitted == harvested + rejected + dropped + in_fifo + in_engine
 (dropped is 0 for APRIL and static). Group ids in the returned trajectories are global
 and unique over the object's life (also across `load_state_dict`).
