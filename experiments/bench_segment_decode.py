@@ -49,13 +49,15 @@ def started_state(params, config, layout: str, groups: int, n: int, p: int, prom
 
 def compare_samples(seg, rep) -> dict:
     """How far the two layouts agree: samples with identical tokens, and the largest
-    log-prob difference over each sample's tokens up to its first differing token. (With
+    log-prob difference over each sample's tokens before its first differing token. (With
     random weights the next-token distribution is nearly flat over 49152 tokens, so a
     rounding-level logit difference can move an inverse-CDF draw to a neighbour token.)"""
     same, worst = 0, 0.0
     for a, b in zip(seg, rep):
         diff = np.flatnonzero(a.response_ids != b.response_ids)
-        upto = diff[0] + 1 if diff.size else a.response_ids.size
+        upto = diff[0] if diff.size else a.response_ids.size
+        if upto == 0:
+            continue
         same += int(diff.size == 0)
         worst = max(worst, float(np.abs(a.logprobs[:upto] - b.logprobs[:upto]).max()))
     return {"identical_samples": f"{same}/{len(seg)}", "max_logprob_diff": worst}
