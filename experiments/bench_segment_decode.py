@@ -24,7 +24,6 @@ import argparse
 import subprocess
 from pathlib import Path
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
