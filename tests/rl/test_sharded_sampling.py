@@ -11,9 +11,9 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# One axis at a time and all three together (each preset costs ~8 s of CPU compilation;
-# experiments/bench_scaling.py covers dp, fsdp+tp and the others).
-PRESETS = ("fsdp", "tp", "dp+fsdp+tp")
+# Tensor alone and all three axes together (each preset costs ~8 s of CPU compilation;
+# experiments/bench_scaling.py compiles dp, fsdp, fsdp+tp and the others).
+PRESETS = ("tp", "dp+fsdp+tp")
 
 _SCRIPT = textwrap.dedent("""
     import json, sys, jax, numpy as np
@@ -71,9 +71,11 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_sampler_matches_one_device_on_every_preset(tmp_path):
-    # Optimisation level 0 only shortens compilation (for both the reference and the meshes).
+    # Optimisation level 0 only shortens compilation (for both the reference and the meshes);
+    # the plain XLA:CPU schedule avoids a collective-ordering deadlock on data x fsdp meshes.
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-               "--xla_backend_optimization_level=0")
+               "--xla_backend_optimization_level=0 "
+               "--xla_cpu_enable_concurrency_optimized_scheduler=false")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path / "out.json"),
                            ",".join(PRESETS)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
