@@ -120,7 +120,8 @@ def _mesh_size(mesh: jax.sharding.Mesh, entry: Any) -> tuple[int, str]:
     return size, "*".join(names)
 
 
-def validate_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, model_config: ModelConfig, *, batch: int | None = None,
+def validate_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, model_config: ModelConfig,
+                  *, batch: int | None = None,
                   num_slots: int | None = None, groups: int | None = None,
                   rules: LogicalRules = DEFAULT_RULES) -> None:
     """Check, before anything compiles, that `mesh` can hold `model_config`: every
