@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import linen as nn
 
 from rl.losses import token_mask
 from rl.offpolicy import sequence_log_ratio
@@ -231,8 +232,8 @@ def min_variance_baseline(rewards: Array, log_w: Array, grad_sq_norms: Array | N
         log_big_w = log_big_w + jnp.log(jnp.maximum(n, 0.0))  # a zero norm gives W = 0
     log_big_w = jnp.where(v, log_big_w, -jnp.inf)
     top = jnp.max(log_big_w, axis=1, keepdims=True)
-    any_w = jnp.isfinite(top)
-    shift = jnp.where(any_w, top, 0.0)
+    any_w = top > -jnp.inf  # False only when every W is 0 (a NaN input stays NaN: visible)
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
     e = jnp.exp(log_big_w - shift)  # <= 1; invalid rows 0
     # 1e-8 on the same shifted scale; the exponent is clamped where Σ W << 1e-8 (b ≈ 0 there)
     eps = jnp.exp(jnp.minimum(math.log(_BASELINE_EPS) - shift, 80.0))
@@ -337,7 +338,11 @@ def per_trajectory_logprob_grads(params: Any, model_config: Any, tokens: Array, 
     pad = (-b) % chunk
 
     def row(p, tok, pos, msk):
-        lp = token_logprobs(p, model_config, tok[None], pos[None], temperature, attn_impl)[0][0]
+        # a batch of one row cannot follow the models' ("batch", ...) activation annotations
+        # under a mesh (vmap(grad) of them gave NaN gradients on a forced 8-device CPU mesh):
+        # trace the row without logical rules; the chunk's rows still follow the inputs.
+        with nn.logical_axis_rules(()):
+            lp = token_logprobs(p, model_config, tok[None], pos[None], temperature, attn_impl)[0][0]
         return jnp.sum(jnp.where(msk[1:], lp, 0.0)), lp
 
     vg = jax.vmap(jax.value_and_grad(row, has_aux=True), in_axes=(None, 0, 0, 0))

@@ -4,6 +4,10 @@ truncated sequence weights, the √ρ update scale of the whole batch over 2 mic
 with all weights 1 and the cheap mode's equal norms VCPO's step equals GRPO's; off by
 default (the plain step); bad combinations raise."""
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -14,8 +18,8 @@ from rl.advantages import AdvantageConfig
 from rl.trainer import (OffPolicyConfig, TrainConfig, batch_from_trajectory, init_train_state,
                         make_train_step)
 from rl.vcpo import VCPOConfig
-from test_trainer import (CFG, FAST, GROUP, LR, PG_CONFIG, TEMP, _np_logprobs, _seq_logprob_grad,
-                          fresh_state, make_traj)
+from test_trainer import (CFG, FAST, GROUP, LR, PG_CONFIG, REPO, TEMP, _np_logprobs,
+                          _seq_logprob_grad, fresh_state, make_traj)
 
 EXACT = TrainConfig(loss=PG_CONFIG.loss, advantage=PG_CONFIG.advantage,
                     optimizer=PG_CONFIG.optimizer, temperature=TEMP, micro_batches=2,
@@ -45,6 +49,9 @@ def _assert_same_update(got, want):
         np.testing.assert_allclose(g, w, atol=2e-5 * scale, rtol=1e-3)
 
 
+_ONE_DEVICE = {}  # the reference test's batch and new params, for the 8-device test
+
+
 def test_vcpo_step_matches_float64_reference(params):
     batch = batch_from_trajectory(make_traj(31, empty_row=6), group_size=GROUP, model_config=CFG)
     mask = np.asarray(batch.loss_mask)[:, 1:]
@@ -54,6 +61,7 @@ def test_vcpo_step_matches_float64_reference(params):
     noise[2, first] = -3.0  # row 2: log w > log 8, capped in the loss
     batch, mu = _with_behaviour(batch, np.where(mask, logp + noise, 0.0))
     new, m = make_train_step(EXACT, CFG, compiler_options=FAST)(fresh_state(params, EXACT), batch)
+    _ONE_DEVICE.update(batch=batch, params=new.params, ess=float(m["vcpo_ess"]))
 
     b = mask.shape[0]
     rewards = np.asarray(batch.rewards[:, 0], np.float64)
@@ -127,3 +135,43 @@ def test_vcpo_is_off_by_default_and_validated(params):
         TrainConfig(vcpo=VCPOConfig(enabled=True), advantage=AdvantageConfig("rloo"))
     with pytest.raises(ValueError, match="vcpo"):
         TrainConfig(vcpo={"enabled": True})
+
+
+# 8 forced CPU devices need a fresh process; it runs the reference test's batch on a
+# (data=2, fsdp=2, tensor=2) mesh: ρ must count the whole batch (all devices) and the
+# per-row gradient norms must survive the mesh's activation annotations.
+_SHARDED = textwrap.dedent("""
+    import sys, jax, numpy as np
+    from models.decoder import init_params
+    from models.sharding import make_mesh
+    from rl.trainer import TrainBatch, init_train_state, make_train_step
+    sys.path.insert(0, "tests/rl")
+    from test_trainer import CFG, FAST
+    from test_trainer_vcpo import EXACT
+    assert len(jax.devices()) == 8
+    data = np.load(sys.argv[1])
+    batch = TrainBatch(**{k: data[k] for k in ("tokens", "positions", "loss_mask",
+                          "behaviour_logprobs", "versions", "rewards")},
+                       group_size=4, reward_names=("r",))
+    step = make_train_step(EXACT, CFG, make_mesh(data=2, fsdp=2, tensor=2), compiler_options=FAST)
+    new, m = step(step.place_state(init_train_state(init_params(CFG, 3), EXACT)), batch)
+    np.savez(sys.argv[2], ess=np.asarray(m["vcpo_ess"]),
+             **{f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(new.params))})
+""")
+
+
+def test_sharded_vcpo_step_matches_single_device(tmp_path):
+    if not _ONE_DEVICE:
+        pytest.skip("needs test_vcpo_step_matches_float64_reference in the same session")
+    b = _ONE_DEVICE["batch"]
+    np.savez(tmp_path / "in.npz", **{k: np.asarray(getattr(b, k)) for k in (
+        "tokens", "positions", "loss_mask", "behaviour_logprobs", "versions", "rewards")})
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _SHARDED, str(tmp_path / "in.npz"),
+                           str(tmp_path / "out.npz")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    np.testing.assert_allclose(float(out["ess"]), _ONE_DEVICE["ess"], rtol=1e-5)
+    for i, want in enumerate(jax.tree.leaves(_ONE_DEVICE["params"])):
+        np.testing.assert_allclose(out[f"p{i}"], np.asarray(want), atol=2e-5, rtol=1e-4)
