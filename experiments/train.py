@@ -29,12 +29,15 @@ from models.config import get_config
 from models.decoder import init_params
 from rl.advantages import ADVANTAGE_PRESETS, AdvantageConfig
 from rl.checkpoint import CheckpointError
+from rl.distributed import add_distributed_flags, initialize_distributed, is_main_process
 from rl.logging import WANDB_MODES, atomic_write_json
 from rl.loop import MODES, PROXIMAL, ROLLOUTS, AsyncConfig, run_async
 from rl.losses import LOSS_PRESETS, LossConfig
 from rl.sync_loop import LoopConfig, RunResult, run
 from rl.tasks import make_task
+from rl.sharding import MESH_PRESETS, make_mesh_preset, validate_mesh
 from rl.trainer import OptimizerConfig, TrainConfig
+from rl.vcpo import VCPOConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamic-sampling", action="store_true", help="DAPO dynamic sampling")
     p.add_argument("--results-json", help="also write the headline summary JSON here (+ PNG beside)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--mesh", help=f"learner mesh over all devices: a preset {MESH_PRESETS} or "
+                   "'data=N,fsdp=N,tensor=N' (default: one device; 'dp' with several processes)")
+    add_distributed_flags(p)
+    v = p.add_argument_group("VCPO (variance-controlled off-policy RL)")
+    v.add_argument("--vcpo", nargs="?", const="sqrt", choices=("sqrt", "linear", "none"),
+                   help="VCPO: ESS-scaled update (sqrt|linear|none; default sqrt), minimum-variance "
+                        "off-policy baseline and truncated sequence weights (replaces --advantage)")
+    v.add_argument("--vcpo-baseline", choices=("opob", "group_mean", "none"), default="opob",
+                   help="VCPO's baseline (default opob: the minimum-variance off-policy baseline)")
+    v.add_argument("--vcpo-grad-norms", choices=("exact", "none"), default="exact",
+                   help="exact per-trajectory gradient norms (vmap(grad)) or the cheap mode")
+    v.add_argument("--log-ess", action="store_true",
+                   help="log the batch's ESS ratio and log-weight tails (VCPOConfig(monitor=True))")
     a = p.add_argument_group("asynchronous training (any of these selects rl.loop.run_async)")
     a.add_argument("--max-staleness", type=int,
                    help="η: data at most η policy versions old (0 = synchronous; default 1)")
@@ -190,6 +206,12 @@ def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig
         train = dataclasses.replace(train, micro_batches=args.micro_batches)
     if args.packed:
         train = dataclasses.replace(train, packed=True)
+    if args.vcpo is not None:
+        train = dataclasses.replace(train, vcpo=VCPOConfig(
+            enabled=True, lr_scale=args.vcpo, baseline=args.vcpo_baseline,
+            grad_norms=args.vcpo_grad_norms))
+    elif args.log_ess:
+        train = dataclasses.replace(train, vcpo=VCPOConfig(monitor=True))
     loop_kw = {"seed": args.seed}
     for arg, field in (("steps", "steps"), ("group_size", "group_size"),
                        ("prompts_per_step", "prompts_per_step"), ("eval_every", "eval_every"),
@@ -257,6 +279,7 @@ def summarize(result: RunResult, preset: Preset, train: TrainConfig, loop: LoopC
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     try:
+        multi = initialize_distributed(args)  # before any other JAX call
         preset, train, loop = configure(args)
         acfg = async_config(args)
     except ValueError as err:
@@ -270,18 +293,28 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = load_average()
     t0 = time.perf_counter()
     config, params, task = load_policy(preset, args.seed)
+    if multi and acfg is not None:
+        build_parser().error("asynchronous training (rl.loop.run_async) runs in one process; "
+                             "drop the async flags or the multi-process flags")
+    mesh = None
+    if args.mesh or multi:
+        try:
+            mesh = make_mesh_preset(args.mesh or "dp")
+            validate_mesh(mesh, config, batch=loop.prompts_per_step * loop.group_size)
+        except ValueError as err:
+            build_parser().error(str(err))
     run_config = {"preset": preset.name, "train": repr(train), "loop": dataclasses.asdict(loop)}
     if acfg is not None:
         run_config["async"] = dataclasses.asdict(acfg)
     try:
         if acfg is None:
             result = run(config, params, task, train, loop, run_dir, resume=args.resume,
-                         wandb_mode=args.wandb, run_config=run_config,
-                         progress=not args.no_progress)
+                         wandb_mode=args.wandb, run_config=run_config, mesh=mesh,
+                         progress=not args.no_progress and is_main_process())
         else:
             result = run_async(config, params, task, train, loop, acfg, run_dir,
                                resume=args.resume, wandb_mode=args.wandb, run_config=run_config,
-                               progress=not args.no_progress)
+                               mesh=mesh, progress=not args.no_progress)
     except CheckpointError as err:
         sys.exit(f"error: {err}")
     except KeyboardInterrupt:
@@ -291,6 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
               "--resume", file=sys.stderr)
         sys.exit(130)
     wall = time.perf_counter() - t0
+    if not is_main_process():  # process 0 writes the results files
+        return {}
     from experiments.plots import plot_reward_curve
 
     summary = summarize(result, preset, train, loop, task, wall, load_before, command.strip())

@@ -50,6 +50,7 @@ class RolloutConfig:
     seed: int = 0
     attn_impl: str | None = None
     kv_layout: str = "segmented"
+    first_group_id: int = 0  # id (and rng stream) of the first submitted group
 
     def __post_init__(self):
         for name in ("num_slots", "group_size", "segment_len", "max_prompt_len", "max_new_tokens"):
@@ -60,6 +61,10 @@ class RolloutConfig:
             raise ValueError(
                 f"RolloutConfig.num_slots={self.num_slots} cannot hold one group of "
                 f"group_size={self.group_size}; use num_slots >= group_size")
+        if isinstance(self.first_group_id, bool) or not isinstance(self.first_group_id, int) \
+                or self.first_group_id < 0:
+            raise ValueError(f"RolloutConfig.first_group_id must be an int >= 0, got "
+                             f"{self.first_group_id!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"RolloutConfig.kv_layout must be one of {KV_LAYOUTS}, got "
                              f"{self.kv_layout!r}")
@@ -122,7 +127,7 @@ class RolloutEngine:
         self._new: collections.deque[tuple[int, np.ndarray]] = collections.deque()
         self._resumed: collections.deque[PartialGroup] = collections.deque()
         self._source: Iterator[Sequence[int]] | None = None if prompts is None else iter(prompts)
-        self._next_group_id = 0
+        self._next_group_id = rollout.first_group_id
 
     # ------------------------------------------------------------------ queues
     def _new_group(self, prompt: Sequence[int]) -> int:

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from models.config import ModelConfig
 from rl.buffer import ScoredGroup
 from rl.checkpoint import CheckpointError, Checkpointer
+from rl.distributed import global_batch, process_local, process_shard
 from rl.logging import MetricsLogger
 from rl.offpolicy import kept_group_indices
 from rl.rollout import RolloutConfig, RolloutEngine
@@ -95,15 +96,18 @@ def _take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
 
 def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Task,
                   prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
-                  segment_len: int, seed: int) -> Trajectory:
+                  segment_len: int, seed: int, first_group_id: int = 0) -> Trajectory:
     """Sample `group_size` responses for each prompt with the rollout engine (all groups
-    decode together). Rows come back grouped in prompt order: group g = prompts[g]."""
+    decode together). Rows come back grouped in prompt order: group g = prompts[g].
+    first_group_id: the global index of prompts[0] (a process's shard of a batch): the
+    rng keys follow the global group ids, the returned group ids stay 0..G-1."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
     rc = RolloutConfig(num_slots=len(prompts) * group_size, group_size=group_size,
                        segment_len=segment_len, max_prompt_len=task.max_prompt_len,
                        max_new_tokens=task.max_new_tokens, sampling=sampling,
-                       stop_ids=tuple(task.stop_ids), seed=int(seed))
+                       stop_ids=tuple(task.stop_ids), seed=int(seed),
+                       first_group_id=int(first_group_id))
     engine = RolloutEngine(model_config, rc)
     engine.submit([p.ids for p in prompts])
     parts = []
@@ -114,7 +118,8 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
             parts.append(part)
     traj = parts[0] if len(parts) == 1 else concat_trajectories(parts)
     order = np.argsort(np.asarray(traj.group_ids), kind="stable")
-    return _take_rows(traj, order)
+    traj = _take_rows(traj, order)
+    return traj.replace(group_ids=np.asarray(traj.group_ids) - first_group_id)
 
 
 def score(task: Task, prompts: Sequence[Prompt], traj: Trajectory) -> dict[str, np.ndarray]:
@@ -186,19 +191,25 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     dynamic sampling, groups whose rewards are all equal are dropped and more prompts
     sampled (up to loop.max_resample_rounds extra rounds); if too few groups survive,
     dropped groups fill the batch with live=False (their loss mask is cleared); if none
-    survive, ValueError."""
-    g, n = loop.prompts_per_step, loop.group_size
+    survive, ValueError. In a multi-process run each process samples its own contiguous
+    share of the prompts (rl.distributed.process_shard; rng keys by global group id)."""
+    n = loop.group_size
+    if loop.dynamic_sampling and jax.process_count() > 1:
+        raise ValueError("dynamic sampling is not supported across processes (each would "
+                         "resample a different number of rounds); run it in one process")
     sampling = SamplingConfig(temperature=config.temperature)
+    params = process_local(state.params)
     kept: list[tuple[Trajectory, dict, list[int]]] = []
     dropped: list[tuple[Trajectory, dict, list[int]]] = []
     n_kept = rounds = sampled_tokens = 0
     while True:
-        prompts = task.train_prompts(data_position, g)
-        data_position += g
+        offset, prompts = process_shard(task.train_prompts(data_position, loop.prompts_per_step))
+        g = len(prompts)
+        data_position += loop.prompts_per_step
         seed, state = _rollout_seed(state)
-        traj = sample_groups(state.params, int(state.version), model_config, task, prompts,
+        traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
-                             seed=seed)
+                             seed=seed, first_group_id=offset)
         sampled_tokens += traj.num_tokens()
         rewards = score(task, prompts, traj)
         if not loop.dynamic_sampling:
@@ -226,7 +237,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
                                   rewards={name: r[name][rows] for name in task.reward_names},
                                   live=use))
     stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
-             "kept_groups": n_kept if loop.dynamic_sampling else g}
+             "kept_groups": n_kept if loop.dynamic_sampling else loop.prompts_per_step}
     return groups, state, data_position, stats
 
 
@@ -326,6 +337,9 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
     start = int(state.step)
     logger = MetricsLogger(run_dir, wandb_mode=wandb_mode, config=run_config,
                            resume_step=start if resume else None, run_name=run_dir.name)
+    if jax.process_count() > 1 and mesh is None:
+        raise ValueError("a multi-process run needs a mesh over the devices of all processes "
+                         "(e.g. rl.sharding.make_mesh_preset('dp'))")
     step_fn = make_train_step(config, model_config, mesh, compiler_options=compiler_options)
     state = step_fn.place_state(state)
     return RunContext(state=state, ref=ref, ckpt=ckpt, logger=logger, step_fn=step_fn,
@@ -392,7 +406,7 @@ def run(
     try:
         do_eval = make_evaluator(model_config, task, config, loop, logger, on_eval)
         if not resume:
-            do_eval(0, state.params, 0)
+            do_eval(0, process_local(state.params), 0)
         bar = tqdm(total=loop.steps, initial=start, disable=not progress, desc="grpo",
                    dynamic_ncols=True)
         for step in range(start, loop.steps):
@@ -400,6 +414,8 @@ def run(
             batch, state, data_position, stats = collect_batch(state, model_config, task, config,
                                                                loop, data_position)
             t1 = time.perf_counter()
+            if jax.process_count() > 1:  # each process's rows -> one global batch
+                batch = global_batch(batch, mesh)
             state, metrics = step_fn(state, batch, ref)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             t2 = time.perf_counter()
@@ -413,7 +429,7 @@ def run(
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
             is_last = done == loop.steps
             if is_last or (loop.eval_every and done % loop.eval_every == 0):
-                ev = do_eval(done, state.params, int(state.version))
+                ev = do_eval(done, process_local(state.params), int(state.version))
                 if progress:
                     bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
             if is_last or (loop.save_every and done % loop.save_every == 0):

@@ -726,8 +726,9 @@ def _check_packed_rows(batch: TrainBatch) -> None:
     """The step relies on rows[g, n] = g * N + n (contiguous groups, as batch_from_trajectory
     builds them): check it on host-side arrays (traced ones are left alone)."""
     rows = batch.packed.rows
-    if isinstance(rows, jax.core.Tracer):
-        return
+    if isinstance(rows, jax.core.Tracer) or (isinstance(rows, jax.Array)
+                                              and not rows.is_fully_addressable):
+        return  # traced, or spread over several processes: nothing to read on host
     rows = np.asarray(rows)
     b = batch.tokens.shape[0]
     if rows.size != b or not np.array_equal(rows.reshape(-1), np.arange(b)):
@@ -774,13 +775,21 @@ class JittedTrainStep:
                 raise ValueError(f"the packed batch has {g} groups; with TrainConfig.packed they "
                                  "must be divisible by data*fsdp*micro_batches = "
                                  f"{rows * self.config.micro_batches} on this mesh")
+        return self._apply(lambda fn, *args: fn(*args), state, batch, ref_params)
+
+    def lower(self, state: TrainState, batch: TrainBatch, ref_params: Params | None = None):
+        """The step lowered for these arguments (`.compile().as_text()` gives the HLO, e.g.
+        to count collectives); nothing runs and the state is not donated."""
+        return self._apply(lambda fn, *args: fn.lower(*args), state, batch, ref_params)
+
+    def _apply(self, call, state, batch, ref_params):
         fn = _jitted(self.config, self.model_config, self.mesh, self.rules,
                      ref_params is not None, self._opts)
         args = (state, batch) + ((ref_params,) if ref_params is not None else ())
         if self.mesh is None:
-            return fn(*args)
+            return call(fn, *args)
         with mesh_context(self.mesh, self.rules):
-            return fn(*args)
+            return call(fn, *args)
 
 
 def make_train_step(config: TrainConfig, model_config: ModelConfig,
@@ -794,4 +803,7 @@ def make_train_step(config: TrainConfig, model_config: ModelConfig,
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
     if not isinstance(model_config, ModelConfig):
         raise ValueError(f"model_config must be a ModelConfig, got {type(model_config).__name__}")
+    if mesh is not None:  # heads / kv_heads / mlp / vocab vs the mesh: a clear error, before compiling
+        from rl.sharding import validate_mesh
+        validate_mesh(mesh, model_config, rules=rules)
     return JittedTrainStep(config, model_config, mesh, rules, compiler_options)
