@@ -11,9 +11,8 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# Tensor alone and all three axes together (each preset costs ~8 s of CPU compilation;
-# experiments/bench_scaling.py compiles dp, fsdp, fsdp+tp and the others).
-PRESETS = ("tp", "dp+fsdp+tp")
+# Every multi-device preset on 8 devices (each costs a few seconds of -O0 compilation).
+PRESETS = ("dp", "fsdp", "tp", "dp+fsdp", "dp+tp", "fsdp+tp", "dp+fsdp+tp")
 
 _SCRIPT = textwrap.dedent("""
     import json, sys, jax, numpy as np
