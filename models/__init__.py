@@ -2,8 +2,10 @@
 
 Import the submodule you need (nothing heavy is imported here):
   models.config     ModelConfig, PRESETS, get_config, config_from_hf, config_to_hf
-  models.decoder    init_params, param_logical_axes, forward, prefill, decode_step
-  models.kv_cache   KVCache, init_cache
+  models.decoder    init_params, param_logical_axes, forward, prefill, decode_step,
+                    prefill_segments
+  models.kv_cache   KVCache, init_cache (dense); SegmentedKVCache, init_segmented_cache
+                    (a group's prompt once + per-sample response segments), cache_bytes
   models.attention  attention (the one dense attention entry point)
   models.sharding   logical axis rules, make_mesh, logical_to_mesh_sharding, mesh_context
   models.convert    params_from_hf, hf_from_params (HF tensor names <-> our pytree)
