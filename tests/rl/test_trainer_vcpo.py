@@ -49,10 +49,10 @@ def _assert_same_update(got, want):
         np.testing.assert_allclose(g, w, atol=2e-5 * scale, rtol=1e-3)
 
 
-_ONE_DEVICE = {}  # the reference test's batch and new params, for the 8-device test
-
-
-def test_vcpo_step_matches_float64_reference(params):
+@pytest.fixture(scope="module")
+def one_device_step(params):
+    """The reference test's batch (row 2's log w above log 8, row 6 empty) and one VCPO step
+    on one device: shared with the 8-device test, which must reproduce it."""
     batch = batch_from_trajectory(make_traj(31, empty_row=6), group_size=GROUP, model_config=CFG)
     mask = np.asarray(batch.loss_mask)[:, 1:]
     logp = _np_logprobs(params, batch.tokens)
@@ -61,7 +61,12 @@ def test_vcpo_step_matches_float64_reference(params):
     noise[2, first] = -3.0  # row 2: log w > log 8, capped in the loss
     batch, mu = _with_behaviour(batch, np.where(mask, logp + noise, 0.0))
     new, m = make_train_step(EXACT, CFG, compiler_options=FAST)(fresh_state(params, EXACT), batch)
-    _ONE_DEVICE.update(batch=batch, params=new.params, ess=float(m["vcpo_ess"]))
+    return dict(batch=batch, mask=mask, logp=logp, mu=mu, params=new.params, metrics=m)
+
+
+def test_vcpo_step_matches_float64_reference(params, one_device_step):
+    batch, mask, logp, mu = (one_device_step[k] for k in ("batch", "mask", "logp", "mu"))
+    new_params, m = one_device_step["params"], one_device_step["metrics"]
 
     b = mask.shape[0]
     rewards = np.asarray(batch.rewards[:, 0], np.float64)
@@ -91,7 +96,7 @@ def test_vcpo_step_matches_float64_reference(params):
     n_seq = int(valid.sum())
     want = [math.sqrt(rho) * LR / n_seq * sum(adv[i] * trunc[i] * grads[i][k] for i in range(b))
             for k in range(len(grads[0]))]
-    _assert_same_update(_deltas(new.params, params), want)
+    _assert_same_update(_deltas(new_params, params), want)
     np.testing.assert_allclose(m["vcpo_ess"], rho, rtol=1e-4)
     np.testing.assert_allclose(m["vcpo_lr_scale"], math.sqrt(rho), rtol=1e-4)
     group_means = rewards.reshape(-1, GROUP).mean(axis=1)
@@ -160,10 +165,8 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
-def test_sharded_vcpo_step_matches_single_device(tmp_path):
-    if not _ONE_DEVICE:
-        pytest.skip("needs test_vcpo_step_matches_float64_reference in the same session")
-    b = _ONE_DEVICE["batch"]
+def test_sharded_vcpo_step_matches_single_device(tmp_path, one_device_step):
+    b = one_device_step["batch"]
     np.savez(tmp_path / "in.npz", **{k: np.asarray(getattr(b, k)) for k in (
         "tokens", "positions", "loss_mask", "behaviour_logprobs", "versions", "rewards")})
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -172,6 +175,7 @@ def test_sharded_vcpo_step_matches_single_device(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = np.load(tmp_path / "out.npz")
-    np.testing.assert_allclose(float(out["ess"]), _ONE_DEVICE["ess"], rtol=1e-5)
-    for i, want in enumerate(jax.tree.leaves(_ONE_DEVICE["params"])):
+    np.testing.assert_allclose(float(out["ess"]), float(one_device_step["metrics"]["vcpo_ess"]),
+                               rtol=1e-5)
+    for i, want in enumerate(jax.tree.leaves(one_device_step["params"])):
         np.testing.assert_allclose(out[f"p{i}"], np.asarray(want), atol=2e-5, rtol=1e-4)
