@@ -38,7 +38,7 @@ from rl.rollout import RolloutConfig, RolloutEngine
 from rl.sampling import SamplingConfig
 from rl.tasks.base import Prompt, Task
 from rl.trainer import (TrainBatch, TrainConfig, TrainState, batch_from_trajectory,
-                        init_train_state, make_train_step)
+                        init_train_state, make_train_step, state_shardings)
 from rl.trajectory import Trajectory, concat_trajectories
 
 
@@ -328,8 +328,9 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
     ckpt = Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints)
     data_position, meta = 0, {}
     if resume:
-        try:
-            state, meta = ckpt.restore(state)
+        try:  # straight onto the mesh (no one-device copy; needed across processes)
+            shardings = None if mesh is None else state_shardings(model_config, config, mesh)
+            state, meta = ckpt.restore(state, shardings=shardings)
         except BaseException:
             ckpt.close()
             raise
