@@ -22,11 +22,10 @@ RESULTS_DIR = Path(__file__).parent / "results"
 def machine() -> str:
     """E.g. 'AMD EPYC 7B13, 2 cores; jax 0.10.2 on cpu' (the GPU's kind on a GPU)."""
     cpu = platform.processor() or platform.machine()
-    try:
+    if os.path.exists("/proc/cpuinfo"):  # Linux: the model name ("AMD EPYC 7B13")
         with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+            names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+        cpu = names[0] if names else cpu
     dev = jax.devices()[0]
     where = f"{cpu}, {os.cpu_count()} cores" if dev.platform == "cpu" else dev.device_kind
     return f"{where}; jax {jax.__version__} on {dev.platform}"

@@ -28,9 +28,10 @@ def smollm2_gguf_path() -> Path:
         candidates += [Path(p) / SMOLLM2_GGUF for p in spec.submodule_search_locations]
     try:
         dist = importlib.metadata.distribution(_SMOLLM2_DIST)
-        candidates += [Path(dist.locate_file(f)) for f in (dist.files or ()) if f.name == SMOLLM2_GGUF]
     except importlib.metadata.PackageNotFoundError:
-        pass
+        dist = None  # not installed: the error below says how to install it
+    if dist is not None:
+        candidates += [Path(dist.locate_file(f)) for f in (dist.files or ()) if f.name == SMOLLM2_GGUF]
     for path in candidates:
         if path.is_file():
             return path

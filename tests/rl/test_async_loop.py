@@ -15,22 +15,14 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.train import PRESETS, load_policy
 from rl.loop import AsyncConfig, run_async
 from rl.sync_loop import build_batch, run, sample_batch_groups
 from rl.tasks import SyntheticTask
 from rl.trainer import init_train_state
 
-PRESET = PRESETS["tiny-synthetic"]
+from test_sync_loop import LOOP, PRESET, policy  # noqa: F401  (same geometry: shared compilations)
+
 FAST = {"xla_backend_optimization_level": 0}  # a config of its own: compile it quickly
-LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=4, eval_prompts=8,
-                           eval_every=0, save_every=0, eval_greedy=False)
-
-
-@pytest.fixture(scope="module")
-def policy():
-    config, params, task = load_policy(PRESET, 0)
-    return config, jax.device_put(params, jax.devices()[0]), task
 
 
 def rollout_threads():
