@@ -1,7 +1,7 @@
 """Rollout strategies on a long-tail response-length mix, and sync vs async loops.
 
 Part 1 — useful (trained-on) tokens per second of static batching, continuous batching
-and APRIL (rl.april) at equal slots, and the fraction of off-policy tokens each returns
+and APRIL (rl.rollout.april) at equal slots, and the fraction of off-policy tokens each returns
 (tokens drawn under a version older than the round's; the version is bumped every round
 as a trainer would, and the params alternate between two sets).
 Task: a `tiny`-family decoder from random init (vocab 256, hidden --hidden-size, --layers
@@ -12,7 +12,7 @@ plotted. Each strategy has its own identical prompt stream;
 rounds run round-robin across strategies so load from other processes hits them alike;
 compilation time (jax.monitoring compile events) is subtracted from each round.
 
-Part 2 — wall-clock per training step of rl.sync_loop.run vs rl.loop.run_async (threaded,
+Part 2 — wall-clock per training step of rl.loops.sync.run vs rl.loops.asynchronous.run_async (threaded,
 η = 1) on 8 forced CPU devices split 4 training / 4 rollout (a subprocess with
 XLA_FLAGS), on the tiny-synthetic preset, plus a cost model projecting the async speedup
 to separate accelerators: t_sync = t_roll + t_train, t_async ≈ max(t_roll, t_train) + swap.
@@ -70,9 +70,14 @@ def run_strategies(args) -> dict:
 
     from models.config import get_config
     from models.decoder import init_params
-    from rl.april import AprilConfig, AprilRollout, ContinuousRollout, StaticRollout
-    from rl.rollout import RolloutConfig
-    from rl.sampling import SamplingConfig
+    from rl.rollout import (
+        AprilConfig,
+        AprilRollout,
+        ContinuousRollout,
+        RolloutConfig,
+        SamplingConfig,
+        StaticRollout,
+    )
 
     config = get_config("tiny", hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
                         num_layers=args.layers, head_dim=args.hidden_size // 4)
@@ -153,8 +158,7 @@ def async_child(steps: int) -> dict:
     import jax
 
     from experiments.train import PRESETS, load_policy
-    from rl.loop import AsyncConfig, run_async
-    from rl.sync_loop import run
+    from rl.loops import AsyncConfig, run, run_async
 
     preset = PRESETS["tiny-synthetic"]
     config, params, task = load_policy(preset, 0)

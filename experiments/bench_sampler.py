@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 from experiments.benchmarking import load_average, machine
 from models.assets import load_model, smollm2_gguf_path
-from rl.distributed import add_distributed_flags, initialize_distributed, is_main_process
-from rl.sampling import SamplingConfig, generate
+from rl.rollout import SamplingConfig, generate
+from rl.runtime.distributed import add_distributed_flags, initialize_distributed, is_main_process
 
 RESULT = Path(__file__).parent / "results" / "bench_sampler.json"
 QUESTIONS = [  # one sentence each: ~5-10 tokens

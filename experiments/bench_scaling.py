@@ -58,7 +58,7 @@ def _param_shapes(cfg, mesh) -> dict[str, tuple[int, ...]]:
     import jax
 
     from models.decoder import init_params
-    from rl.sharding import param_shardings
+    from rl.runtime.mesh import param_shardings
 
     shapes = jax.eval_shape(lambda: init_params(cfg, 0))
     out = {}
@@ -79,12 +79,13 @@ def _train(cfg, mesh, reps_seconds: float) -> dict:
 
     from models.decoder import init_params
     from models.sharding import mesh_context
-    from rl import trainer
+    from rl import learner
+    from rl.runtime.mesh import batch_sharding
     from rl.trajectory import Trajectory
 
-    config = trainer.TrainConfig(optimizer=trainer.OptimizerConfig(learning_rate=1e-4))
-    step = trainer.make_train_step(config, cfg, mesh)
-    state = step.place_state(trainer.init_train_state(init_params(cfg, 0), config, 0))
+    config = learner.TrainConfig(optimizer=learner.OptimizerConfig(learning_rate=1e-4))
+    step = learner.make_train_step(config, cfg, mesh)
+    state = step.place_state(learner.init_train_state(init_params(cfg, 0), config, 0))
     rng = np.random.default_rng(0)
     half = T // 2
     traj = Trajectory.create(
@@ -93,8 +94,8 @@ def _train(cfg, mesh, reps_seconds: float) -> dict:
         behaviour_logprobs=-rng.random((B, half)), versions=np.zeros((B, half)),
         group_ids=np.repeat(np.arange(B // 4), 4), finished=np.ones(B, bool),
         truncated=np.zeros(B, bool), rewards={"r": rng.normal(size=B)})
-    batch = trainer.batch_from_trajectory(traj, group_size=4, model_config=cfg, seq_len=T)
-    batch = jax.device_put(batch, trainer.batch_sharding(mesh))
+    batch = learner.batch_from_trajectory(traj, group_size=4, model_config=cfg, seq_len=T)
+    batch = jax.device_put(batch, batch_sharding(mesh))
     # The step's own jit object (what JittedTrainStep calls), lowered once: its compiled
     # executable is both what is timed and whose HLO is counted.
     t0 = time.perf_counter()
@@ -118,8 +119,7 @@ def _decode(cfg, mesh, reps_seconds: float) -> dict:
     import numpy as np
 
     from models.decoder import init_params
-    from rl.sampling import sample_keys
-    from rl.sharded_sampling import ShardedSampler
+    from rl.rollout import ShardedSampler, sample_keys
 
     sampler = ShardedSampler(cfg, mesh)
     params = sampler.place_params(init_params(cfg, 0))
@@ -164,8 +164,14 @@ def worker(devices: int, reps_seconds: float, hlo_dir: Path, out: Path) -> None:
     import jax
 
     from models.config import get_config
-    from rl.sharding import (count_collectives, describe_mesh, full_array_gathers,
-                             make_mesh_preset, mesh_axes, validate_mesh)
+    from rl.runtime.mesh import (
+        count_collectives,
+        describe_mesh,
+        full_array_gathers,
+        make_mesh_preset,
+        mesh_axes,
+        validate_mesh,
+    )
 
     assert len(jax.devices()) == devices, jax.devices()
     cfg = get_config("tiny")

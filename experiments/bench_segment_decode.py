@@ -3,9 +3,9 @@
     python -m experiments.bench_segment_decode [--groups 2] [--layers 4] [--steps 8]
 
 For N in {8, 64} samples per prompt and P in {256, 1024} prompt tokens it builds one
-sampler state per KV layout (rl.sampling.init_state(kv_layout=...), max_new_tokens =
+sampler state per KV layout (rl.rollout.sampler.init_state(kv_layout=...), max_new_tokens =
 R_MAX), prefills `groups` random prompts of exactly P tokens, and times the real
-`rl.sampling.decode_segment` advancing every sample by `steps` tokens (median of
+`rl.rollout.sampler.decode_segment` advancing every sample by `steps` tokens (median of
 round-robin repeats from the same prefilled state, compile excluded):
   replicated  dense cache [layers, groups*N, P + R_MAX, kv_heads, d], the prompt KV copied
               into every sample's row (plain masked decode attention);
@@ -31,8 +31,7 @@ from experiments.benchmarking import load_average, machine, time_calls, write_re
 from models.config import get_config
 from models.decoder import init_params
 from models.kv_cache import cache_bytes
-from rl.sampling import (SamplingConfig, decode_segment, init_state, prefill, read_slots,
-                         sample_keys)
+from rl.rollout import SamplingConfig, decode_segment, init_state, prefill, read_slots, sample_keys
 
 NS, PS, R_MAX = (8, 64), (256, 1024), 64
 RESULT = Path(__file__).parent / "results" / "bench_segment_decode.json"

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.segment_decode import segment_decode_attention
 from experiments.benchmarking import machine, time_calls
+from kernels.segment_decode import segment_decode_attention
 
 GROUPS, HEADS, KV_HEADS, HEAD_DIM, R_MAX = 2, 9, 3, 64, 64
 NS, PS = (8, 64), (256, 1024)

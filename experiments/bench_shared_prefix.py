@@ -8,7 +8,7 @@ tokens, one jitted training step = value_and_grad of the GRPO loss
   naive       G*N rows [prompt, resp_n] through models.decoder.forward with the vocabulary
               head evaluated only at the N*R response-predicting positions (logits_at),
               the same head work as the packed path: the ratio measures packing alone;
-  naive_full  the same rows with logits at every position (what rl.trainer does today);
+  naive_full  the same rows with logits at every position (what rl.learner does today);
   packed      models.packed.packed_response_logprobs on G sequences [prompt, resp_1..N]
               (attention: kernels.shared_prefix_attention, impl "xla" on CPU).
 rho = N(P+R)/(P+NR) is the token ratio. Target (issue 6): naive/packed >= 0.7*rho when
@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments.benchmarking import machine, time_calls
 from models.config import get_config
 from models.decoder import forward, init_params
 from models.packed import packed_response_logprobs
-from experiments.benchmarking import machine, time_calls
 
 MODEL = get_config("tiny", vocab_size=512, hidden_size=128, intermediate_size=256,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -186,7 +186,7 @@ def main() -> None:
             "step": "jit(value_and_grad(token-mean GRPO loss) + optax.adamw(1e-4) update)",
             "naive": "forward on G*N rows [prompt, resp], head only at the N*R "
                      "response-predicting positions (logits_at)",
-            "naive_full": "forward on the same rows, logits at every position (as rl.trainer)",
+            "naive_full": "forward on the same rows, logits at every position (as rl.learner)",
             "packed": "packed_response_logprobs, attn_impl='xla'",
             "timing": "median ms of warm calls, round-robin over the three steps",
             "agreement": "agreement_vs_naive compares each step's loss, gradient norm and "

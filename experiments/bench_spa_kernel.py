@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.shared_prefix_attention import shared_prefix_attention
 from experiments.benchmarking import machine
+from kernels.shared_prefix_attention import shared_prefix_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 DEFAULT_SHAPES = ((4, 256, 64), (16, 256, 64), (16, 512, 32))

@@ -6,7 +6,7 @@ The prompt goes through the model's chat template; the completion is printed on 
 timings (compile separately from generation) on stderr. Sampling is the default, at
 temperature 0.7 (a common chat default; use --greedy for argmax decoding).
 
-Decoding is the rollout sampler's (rl.sampling): one decode loop in the codebase.
+Decoding is the rollout sampler's (rl.rollout.sampler): one decode loop in the codebase.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from models.assets import MODEL_REGISTRY, load_model
-from rl import sampling
+from rl import rollout
 
 PROGRESS_BAR_MIN_TOKENS = 64  # show a tqdm bar only for generations longer than this
 SEGMENT_TOKENS = 16  # tokens per sampler call: the progress bar advances per segment
@@ -91,17 +91,17 @@ def generate_tokens(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {max_len} "
             f"exceeds the model's max_position_embeddings={config.max_position_embeddings}; "
             "shorten the prompt or lower --max-new-tokens")
-    cfg = (sampling.SamplingConfig(greedy=True) if greedy
-           else sampling.SamplingConfig(temperature=temperature))
-    state = sampling.init_state(config, num_slots=1, max_prompt_len=len(prompt_ids),
+    cfg = (rollout.SamplingConfig(greedy=True) if greedy
+           else rollout.SamplingConfig(temperature=temperature))
+    state = rollout.init_state(config, num_slots=1, max_prompt_len=len(prompt_ids),
                                 max_new_tokens=max_new_tokens, sampling=cfg, stop_ids=eos_ids)
-    keys = sampling.sample_keys(seed, [0], 1)
+    keys = rollout.sample_keys(seed, [0], 1)
 
     def start():
-        return sampling.prefill(params, state, [list(prompt_ids)], [[0]], keys)
+        return rollout.prefill(params, state, [list(prompt_ids)], [[0]], keys)
 
     t0 = time.perf_counter()
-    jax.block_until_ready(sampling.decode_segment(params, start(), 1, 0).done)
+    jax.block_until_ready(rollout.decode_segment(params, start(), 1, 0).done)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -109,13 +109,13 @@ def generate_tokens(
     prefill_s = time.perf_counter() - t0
     t0, produced = time.perf_counter(), 0
     while not bool(live.done[0]):
-        live = sampling.decode_segment(params, live, SEGMENT_TOKENS, 0)
+        live = rollout.decode_segment(params, live, SEGMENT_TOKENS, 0)
         n = int(live.num_generated[0])
         if on_tokens is not None:
             on_tokens(n - produced)
         produced = n
     decode_s = time.perf_counter() - t0
-    sample = sampling.read_slots(live, [0])[0]
+    sample = rollout.read_slots(live, [0])[0]
     timings = {"compile_s": compile_s, "prefill_s": prefill_s, "decode_s": decode_s}
     return sample.response_ids.tolist(), sample.stopped, timings
 

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from rl.logging import atomic_write_bytes  # noqa: E402
+from rl.runtime.logging import atomic_write_bytes  # noqa: E402
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:

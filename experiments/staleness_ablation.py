@@ -5,7 +5,7 @@
     nohup python -m experiments.staleness_ablation > ablation.log 2>&1 &
 
 Each run trains the `tiny-synthetic` preset of experiments.train (tiny decoder from random
-init, "reverse 4 symbols") with rl.loop.run_async in deterministic mode: step v trains on a
+init, "reverse 4 symbols") with rl.loops.asynchronous.run_async in deterministic mode: step v trains on a
 batch sampled with the params of version max(v - k, 0), so past step k every token is
 exactly k versions stale. Methods (same preset optimizer, PPO-clip token-mean loss with
 π_old = the step's starting params, i.e. ratio 1 and one update per batch):
@@ -34,15 +34,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from experiments.benchmarking import RESULTS_DIR, load_average, machine, write_results
 from experiments.train import PRESETS, load_policy
-from rl.trainer import OffPolicyConfig, TrainConfig
-from rl.vcpo import VCPOConfig
+from rl.learner import OffPolicyConfig, TrainConfig
+from rl.objectives import VCPOConfig
 
 PRESET = "tiny-synthetic"
 NAME = "staleness_ablation"
@@ -83,7 +82,7 @@ def run_name(method: str, k: int, seed: int) -> str:
 def run_one(method: str, k: int, seed: int, steps: int, eval_every: int, eval_prompts: int,
             work_dir: Path, on_step=None) -> dict:
     """Train one (method, k, seed) cell; returns its JSON-ready record."""
-    from rl.loop import AsyncConfig, run_async
+    from rl.loops import AsyncConfig, run_async
 
     preset = PRESETS[PRESET]
     train = method_config(method)
@@ -217,7 +216,7 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rl.logging import atomic_write_bytes
+    from rl.runtime.logging import atomic_write_bytes
 
     cells = _cells(runs)
     ks = sorted({k for k, _ in cells})

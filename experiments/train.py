@@ -3,11 +3,11 @@
     python -m experiments.train                          # preset "tiny-synthetic" on CPU
     python -m experiments.train --preset smollm2-arith   # SmolLM2-135M on arithmetic problems
     python -m experiments.train --run-dir runs/a --steps 400 --resume
-    python -m experiments.train --max-staleness 2 --rollout continuous   # async (rl.loop)
+    python -m experiments.train --max-staleness 2 --rollout continuous   # async (rl.loops.asynchronous)
     python -m experiments.train --max-staleness 4 --async-mode deterministic --proximal exact
 
-Any async flag (--max-staleness, --async-mode, --rollout, ...) runs rl.loop.run_async
-(η defaults to 1 then); without one the synchronous rl.sync_loop.run runs as before.
+Any async flag (--max-staleness, --async-mode, --rollout, ...) runs rl.loops.asynchronous.run_async
+(η defaults to 1 then); without one the synchronous rl.loops.sync.run runs as before.
 
 Each iteration: task prompts -> sampler (rl.rollout) -> task rewards -> advantages ->
 one train_step. Prints a tqdm bar (reward, tokens/s) and eval lines; writes into the
@@ -27,17 +27,17 @@ from typing import Any
 from experiments.benchmarking import load_average, machine
 from models.config import get_config
 from models.decoder import init_params
-from rl.advantages import ADVANTAGE_PRESETS, AdvantageConfig
-from rl.checkpoint import CheckpointError
-from rl.distributed import add_distributed_flags, initialize_distributed, is_main_process
-from rl.logging import WANDB_MODES, atomic_write_json
-from rl.loop import MODES, PROXIMAL, ROLLOUTS, AsyncConfig, run_async
-from rl.losses import LOSS_PRESETS, LossConfig
-from rl.sync_loop import LoopConfig, RunResult, run
+from rl.learner import OptimizerConfig, TrainConfig
+from rl.loops import AsyncConfig, LoopConfig, RunResult, run, run_async
+from rl.loops.asynchronous import MODES, PROXIMAL, ROLLOUTS
+from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
+from rl.objectives.advantages import ADVANTAGE_PRESETS
+from rl.objectives.losses import LOSS_PRESETS
+from rl.runtime.checkpoint import CheckpointError
+from rl.runtime.distributed import add_distributed_flags, initialize_distributed, is_main_process
+from rl.runtime.logging import WANDB_MODES, atomic_write_json
+from rl.runtime.mesh import MESH_PRESETS, make_mesh_preset, validate_mesh
 from rl.tasks import make_task
-from rl.sharding import MESH_PRESETS, make_mesh_preset, validate_mesh
-from rl.trainer import OptimizerConfig, TrainConfig
-from rl.vcpo import VCPOConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact per-trajectory gradient norms (vmap(grad)) or the cheap mode")
     v.add_argument("--log-ess", action="store_true",
                    help="log the batch's ESS ratio and log-weight tails (VCPOConfig(monitor=True))")
-    a = p.add_argument_group("asynchronous training (any of these selects rl.loop.run_async)")
+    a = p.add_argument_group("asynchronous training (any of these selects rl.loops.asynchronous.run_async)")
     a.add_argument("--max-staleness", type=int,
                    help="η: data at most η policy versions old (0 = synchronous; default 1)")
     a.add_argument("--async-mode", choices=MODES,
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     config, params, task = load_policy(preset, args.seed)
     if multi and acfg is not None:
-        build_parser().error("asynchronous training (rl.loop.run_async) runs in one process; "
+        build_parser().error("asynchronous training (rl.loops.asynchronous.run_async) runs in one process; "
                              "drop the async flags or the multi-process flags")
     mesh = None
     if args.mesh or multi:

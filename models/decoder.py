@@ -27,6 +27,7 @@ from models import kv_cache as kvc
 from models.attention import attention
 from models.config import ModelConfig
 from models.kv_cache import KVCache, SegmentedKVCache
+from models.packed_layout import packed_tokens_and_positions
 
 Params = dict[str, Any]
 _init = nn.initializers.normal(stddev=0.02)
@@ -563,9 +564,6 @@ def prefill_segments(
     [layers, G, P, kv_heads, head_dim] and k_resp, v_resp [layers, G, N, R, kv_heads,
     head_dim] in the compute dtype; entries past the lengths are meaningless.
     """
-    # models.packed imports this module, so its layout helper is imported here.
-    from models.packed import packed_tokens_and_positions
-
     g, p = prompt_tokens.shape
     _, n, r = resp_tokens.shape
     tokens, positions = packed_tokens_and_positions(prompt_tokens, prompt_lengths, resp_tokens)

@@ -15,7 +15,7 @@ Entry points:
                             every response of a group shares its prompt).
   groups_share_prompts      host side: whether pack_groups applies (no exception).
   packed_token_logprobs     the same log-probs scattered back into the naive [B, T-1] row
-                            layout that rl.trainer uses (logit at t predicts token t+1).
+                            layout that rl.learner uses (logit at t predicts token t+1).
 """
 from __future__ import annotations
 
@@ -26,43 +26,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from kernels.dispatch import resolve_impl
 from models.config import ModelConfig
 from models.decoder import Decoder, Params, _is_concrete, init_params, validate_tokens
-
-
-# ----------------------------------------------------------------------------- layout
-@struct.dataclass
-class PackedGroups:
-    """A batch of G groups of N responses sharing their prompt (a pytree; host or device).
-
-    prompt_tokens [G, P] int32 (right-padded); prompt_lengths [G] int32 in [1, P];
-    response_tokens [G, N, R] int32 (right-padded); response_lengths [G, N] int32 in [0, R];
-    rows [G, N] int32: the row of the naive batch that response (g, n) came from.
-    """
-
-    prompt_tokens: jax.Array
-    prompt_lengths: jax.Array
-    response_tokens: jax.Array
-    response_lengths: jax.Array
-    rows: jax.Array
-
-
-def packed_tokens_and_positions(prompt_tokens, prompt_lengths, response_tokens):
-    """tokens and positions [G, P + N*R] of the packed layout.
-
-    prompt_tokens [G, P]; prompt_lengths [G]; response_tokens [G, N, R]. Prompt positions
-    are 0..P-1; response n's token t sits at position prompt_lengths[g] + t.
-    """
-    g, p = prompt_tokens.shape
-    _, n, r = response_tokens.shape
-    tokens = jnp.concatenate([prompt_tokens, response_tokens.reshape(g, n * r)], axis=1)
-    resp_pos = prompt_lengths[:, None, None] + jnp.arange(r, dtype=jnp.int32)
-    resp_pos = jnp.broadcast_to(resp_pos, (g, n, r)).reshape(g, n * r)
-    prompt_pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (g, p))
-    return tokens, jnp.concatenate([prompt_pos, resp_pos.astype(jnp.int32)], axis=1)
+from models.packed_layout import PackedGroups, packed_tokens_and_positions
 
 
 # ----------------------------------------------------------------------------- validation
@@ -262,7 +230,7 @@ def to_rows(values: jax.Array, packed: PackedGroups, width: int) -> jax.Array:
     """Scatter per-response-token values [G, N, R, ...] into the naive row layout
     [B = G*N, width - 1, ...]: value (g, n, t), t < response_lengths[g, n], lands in row
     rows[g, n], column prompt_lengths[g] - 1 + t (the column whose logit predicts that
-    token, as in rl.trainer.token_logprobs). Every other entry is 0."""
+    token, as in models.logprobs.token_logprobs). Every other entry is 0."""
     g, n, r = values.shape[:3]
     cols = packed.prompt_lengths[:, None, None] - 1 + jnp.arange(r)
     # padded tokens go to an out-of-range column, which mode="drop" discards
@@ -289,7 +257,7 @@ def packed_token_logprobs(
     temperature: float = 1.0,
     attn_impl: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The packed path with rl.trainer.token_logprobs' output layout.
+    """The packed path with models.logprobs.token_logprobs' output layout.
 
     Args:
       packed: from `pack_groups` on the naive batch tokens [B, width].

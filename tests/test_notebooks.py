@@ -14,7 +14,7 @@ CELL_TIMEOUT_S = 600  # only catches a hung kernel
 EXPECT = {
     "quickstart.ipynb": (["40 steps in", "eval at step  40: reward", "ppo_clip_loss = ",
                           "by hand = "], 1),
-    "vcpo.ipynb": (["VCPO staleness ablation: ", "ESS by hand = ", "rl.vcpo.ess_ratio = ",
+    "vcpo.ipynb": (["VCPO staleness ablation: ", "ESS by hand = ", "rl.objectives.vcpo.ess_ratio = ",
                     "baseline by hand = ", "max |difference|"], 3),
 }
 

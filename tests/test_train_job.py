@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from experiments.train import PRESETS, load_policy, main
-from rl.checkpoint import Checkpointer
-from rl.trainer import init_train_state
+from rl.learner import init_train_state
+from rl.runtime.checkpoint import Checkpointer
 
 SMALL = ["--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "8",
          "--eval-every", "0", "--no-progress"]

@@ -1,5 +1,9 @@
 """Verifiable tasks: prompts with deterministic train/eval splits and reward functions.
 
+A leaf: imports nothing else from `rl` (a task needs no model; tokenizers come in as
+arguments). Single-turn tasks live here; multi-turn environments (an episode of model
+turns and observations, tools) are planned as `rl.tasks.envs`, beside them.
+
     from rl.tasks import make_task
     task = make_task("synthetic", kind="reverse", length=4)
 """

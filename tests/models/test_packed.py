@@ -18,8 +18,13 @@ import pytest
 from models.config import ModelConfig, get_config
 from models.decoder import forward, init_params
 from models.packed import (
-    PackedGroups, groups_share_prompts, pack_groups, packed_forward, packed_response_logprobs,
-    packed_token_logprobs)
+    PackedGroups,
+    groups_share_prompts,
+    pack_groups,
+    packed_forward,
+    packed_response_logprobs,
+    packed_token_logprobs,
+)
 
 _FAST_COMPILE = {"xla_backend_optimization_level": 0,
                  "xla_llvm_disable_expensive_passes": True}

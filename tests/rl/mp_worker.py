@@ -5,9 +5,9 @@ the tiny model on a (data=1, fsdp=2, tensor=2) mesh over all devices of all proc
     python tests/rl/mp_worker.py OUT_DIR --check-only ...   # join the run, print, exit
 
 Each process builds the same global batches, keeps only its own groups
-(rl.distributed.process_shard) and hands them to rl.distributed.global_batch; process 0
+(rl.runtime.distributed.process_shard) and hands them to rl.learner.global_batch; process 0
 writes the final params to OUT_DIR/params.npz. Every process also saves the final state
-with rl.checkpoint.Checkpointer into OUT_DIR/ckpt (orbax coordinates the processes).
+with rl.runtime.checkpoint.Checkpointer into OUT_DIR/ckpt (orbax coordinates the processes).
 """
 import argparse
 import sys
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rl.distributed import add_distributed_flags, initialize_distributed  # noqa: E402
+from rl.runtime.distributed import add_distributed_flags, initialize_distributed  # noqa: E402
 
 STEPS, GROUPS, GROUP, P_MAX, R_MAX = 3, 2, 4, 4, 4
 MESH = "data=1,fsdp=2,tensor=2"
@@ -58,11 +58,17 @@ def main():
 
     from models.config import get_config
     from models.decoder import init_params
-    from rl.checkpoint import Checkpointer
-    from rl.distributed import global_batch, is_main_process, process_local, process_shard
-    from rl.sharding import make_mesh_preset, validate_mesh
-    from rl.trainer import (OptimizerConfig, TrainConfig, batch_from_trajectory, init_train_state,
-                            make_train_step)
+    from rl.learner import (
+        OptimizerConfig,
+        TrainConfig,
+        batch_from_trajectory,
+        global_batch,
+        init_train_state,
+        make_train_step,
+    )
+    from rl.runtime.checkpoint import Checkpointer
+    from rl.runtime.distributed import is_main_process, process_local, process_shard
+    from rl.runtime.mesh import make_mesh_preset, validate_mesh
 
     cfg = get_config("tiny", vocab_size=16, max_position_embeddings=32)
     config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-2), temperature=0.7)

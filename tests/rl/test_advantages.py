@@ -8,11 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rl.advantages import (
-    ADVANTAGE_PRESETS,
+from rl.objectives import (
     AdvantageConfig,
     AdvantageResult,
+    available_advantages,
     compute_advantages,
+    get_advantage,
+    register_advantage,
+)
+from rl.objectives.advantages import (
+    ADVANTAGE_PRESETS,
     dr_grpo_advantages,
     gdpo_advantages,
     grpo_advantages,
@@ -20,7 +25,6 @@ from rl.advantages import (
     rloo_advantages,
     token_advantages,
 )
-from rl.registry import available_advantages, get_advantage, register_advantage
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 

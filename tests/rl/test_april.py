@@ -14,11 +14,16 @@ import pytest
 
 from models.config import get_config
 from models.decoder import init_params
-from rl.april import (AprilConfig, AprilRollout, ContinuousRollout, StaticRollout,
-                      offpolicy_prefix_mask)
-from rl.rollout import RolloutConfig
-from rl.sampling import SamplingConfig
-from rl.trainer import batch_from_trajectory
+from rl.learner import batch_from_trajectory
+from rl.rollout import (
+    AprilConfig,
+    AprilRollout,
+    ContinuousRollout,
+    RolloutConfig,
+    SamplingConfig,
+    StaticRollout,
+    offpolicy_prefix_mask,
+)
 
 CFG = get_config("tiny")
 N, SEG, R_MAX = 4, 8, 24
@@ -267,8 +272,8 @@ def test_bad_configs(params):
 def test_complete_group_carried_through_the_engine_is_unchanged(params):
     """Complete groups beyond num_groups go back through the FIFO as all-done
     PartialGroups: the engine must hand them back exactly as they were harvested."""
-    from rl.april import _as_partial
     from rl.rollout import RolloutEngine
+    from rl.rollout.april import _as_partial
 
     engine = RolloutEngine(CFG, RC)
     engine.submit(PROMPTS[:2])

@@ -14,13 +14,11 @@ import threading
 import jax
 import numpy as np
 import pytest
-
-from rl.loop import AsyncConfig, run_async
-from rl.sync_loop import build_batch, run, sample_batch_groups
-from rl.tasks import SyntheticTask
-from rl.trainer import init_train_state
-
 from test_sync_loop import LOOP, PRESET, policy  # noqa: F401  (same geometry: shared compilations)
+
+from rl.learner import init_train_state
+from rl.loops import AsyncConfig, build_batch, run, run_async, sample_batch_groups
+from rl.tasks import SyntheticTask
 
 FAST = {"xla_backend_optimization_level": 0}  # a config of its own: compile it quickly
 

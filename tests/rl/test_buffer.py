@@ -19,7 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from rl.buffer import BufferBatch, ScoredGroup, TrajectoryBuffer
+from rl.loops import ScoredGroup, TrajectoryBuffer
+from rl.loops.buffer import BufferBatch
 from rl.trajectory import Trajectory
 
 N, R = 2, 4

@@ -10,8 +10,8 @@ import pytest
 
 from models.config import get_config
 from models.decoder import init_params
-from rl.checkpoint import CheckpointError, Checkpointer
-from rl.trainer import OptimizerConfig, TrainConfig, init_train_state
+from rl.learner import OptimizerConfig, TrainConfig, init_train_state
+from rl.runtime.checkpoint import Checkpointer, CheckpointError
 
 CFG = get_config("tiny", vocab_size=16)
 CONFIG = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-3))

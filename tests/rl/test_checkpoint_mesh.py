@@ -15,9 +15,16 @@ import pytest
 
 from models.config import get_config
 from models.decoder import init_params
-from rl.checkpoint import Checkpointer
-from rl.trainer import (OptimizerConfig, TrainConfig, TrainState, abstract_train_state,
-                        batch_from_trajectory, init_train_state, make_train_step)
+from rl.learner import (
+    OptimizerConfig,
+    TrainConfig,
+    TrainState,
+    abstract_train_state,
+    batch_from_trajectory,
+    init_train_state,
+    make_train_step,
+)
+from rl.runtime.checkpoint import Checkpointer
 from rl.trajectory import Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,9 +63,9 @@ def noisy_state():
 # and take the next step there.
 _SCRIPT = textwrap.dedent("""
     import sys, jax, numpy as np
-    from rl.checkpoint import Checkpointer
-    from rl.sharding import make_mesh_preset
-    from rl.trainer import abstract_train_state, make_train_step, state_shardings
+    from rl.runtime.checkpoint import Checkpointer
+    from rl.runtime.mesh import make_mesh_preset
+    from rl.learner import abstract_train_state, make_train_step, state_shardings
     sys.path.insert(0, "tests/rl")
     from test_checkpoint_mesh import CFG, CONFIG, FAST, make_batch, noisy_state
     assert len(jax.devices()) == 8

@@ -8,21 +8,25 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rl.losses import (
+from rl.objectives import (
+    LossConfig,
+    aggregate,
+    available_losses,
+    compute_loss,
+    get_loss,
+    register_loss,
+    token_entropy,
+)
+from rl.objectives.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     LOSS_PRESETS,
-    LossConfig,
-    aggregate,
     cispo_loss,
-    compute_loss,
     gspo_loss,
     kl_penalty,
     ppo_clip_loss,
     ppo_clip_token_loss,
-    token_entropy,
 )
-from rl.registry import available_losses, get_loss, register_loss
 
 B, S, V = 4, 6, 5
 TOL = dict(rtol=1e-4, atol=1e-5)

@@ -1,4 +1,4 @@
-"""rl.sharding: preset sizes, validate_mesh's clear errors (checked on abstract meshes, so
+"""rl.runtime.mesh: preset sizes, validate_mesh's clear errors (checked on abstract meshes, so
 no devices and no compilation are needed), target-sharding trees and the HLO collective
 parser on hand-written HLO lines."""
 import jax
@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 
 from models.config import get_config
-from rl.sharding import (count_collectives, describe_mesh, full_array_gathers, make_mesh_preset,
-                         preset_axes, validate_mesh, with_shardings)
+from rl.runtime.mesh import (
+    count_collectives,
+    describe_mesh,
+    full_array_gathers,
+    make_mesh_preset,
+    preset_axes,
+    validate_mesh,
+    with_shardings,
+)
 
 TINY = get_config("tiny")  # 4 heads, 2 kv heads, mlp 128, vocab 256, hidden 64
 SMOL = get_config("smollm2-135m")  # 9 heads, 3 kv heads

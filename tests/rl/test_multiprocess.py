@@ -13,8 +13,13 @@ import jax
 import numpy as np
 import pytest
 
-from rl.distributed import (DistributedConfig, add_distributed_flags, distributed_config,
-                            initialize_distributed, process_shard)
+from rl.runtime.distributed import (
+    DistributedConfig,
+    add_distributed_flags,
+    distributed_config,
+    initialize_distributed,
+    process_shard,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("mp_worker.py"))
@@ -64,10 +69,11 @@ def test_two_processes_match_one_process_and_checkpoint_restores(tmp_path):
     # The checkpoint both processes wrote restores here, on one device, bit for bit.
     sys.path.insert(0, str(Path(WORKER).parent))
     import mp_worker
+
     from models.config import get_config
     from models.decoder import init_params
-    from rl.checkpoint import Checkpointer
-    from rl.trainer import OptimizerConfig, TrainConfig, init_train_state
+    from rl.learner import OptimizerConfig, TrainConfig, init_train_state
+    from rl.runtime.checkpoint import Checkpointer
 
     cfg = get_config("tiny", vocab_size=16, max_position_embeddings=32)
     config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-2), temperature=0.7)
@@ -142,7 +148,7 @@ def test_process_shard_gives_contiguous_global_slices():
 
 
 def test_only_the_writer_process_writes_metrics(tmp_path):
-    from rl.logging import MetricsLogger, read_jsonl
+    from rl.runtime.logging import MetricsLogger, read_jsonl
 
     quiet = MetricsLogger(tmp_path / "other", wandb_mode="offline", writer=False)
     assert quiet.log(1, {"loss": 0.5}) == {"step": 1, "kind": "train", "loss": 0.5}
@@ -157,9 +163,8 @@ def test_only_the_writer_process_writes_metrics(tmp_path):
 
 
 def test_global_batch_in_one_process_is_the_local_batch():
-    from rl.distributed import global_batch
-    from rl.sharding import make_mesh_preset
-    from rl.trainer import TrainBatch, batch_sharding
+    from rl.learner import TrainBatch, global_batch
+    from rl.runtime.mesh import batch_sharding, make_mesh_preset
 
     rng = np.random.default_rng(0)
     local = TrainBatch(tokens=rng.integers(0, 9, (4, 6)).astype(np.int32),

@@ -8,20 +8,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rl.losses import LossConfig, compute_loss
-from rl.offpolicy import (
+from rl.objectives import (
+    LossConfig,
     approx_proximal_logp,
     behaviour_weights,
+    compute_loss,
     decoupled_ppo_loss,
     dynamic_sampling_mask,
     kept_group_indices,
-    last_token_values,
     m2po_mask,
     overlong_penalty,
     ratio_decomposition_metrics,
     sequence_log_ratio,
     truncated_is_weights,
 )
+from rl.objectives.offpolicy import last_token_values
 
 B, S = 4, 6
 TOL = dict(rtol=1e-4, atol=1e-5)

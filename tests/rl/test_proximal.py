@@ -1,14 +1,13 @@
-"""rl.proximal: exact proximal log-probs at each token's own version against a float64
+"""rl.learner.proximal: exact proximal log-probs at each token's own version against a float64
 log-softmax of models.decoder.forward logits with that version's snapshot; the EWMA
 update against numpy; errors for missing versions and bad arguments."""
 import jax
 import numpy as np
 import pytest
+from test_trainer import CFG, GROUP, TEMP, make_traj
 
 from models.decoder import forward, init_params
-from rl.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
-from rl.trainer import batch_from_trajectory
-from test_trainer import CFG, GROUP, TEMP, make_traj
+from rl.learner import batch_from_trajectory, ewma_update, exact_proximal_logprobs, policy_logprobs
 
 VERSIONS = (2, 5, 7)
 

@@ -10,8 +10,7 @@ import pytest
 
 from models.config import get_config
 from models.decoder import forward, init_params
-from rl.rollout import PartialGroup, RolloutConfig, RolloutEngine
-from rl.sampling import SamplingConfig
+from rl.rollout import PartialGroup, RolloutConfig, RolloutEngine, SamplingConfig
 from rl.trajectory import Trajectory, concat_trajectories
 
 CFG = get_config("tiny")

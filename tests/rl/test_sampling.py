@@ -12,11 +12,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import rl.sampling as sampling_mod
+import rl.rollout.sampler_state as sampling_mod
 from models.config import get_config
 from models.decoder import forward, init_params
-from rl.sampling import (SamplingConfig, decode_segment, generate, init_state, load_samples,
-                         prefill, read_slots, sample_keys, sample_tokens)
+from rl.rollout import (
+    SamplingConfig,
+    decode_segment,
+    generate,
+    init_state,
+    load_samples,
+    prefill,
+    read_slots,
+    sample_keys,
+    sample_tokens,
+)
 
 CFG = get_config("tiny")
 SLOTS, P_MAX, R_MAX, N = 8, 8, 24, 4

@@ -16,9 +16,19 @@ import pytest
 from models.config import get_config
 from models.decoder import forward, init_params
 from models.kv_cache import SegmentedKVCache, cache_bytes
-from rl.rollout import RolloutConfig, RolloutEngine
-from rl.sampling import (SamplingConfig, decode_segment, generate, init_state, load_samples,
-                         prefill, read_slots, sample_keys, state_logical_axes)
+from rl.rollout import (
+    RolloutConfig,
+    RolloutEngine,
+    SamplingConfig,
+    decode_segment,
+    generate,
+    init_state,
+    load_samples,
+    prefill,
+    read_slots,
+    sample_keys,
+    state_logical_axes,
+)
 
 CFG = get_config("tiny")
 G, N, P_MAX, R_MAX = 4, 2, 8, 24

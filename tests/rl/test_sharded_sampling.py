@@ -1,5 +1,5 @@
-"""The sharded sampler (rl.sharded_sampling) on 8 forced CPU devices, in a subprocess:
-on every mesh preset it draws the same tokens as the one-device sampler (rl.sampling)
+"""The sharded sampler (rl.rollout.sharded_sampler) on 8 forced CPU devices, in a subprocess:
+on every mesh preset it draws the same tokens as the one-device sampler (rl.rollout.sampler)
 with the same keys, its cache keeps its shardings, the decode program gathers neither
 the KV cache nor (without fsdp) a whole parameter; a mesh that does not divide the
 kv heads or the groups is a clear error before compiling."""
@@ -18,9 +18,10 @@ _SCRIPT = textwrap.dedent("""
     import json, sys, jax, numpy as np
     from models.config import get_config
     from models.decoder import init_params
-    from rl.sampling import init_state, prefill, decode_segment, sample_keys, read_slots, SamplingConfig
-    from rl.sharded_sampling import ShardedSampler
-    from rl.sharding import make_mesh_preset, full_array_gathers
+    from rl.rollout import (init_state, prefill, decode_segment, sample_keys, read_slots,
+                            SamplingConfig)
+    from rl.rollout import ShardedSampler
+    from rl.runtime.mesh import make_mesh_preset, full_array_gathers
     assert len(jax.devices()) == 8
     cfg = get_config("tiny", vocab_size=64, max_position_embeddings=64)  # 4 heads, 2 kv heads
     params = init_params(cfg, 1)

@@ -1,6 +1,6 @@
 """ParamSnapshots: a bounded ring keyed by version — eviction order, clear errors for
 evicted / unknown versions, copies that survive the source being deleted (the learner
-donates its state), the Mapping interface rl.proximal reads."""
+donates its state), the Mapping interface rl.learner.proximal reads."""
 from collections.abc import Mapping
 
 import jax
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.snapshots import ParamSnapshots
+from rl.learner import ParamSnapshots
 
 
 def tree(x):

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from experiments.train import PRESETS, load_policy
-from rl.sampling import SamplingConfig
-from rl.sync_loop import LoopConfig, collect_batch, run, sample_groups, score
+from rl.learner import init_train_state
+from rl.loops import LoopConfig, collect_batch, run, sample_groups, score
+from rl.rollout import SamplingConfig
 from rl.tasks import SyntheticTask
-from rl.trainer import init_train_state
 
 PRESET = PRESETS["tiny-synthetic"]
 LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=4, eval_prompts=8,

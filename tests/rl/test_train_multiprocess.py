@@ -10,11 +10,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from test_multiprocess import finish, free_port
 
 from experiments.train import PRESETS, load_policy
-from rl.checkpoint import Checkpointer
-from rl.trainer import init_train_state
-from test_multiprocess import finish, free_port
+from rl.learner import init_train_state
+from rl.runtime.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ["--steps", "2", "--mesh", "dp", "--prompts-per-step", "2", "--group-size", "4",

@@ -20,10 +20,16 @@ import pytest
 
 from models.config import get_config
 from models.decoder import forward, init_params
-from rl.advantages import AdvantageConfig
-from rl.losses import LossConfig
-from rl.trainer import (OffPolicyConfig, OptimizerConfig, TrainConfig, batch_from_trajectory, init_train_state,
-                        make_schedule, make_train_step)
+from rl.learner import (
+    OffPolicyConfig,
+    OptimizerConfig,
+    TrainConfig,
+    batch_from_trajectory,
+    init_train_state,
+    make_schedule,
+    make_train_step,
+)
+from rl.objectives import AdvantageConfig, LossConfig
 from rl.trajectory import Trajectory
 
 CFG = get_config("tiny", vocab_size=16, max_position_embeddings=32)
@@ -153,7 +159,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp, numpy as np
     from models.decoder import init_params
     from models.sharding import make_mesh
-    from rl.trainer import TrainBatch, init_train_state, make_train_step
+    from rl.learner import TrainBatch, init_train_state, make_train_step
     sys.path.insert(0, "tests/rl")
     from test_trainer import CFG, MB_CONFIG
     assert len(jax.devices()) == 8

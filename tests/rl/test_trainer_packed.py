@@ -14,10 +14,14 @@ import pytest
 
 from models.config import get_config
 from models.decoder import init_params
-from rl.advantages import AdvantageConfig
-from rl.losses import LossConfig
-from rl.trainer import (OptimizerConfig, TrainConfig, batch_from_trajectory, init_train_state,
-                        make_train_step)
+from rl.learner import (
+    OptimizerConfig,
+    TrainConfig,
+    batch_from_trajectory,
+    init_train_state,
+    make_train_step,
+)
+from rl.objectives import AdvantageConfig, LossConfig
 from rl.trajectory import Trajectory
 
 CFG = get_config("tiny", vocab_size=16, max_position_embeddings=32)

@@ -5,13 +5,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_trainer import CFG, FAST, GROUP, TEMP, _np_logprobs, grpo_advantages_np, make_traj
 
 from models.decoder import init_params
-from rl.advantages import AdvantageConfig
-from rl.losses import LossConfig
-from rl.trainer import (OffPolicyConfig, OptimizerConfig, TrainConfig, batch_from_trajectory,
-                        init_train_state, make_train_step)
-from test_trainer import CFG, FAST, GROUP, TEMP, _np_logprobs, grpo_advantages_np, make_traj
+from rl.learner import (
+    OffPolicyConfig,
+    OptimizerConfig,
+    TrainConfig,
+    batch_from_trajectory,
+    init_train_state,
+    make_train_step,
+)
+from rl.objectives import AdvantageConfig, LossConfig
 
 
 def _config(old_logp):

@@ -12,14 +12,29 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from test_trainer import (
+    CFG,
+    FAST,
+    GROUP,
+    LR,
+    PG_CONFIG,
+    REPO,
+    TEMP,
+    _np_logprobs,
+    _seq_logprob_grad,
+    fresh_state,
+    make_traj,
+)
 
 from models.decoder import init_params
-from rl.advantages import AdvantageConfig
-from rl.trainer import (OffPolicyConfig, TrainConfig, batch_from_trajectory, init_train_state,
-                        make_train_step)
-from rl.vcpo import VCPOConfig
-from test_trainer import (CFG, FAST, GROUP, LR, PG_CONFIG, REPO, TEMP, _np_logprobs,
-                          _seq_logprob_grad, fresh_state, make_traj)
+from rl.learner import (
+    OffPolicyConfig,
+    TrainConfig,
+    batch_from_trajectory,
+    init_train_state,
+    make_train_step,
+)
+from rl.objectives import AdvantageConfig, VCPOConfig
 
 EXACT = TrainConfig(loss=PG_CONFIG.loss, advantage=PG_CONFIG.advantage,
                     optimizer=PG_CONFIG.optimizer, temperature=TEMP, micro_batches=2,
@@ -149,7 +164,7 @@ _SHARDED = textwrap.dedent("""
     import sys, jax, numpy as np
     from models.decoder import init_params
     from models.sharding import make_mesh
-    from rl.trainer import TrainBatch, init_train_state, make_train_step
+    from rl.learner import TrainBatch, init_train_state, make_train_step
     sys.path.insert(0, "tests/rl")
     from test_trainer import CFG, FAST
     from test_trainer_vcpo import EXACT

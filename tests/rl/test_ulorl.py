@@ -10,11 +10,16 @@ import pytest
 from models.config import get_config
 from models.decoder import decode_step, init_params, prefill
 from models.kv_cache import init_cache
-from rl.rollout import RolloutConfig, RolloutEngine
-from rl.sampling import SamplingConfig
-from rl.trainer import OffPolicyConfig, TrainConfig, batch_from_trajectory
+from rl.learner import (
+    OffPolicyConfig,
+    TrainConfig,
+    apply_ratio_mode,
+    batch_from_trajectory,
+    dmmpt_mask,
+    ratio_mode_changes,
+)
+from rl.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 from rl.trajectory import concat_trajectories
-from rl.ulorl import apply_ratio_mode, dmmpt_mask, ratio_mode_changes
 
 # Same geometry as tests/rl/test_rollout.py (compiled sampler functions are shared).
 CFG = get_config("tiny")
@@ -141,7 +146,8 @@ def test_dmmpt_mask_matches_loop():
 
 
 def test_ratio_modes():
-    from test_trainer import CFG as TCFG, GROUP, make_traj
+    from test_trainer import CFG as TCFG
+    from test_trainer import GROUP, make_traj
 
     batch = batch_from_trajectory(make_traj(1), group_size=GROUP, model_config=TCFG)
     config = TrainConfig(old_logp="versions", offpolicy=OffPolicyConfig(correction="truncated_is"))

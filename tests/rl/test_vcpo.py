@@ -1,4 +1,4 @@
-"""rl.vcpo against float64 numpy / python-loop references: the ESS ratio (direct formula
+"""rl.objectives.vcpo against float64 numpy / python-loop references: the ESS ratio (direct formula
 on moderate weights, finite where the direct formula overflows, the 1 and 1/M limits),
 the ESS update scale through optax, the minimum-variance baseline and its advantages,
 and the exact per-trajectory gradient norms (vmap(grad) in chunks) against one jax.grad
@@ -14,10 +14,19 @@ import pytest
 
 from models.config import get_config
 from models.decoder import forward, init_params
-from rl.vcpo import (VCPOConfig, centred_advantages, ess_lr_scale, ess_ratio, min_variance_baseline,
-                     per_trajectory_logprob_grads, scale_by_ess,
-                     sequence_log_weights, truncated_sequence_weights, vcpo_advantages,
-                     weight_tail_stats)
+from rl.learner import per_trajectory_logprob_grads
+from rl.objectives import (
+    VCPOConfig,
+    centred_advantages,
+    ess_lr_scale,
+    ess_ratio,
+    min_variance_baseline,
+    scale_by_ess,
+    sequence_log_weights,
+    truncated_sequence_weights,
+    vcpo_advantages,
+    weight_tail_stats,
+)
 
 
 # ----------------------------------------------------------------------------- ESS

@@ -10,7 +10,7 @@ and orbax checkpoints from which `resume=True` continues exactly: the checkpoint
 params, optimizer state, step, rng (the source of every rollout seed) and the data
 position, so 2 steps + resume + 2 steps == 4 steps, bit for bit on CPU.
 
-Its pieces are shared with the asynchronous loop (rl.loop): open_run (run dir, state,
+Its pieces are shared with the asynchronous loop (rl.loops.asynchronous): open_run (run dir, state,
 checkpointer, logger, jitted step), make_evaluator, sample_batch_groups (one batch of
 scored groups) and build_batch (groups -> TrainBatch, with optional per-token loss
 weights), score, evaluate, rollout_seed.
@@ -29,16 +29,23 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.config import ModelConfig
-from rl.buffer import ScoredGroup
-from rl.checkpoint import CheckpointError, Checkpointer
-from rl.distributed import global_batch, process_local, process_shard
-from rl.logging import MetricsLogger
-from rl.offpolicy import kept_group_indices
-from rl.rollout import RolloutConfig, RolloutEngine
-from rl.sampling import SamplingConfig
+from rl.learner.batch import (
+    TrainBatch,
+    TrainState,
+    batch_from_trajectory,
+    global_batch,
+    init_train_state,
+)
+from rl.learner.config import TrainConfig
+from rl.learner.jitted import make_train_step, state_shardings
+from rl.loops.buffer import ScoredGroup
+from rl.objectives.offpolicy import kept_group_indices
+from rl.rollout.engine import RolloutConfig, RolloutEngine
+from rl.rollout.sampler_state import SamplingConfig
+from rl.runtime.checkpoint import Checkpointer, CheckpointError
+from rl.runtime.distributed import process_local, process_shard
+from rl.runtime.logging import MetricsLogger
 from rl.tasks.base import Prompt, Task
-from rl.trainer import (TrainBatch, TrainConfig, TrainState, batch_from_trajectory,
-                        init_train_state, make_train_step, state_shardings)
 from rl.trajectory import Trajectory, concat_trajectories
 
 
@@ -89,7 +96,7 @@ class RunResult:
 
 
 # ----------------------------------------------------------------------------- rollout
-def _take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
+def take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
     idx = np.asarray(rows, np.int64)
     return jax.tree.map(lambda x: np.asarray(x)[idx], traj)
 
@@ -118,7 +125,7 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
             parts.append(part)
     traj = parts[0] if len(parts) == 1 else concat_trajectories(parts)
     order = np.argsort(np.asarray(traj.group_ids), kind="stable")
-    traj = _take_rows(traj, order)
+    traj = take_rows(traj, order)
     return traj.replace(group_ids=np.asarray(traj.group_ids) - first_group_id)
 
 
@@ -150,7 +157,7 @@ def score(task: Task, prompts: Sequence[Prompt], traj: Trajectory) -> dict[str, 
     return out
 
 
-def _total_reward(rewards: dict[str, np.ndarray], config: TrainConfig) -> np.ndarray:
+def total_reward(rewards: dict[str, np.ndarray], config: TrainConfig) -> np.ndarray:
     w = dict(config.reward_weights)
     return sum(w.get(n, 1.0) * v for n, v in rewards.items())
 
@@ -192,7 +199,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     sampled (up to loop.max_resample_rounds extra rounds); if too few groups survive,
     dropped groups fill the batch with live=False (their loss mask is cleared); if none
     survive, ValueError. In a multi-process run each process samples its own contiguous
-    share of the prompts (rl.distributed.process_shard; rng keys by global group id)."""
+    share of the prompts (rl.runtime.distributed.process_shard; rng keys by global group id)."""
     n = loop.group_size
     if loop.dynamic_sampling and jax.process_count() > 1:
         raise ValueError("dynamic sampling is not supported across processes (each would "
@@ -215,7 +222,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
         if not loop.dynamic_sampling:
             kept.append((traj, rewards, list(range(g))))
             break
-        keep = kept_group_indices(_total_reward(rewards, config), n).tolist()
+        keep = kept_group_indices(total_reward(rewards, config), n).tolist()
         kept.append((traj, rewards, keep))
         dropped.append((traj, rewards, sorted(set(range(g)) - set(keep))))
         n_kept += len(keep)
@@ -233,7 +240,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     groups = []
     for t, r, grp, use in picks:
         rows = list(range(grp * n, (grp + 1) * n))
-        groups.append(ScoredGroup(traj=_take_rows(t, rows),
+        groups.append(ScoredGroup(traj=take_rows(t, rows),
                                   rewards={name: r[name][rows] for name in task.reward_names},
                                   live=use))
     stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
@@ -340,7 +347,7 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
                            resume_step=start if resume else None, run_name=run_dir.name)
     if jax.process_count() > 1 and mesh is None:
         raise ValueError("a multi-process run needs a mesh over the devices of all processes "
-                         "(e.g. rl.sharding.make_mesh_preset('dp'))")
+                         "(e.g. rl.runtime.mesh.make_mesh_preset('dp'))")
     step_fn = make_train_step(config, model_config, mesh, compiler_options=compiler_options)
     state = step_fn.place_state(state)
     return RunContext(state=state, ref=ref, ckpt=ckpt, logger=logger, step_fn=step_fn,

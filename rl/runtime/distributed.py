@@ -7,7 +7,7 @@ batch whose rows live on the devices of the process that produced them:
     parser = argparse.ArgumentParser(); add_distributed_flags(parser)
     args = parser.parse_args()
     initialize_distributed(args)                 # before any other JAX call
-    mesh = rl.sharding.make_mesh_preset("fsdp")  # over the devices of all processes
+    mesh = rl.runtime.mesh.make_mesh_preset("fsdp")  # over the devices of all processes
     offset, my_prompts = process_shard(prompts)  # contiguous slice; group ids stay global
     batch = global_batch(local_batch, mesh)      # a global jax.Array per field
     sampler_params = process_local(state.params) # full values, for a per-process sampler
@@ -27,11 +27,7 @@ import os
 from typing import Any, Sequence, TypeVar
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
-
-from rl.sharding import mesh_axes
-from rl.trainer import TrainBatch, batch_sharding
 
 T = TypeVar("T")
 
@@ -184,47 +180,6 @@ def process_shard(items: Sequence[T], *, process_index: int | None = None,
                          f"count (e.g. prompts per step) a multiple of {k}")
     share = n // k
     return i * share, items[i * share:(i + 1) * share]
-
-
-def _rows_per_process(mesh: jax.sharding.Mesh, global_rows: int) -> int:
-    """Rows of a ("data", "fsdp")-sharded batch that one process holds."""
-    sharding = batch_sharding(mesh)
-    index_map = sharding.addressable_devices_indices_map((global_rows,))
-    starts = {idx[0].indices(global_rows)[:2] for idx in index_map.values()}
-    return sum(stop - start for start, stop in starts)
-
-
-def global_batch(local: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
-    """Assemble the global TrainBatch from each process's local rows (rows first in every
-    field, laid out as rl.trainer.batch_sharding(mesh)): process i's rows become global
-    rows [i*b, (i+1)*b) when the batch axis splits over processes, or the whole batch when
-    each process holds it all (e.g. a tensor axis spanning processes). Every process must
-    call it with the same shapes. ValueError for packed batches (their group indices are
-    per process) and when the rows do not fit the mesh."""
-    if not isinstance(local, TrainBatch):
-        raise ValueError(f"global_batch takes a TrainBatch, got {type(local).__name__}")
-    if local.packed is not None and jax.process_count() > 1:
-        raise ValueError("packed (shared-prefix) batches hold per-process group indices and "
-                         "cannot be assembled across processes; run without packing")
-    b = int(np.shape(local.tokens)[0])
-    rows = mesh_axes(mesh)["data"] * mesh_axes(mesh)["fsdp"]
-    procs = len({d.process_index for d in mesh.devices.flat})
-    # The process's rows out of the global batch: 1/procs of it, or all of it.
-    per = _rows_per_process(mesh, rows)  # shards of one row per data*fsdp slot
-    global_rows = b * rows // per
-    if global_rows % rows:
-        raise ValueError(f"the global batch of {global_rows} rows is not divisible by "
-                         f"data*fsdp = {rows}; make the per-process batch a multiple of "
-                         f"{max(1, rows // procs)}")
-    sharding = batch_sharding(mesh)
-
-    def put(x):
-        if x is None:
-            return None
-        x = np.asarray(x)
-        return jax.make_array_from_process_local_data(sharding, x, (global_rows,) + x.shape[1:])
-
-    return jax.tree.map(put, local)
 
 
 def process_local(tree: Any) -> Any:

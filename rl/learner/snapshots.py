@@ -2,7 +2,7 @@
 
 The asynchronous loop keeps the params of the last few versions so that (a) the
 deterministic staleness mode can sample step v's batch with exactly the params of
-version v − k, and (b) `rl.proximal.exact_proximal_logprobs` can recompute log π at each
+version v − k, and (b) `rl.learner.proximal.exact_proximal_logprobs` can recompute log π at each
 token's own behaviour version (the "missing old logits"). It is a read-only `Mapping`
 {version: params} for its readers, so it can be passed wherever a mapping is expected.
 

@@ -4,14 +4,14 @@ checks every objective module shares.
 A config names an estimator (``AdvantageConfig(name="grpo")``) or a loss
 (``LossConfig(name="gspo")``); the name resolves here. Users add their own::
 
-    from rl.registry import register_loss
+    from rl.objectives.registry import register_loss
 
     @register_loss("my_loss")
     def my_loss(logp, old_logp, advantages, mask, *, temperature=1.0):
         ...  # -> (per_token_loss [batch, seq], token_stats {name: [batch, seq]})
 
 This module imports nothing else from ``rl``: the built-in estimators register
-themselves when ``rl.advantages`` / ``rl.losses`` are imported, and ``get_*``
+themselves when ``rl.objectives.advantages`` / ``rl.objectives.losses`` are imported, and ``get_*``
 imports them on first use so a name always resolves.
 """
 from __future__ import annotations
@@ -79,15 +79,15 @@ class Registry:
         return tuple(sorted(self._table))
 
 
-ADVANTAGES = Registry("advantage estimator", "rl.advantages")
-LOSSES = Registry("policy loss", "rl.losses")
+ADVANTAGES = Registry("advantage estimator", "rl.objectives.advantages")
+LOSSES = Registry("policy loss", "rl.objectives.losses")
 
 
 def register_advantage(name: str, *, overwrite: bool = False) -> Callable[[Callable], Callable]:
     """Register an advantage estimator.
 
     Signature it must have: ``fn(rewards, group_size=None, *, group_ids=None, **hyper)``
-    returning advantages ``[batch]`` or an ``rl.advantages.AdvantageResult``.
+    returning advantages ``[batch]`` or an ``rl.objectives.advantages.AdvantageResult``.
     """
     return ADVANTAGES.register(name, overwrite=overwrite)
 
@@ -152,7 +152,7 @@ def check_params(kind: str, name: str, fn: Callable, params: tuple[tuple[str, An
 
 
 # ---------------------------------------------------------------------------
-# Boundary checks shared by rl.advantages, rl.losses and rl.offpolicy.
+# Boundary checks shared by rl.objectives.advantages, rl.objectives.losses and rl.objectives.offpolicy.
 # Shape checks are static, so they also run under jit and vmap; value checks
 # (finiteness) need concrete data and are skipped for tracers.
 

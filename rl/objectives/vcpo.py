@@ -13,7 +13,7 @@ truncated weight min(exp(clamp(log w, -20, 20)), 8), detached.
 
 Everything here works on log weights, so no weight is ever exponentiated to inf: ESS and
 the baseline are ratios of sums, computed after shifting by the largest log weight.
-`rl.trainer` wires it in through ``TrainConfig.vcpo`` (a :class:`VCPOConfig`).
+`rl.learner` wires it in through ``TrainConfig.vcpo`` (a :class:`VCPOConfig`).
 """
 from __future__ import annotations
 
@@ -24,11 +24,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import linen as nn
 
-from rl.losses import token_mask
-from rl.offpolicy import sequence_log_ratio
-from rl.registry import check_rank, check_same_shape
+from rl.objectives.offpolicy import sequence_log_ratio
+from rl.objectives.registry import check_rank, check_same_shape
 
 Array = jax.Array
 sg = jax.lax.stop_gradient
@@ -189,7 +187,7 @@ def scale_by_ess(rho_base: float = 1.0, mode: str = "sqrt") -> optax.GradientTra
         del params
         if "ess" not in extra_args:
             raise ValueError("scale_by_ess needs the ESS ratio: call update(..., ess=rho) with "
-                             "rho from rl.vcpo.ess_ratio")
+                             "rho from rl.objectives.vcpo.ess_ratio")
         s = ess_lr_scale(extra_args["ess"], rho_base, mode)
         return jax.tree.map(lambda u: (u * s).astype(u.dtype), updates), state
 
@@ -307,63 +305,3 @@ def weight_tail_stats(log_w: Array, valid: Array | None = None, prefix: str = "v
     return {f"{prefix}_max": jnp.where(some, ordered[-1], 0.0),
             f"{prefix}_p99": jnp.where(some, p99, 0.0),
             f"{prefix}_mean": mean, f"{prefix}_std": std}
-
-
-# ----------------------------------------------------------------------------- grad norms
-def per_trajectory_logprob_grads(params: Any, model_config: Any, tokens: Array, positions: Array,
-                                 mask: Array, temperature: float = 1.0, chunk: int = 8,
-                                 attn_impl: str | None = None) -> tuple[Array, Array]:
-    """Token log-probs and the exact squared gradient norm ‖∇_θ Σ_t log π(y_t)‖² of every
-    row: jax.vmap(jax.value_and_grad(...)) over `chunk` rows at a time, chunks in lax.map
-    (peak memory ≈ chunk copies of the gradient). Rows are padded to a multiple of chunk.
-
-    Args:
-        tokens, positions: [B, T] int; mask: [B, T] bool aligned with tokens (True at the
-            response tokens that count, like TrainBatch.loss_mask; column 0 is ignored:
-            token 0 has no predicting logit); temperature: the sampler's.
-    Returns:
-        (logp [B, T-1] float32 — logp[b, t] is the log-prob of token t+1, as
-        rl.trainer.token_logprobs —, grad_sq_norms [B] float32).
-    """
-    from rl.trainer import token_logprobs  # rl.trainer imports this module
-
-    tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
-    m = token_mask(mask)
-    check_rank("tokens", tokens, 2, "a [batch, seq] int array")
-    check_same_shape(tokens=tokens, positions=positions, mask=m)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
-    b, t = tokens.shape
-    chunk = min(chunk, b)
-    pad = (-b) % chunk
-
-    def row(p, tok, pos, msk):
-        # a batch of one row cannot follow the models' ("batch", ...) activation annotations
-        # under a mesh (vmap(grad) of them gave NaN gradients on a forced 8-device CPU mesh):
-        # trace the row without logical rules; the chunk's rows still follow the inputs.
-        with nn.logical_axis_rules(()):
-            lp = token_logprobs(p, model_config, tok[None], pos[None], temperature, attn_impl)[0][0]
-        return jnp.sum(jnp.where(msk[1:], lp, 0.0)), lp
-
-    vg = jax.vmap(jax.value_and_grad(row, has_aux=True), in_axes=(None, 0, 0, 0))
-
-    def one_chunk(xs):
-        (_, lp), g = vg(params, *xs)
-        sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32)).reshape(x.shape[0], -1), axis=1)
-                 for x in jax.tree.leaves(g))
-        return lp, sq
-
-    def prep(x):
-        x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
-        return x.reshape((-1, chunk) + x.shape[1:])
-
-    lp, sq = jax.lax.map(one_chunk, (prep(tokens), prep(positions), prep(m)))
-    return lp.reshape(-1, t - 1)[:b], sq.reshape(-1)[:b]
-
-
-def per_trajectory_grad_sq_norms(params: Any, model_config: Any, tokens: Array, positions: Array,
-                                 mask: Array, temperature: float = 1.0, chunk: int = 8,
-                                 attn_impl: str | None = None) -> Array:
-    """[B] exact ‖∇_θ Σ_t log π(y_t)‖² per row (see per_trajectory_logprob_grads)."""
-    return per_trajectory_logprob_grads(params, model_config, tokens, positions, mask,
-                                        temperature, chunk, attn_impl)[1]

@@ -50,8 +50,8 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from rl.rollout import PartialGroup, RolloutConfig, RolloutEngine
-from rl.sampling import PartialSample
+from rl.rollout.engine import PartialGroup, RolloutConfig, RolloutEngine
+from rl.rollout.sampler import PartialSample
 from rl.trajectory import Trajectory, concat_trajectories
 
 Accept = Callable[[Trajectory], bool]
@@ -369,7 +369,7 @@ class AprilRollout(_RoundRollout):
         return math.ceil(self.april.over_provision * num_groups - 1e-9)
 
     def apply_mask(self, batch: Any) -> Any:
-        """With mask_offpolicy_prefix: `batch` (a rl.trainer.TrainBatch built from the last
+        """With mask_offpolicy_prefix: `batch` (a rl.learner.TrainBatch built from the last
         round's trajectory) with loss_mask False where a token's version is older than the
         round's; otherwise `batch` unchanged."""
         if not self.april.mask_offpolicy_prefix:

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from rl.trainer import TrainBatch, token_logprobs
+from models.logprobs import token_logprobs
+from rl.learner.batch import TrainBatch
 
 Params = Any
 
@@ -48,9 +49,9 @@ def check_temperature(temperature: float) -> float:
 
 
 def check_train_batch(batch: Any) -> None:
-    """ValueError unless `batch` is a rl.trainer.TrainBatch."""
+    """ValueError unless `batch` is a rl.learner.TrainBatch."""
     if not isinstance(batch, TrainBatch):
-        raise ValueError(f"batch must be a rl.trainer.TrainBatch, got {type(batch).__name__}")
+        raise ValueError(f"batch must be a rl.learner.TrainBatch, got {type(batch).__name__}")
 
 
 def policy_logprobs(params: Params, model_config: ModelConfig, batch: TrainBatch,
@@ -70,7 +71,7 @@ def exact_proximal_logprobs(snapshots: Mapping[int, Params], model_config: Model
     """log π_v(token t) at each response token's own behaviour version v = batch.versions[b, t].
 
     Args:
-        snapshots: {version: params} (e.g. rl.snapshots.ParamSnapshots) holding every
+        snapshots: {version: params} (e.g. rl.learner.snapshots.ParamSnapshots) holding every
             version that occurs on the loss mask.
         model_config: the params' ModelConfig; temperature: the sampler's temperature
             (log-probs are of softmax(logits / T), as the learner's).

@@ -10,8 +10,8 @@ writes into a temporary directory and renames it when complete), and only the la
 
 Meshes and processes: orbax stores each array whole (not per device), so a checkpoint
 written under one mesh restores onto any other. The restored arrays take the template's
-shardings, or `shardings=` (e.g. `rl.trainer.state_shardings(model, train, new_mesh)`,
-with `rl.trainer.abstract_train_state` as a template that allocates nothing). In a
+shardings, or `shardings=` (e.g. `rl.learner.state_shardings(model, train, new_mesh)`,
+with `rl.learner.abstract_train_state` as a template that allocates nothing). In a
 multi-process run every process calls save / restore with the same arguments and orbax
 coordinates them (each writes or reads the shards it holds).
 """
@@ -25,8 +25,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from rl.sharding import with_shardings
-from rl.trainer import TrainState
+from rl.runtime.mesh import with_shardings
 
 # Orbax logs every save at INFO; a training loop's progress bar is the better place.
 logging.getLogger("absl").setLevel(logging.WARNING)
@@ -54,7 +53,7 @@ class Checkpointer:
                                               item_names=("state", "meta"))
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: TrainState, meta: dict[str, Any] | None = None) -> None:
+    def save(self, step: int, state: Any, meta: dict[str, Any] | None = None) -> None:
         """Start saving `state` and the JSON-serialisable `meta` as checkpoint `step`."""
         meta = dict(meta or {})
         meta.setdefault("step", int(step))
@@ -72,12 +71,12 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def restore(self, template: TrainState, step: int | None = None, *,
-                shardings: Any = None) -> tuple[TrainState, dict]:
+    def restore(self, template: Any, step: int | None = None, *,
+                shardings: Any = None) -> tuple[Any, dict]:
         """(state, meta) of checkpoint `step` (default: the latest). `template` gives the
         tree, shapes and dtypes (arrays or jax.ShapeDtypeStruct), and the shardings to
         restore into unless `shardings` is given: a tree like the template's of
-        jax.sharding.Sharding (e.g. rl.trainer.state_shardings(..., mesh)) or one
+        jax.sharding.Sharding (e.g. rl.learner.state_shardings(..., mesh)) or one
         Sharding for every array. Any mesh works, whatever mesh wrote the checkpoint."""
         self.wait()
         steps = self.all_steps()

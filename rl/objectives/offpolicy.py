@@ -7,9 +7,9 @@ Three log-probs per token, all ``[batch, seq]``:
 Total ratio π_θ/μ = (π_prox/μ) [train–inference mismatch, staleness of the data]
 × (π_θ/π_prox) [the PPO ratio]. The weights here are functions of π_prox/μ only and
 are returned detached; multiply them into a per-token loss (``token_weights`` of
-``rl.losses.compute_loss``) and aggregate over the ORIGINAL mask.
+``rl.objectives.losses.compute_loss``) and aggregate over the ORIGINAL mask.
 
-Masks follow ``rl.losses``: binary [batch, seq]; masked positions may hold NaN and
+Masks follow ``rl.objectives.losses``: binary [batch, seq]; masked positions may hold NaN and
 never reach the result. Every function jits and vmaps (string/float options are
 static Python values).
 """
@@ -22,15 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl.advantages import _prepare
-from rl.losses import (
+from rl.objectives.advantages import _prepare
+from rl.objectives.losses import (
     masked_mean,
     ppo_clip_token_loss,
     reduce_loss,
     token_array,
     token_mask,
 )
-from rl.registry import check_rank
+from rl.objectives.registry import check_rank
 
 Array = jax.Array
 sg = jax.lax.stop_gradient
@@ -276,7 +276,7 @@ def dynamic_sampling_mask(
     or it has a single sample.
 
     Args:
-        rewards: [batch]; group_size / group_ids as in ``rl.advantages``.
+        rewards: [batch]; group_size / group_ids as in ``rl.objectives.advantages``.
     Returns:
         [batch] bool, True for every response of a kept group.
     """

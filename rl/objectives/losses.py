@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rl.registry import (
+from rl.objectives.registry import (
     check_finite,
     check_float,
     check_params,
@@ -444,7 +444,7 @@ class LossConfig:
 #           0.04); veRL's dual clip c = 3.
 #   dr_grpo Dr. GRPO (Liu et al. 2025): sum over tokens / constant, no KL.
 #   dapo    DAPO (Yu et al. 2025): clip 0.2 / 0.28 (clip-higher), dual clip 10,
-#           token-mean, no KL. Pair with rl.offpolicy.dynamic_sampling_mask and
+#           token-mean, no KL. Pair with rl.objectives.offpolicy.dynamic_sampling_mask and
 #           overlong_penalty.
 #   gspo    GSPO (Zheng et al. 2025): sequence ratio, clip 3e-4 / 4e-4,
 #           seq-mean-token-mean, no KL.
@@ -479,7 +479,7 @@ def compute_loss(
 
     loss = aggregate(ℓ · sg[token_weights]) + kl_coef · aggregate(KL) - entropy_coef ·
     aggregate(entropy), every aggregate over the ORIGINAL ``mask`` — so zero weights
-    (off-policy rejection, see rl.offpolicy) drop tokens while keeping the
+    (off-policy rejection, see rl.objectives.offpolicy) drop tokens while keeping the
     denominator, as AReaL's decoupled objective requires.
 
     Args:

@@ -13,7 +13,7 @@ Conventions shared by all estimators:
     guarded so no 0/0 appears). veRL instead gives such a sample ``A = R``;
   * NaN/inf rewards raise ValueError naming ``rewards`` when the input is concrete;
     under jit/vmap values cannot be inspected, so call
-    ``rl.registry.check_finite("rewards", r)`` before jit if the source is untrusted.
+    ``rl.objectives.registry.check_finite("rewards", r)`` before jit if the source is untrusted.
 
 All functions jit (``group_size`` must be static: ``functools.partial`` or
 ``static_argnames``) and vmap over extra leading axes.
@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from rl.registry import (
+from rl.objectives.registry import (
     check_finite,
     check_float,
     check_params,

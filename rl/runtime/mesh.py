@@ -16,7 +16,7 @@ Presets over n devices (`tensor` / `data` pick the sizes of the split axes):
   dp+fsdp+tp  data=2, fsdp=n/(2t), tensor=t
 or an explicit "data=2,fsdp=2,tensor=2". Devices come in `jax.devices()` order, which
 groups each process's devices together: a multi-process mesh then gives every process a
-contiguous block of batch rows (what `rl.distributed.global_batch` relies on).
+contiguous block of batch rows (what `rl.learner.global_batch` relies on).
 """
 from __future__ import annotations
 
@@ -28,8 +28,14 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.decoder import init_params, param_logical_axes
-from models.sharding import (DEFAULT_RULES, MESH_AXES, LogicalRules, logical_to_mesh_sharding,
-                             logical_to_mesh_spec, make_mesh)
+from models.sharding import (
+    DEFAULT_RULES,
+    MESH_AXES,
+    LogicalRules,
+    logical_to_mesh_sharding,
+    logical_to_mesh_spec,
+    make_mesh,
+)
 
 MESH_PRESETS = ("single", "dp", "fsdp", "tp", "dp+fsdp", "dp+tp", "fsdp+tp", "dp+fsdp+tp")
 
@@ -135,7 +141,7 @@ def validate_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, model_con
     missing = [a for a in MESH_AXES if a not in mesh.shape]
     if missing:
         raise ValueError(f"mesh axes {tuple(mesh.axis_names)} lack {missing}; build the mesh with "
-                         "rl.sharding.make_mesh_preset or models.sharding.make_mesh")
+                         "rl.runtime.mesh.make_mesh_preset or models.sharding.make_mesh")
     if not isinstance(model_config, ModelConfig):
         raise ValueError(f"model_config must be a ModelConfig, got {type(model_config).__name__}")
     axes = param_logical_axes(model_config)
@@ -185,6 +191,12 @@ def param_shardings(model_config: ModelConfig, mesh: jax.sharding.Mesh,
                     rules: LogicalRules = DEFAULT_RULES) -> Any:
     """NamedSharding tree matching init_params(model_config, ...), from the logical rules."""
     return logical_to_mesh_sharding(param_logical_axes(model_config), mesh, rules)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    """Rows of every batch field (packed fields: groups) over ("data", "fsdp"); the rest of
+    each array whole."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
 
 
 def with_shardings(tree: Any, shardings: Any) -> Any:

@@ -1,5 +1,5 @@
 """The asynchronous GRPO loop: a rollout producer and the learner with a
-`rl.buffer.TrajectoryBuffer` between them, under one staleness knob η = max_staleness
+`rl.loops.buffer.TrajectoryBuffer` between them, under one staleness knob η = max_staleness
 (0 = synchronous on-policy, 1 = one-step overlap, larger = fully asynchronous).
 
 Two modes (AsyncConfig.mode):
@@ -12,20 +12,20 @@ Two modes (AsyncConfig.mode):
     for the train step) and rollout devices (the sampler runs on the first of them; new
     params are resharded onto it before publishing); with one device they interleave.
   * "deterministic": no threads; step v samples its batch with the params of version
-    max(v − k, 0), k = η, from a `rl.snapshots.ParamSnapshots` ring, so every token of
+    max(v − k, 0), k = η, from a `rl.learner.snapshots.ParamSnapshots` ring, so every token of
     step v has version exactly v − k (v ≥ k) and runs are reproducible on one CPU.
-With η = 0 both modes reproduce `rl.sync_loop.run` exactly (same rng splits, same
+With η = 0 both modes reproduce `rl.loops.sync.run` exactly (same rng splits, same
 sampling calls; rollout "static" in threaded mode, and "continuous" on equal-length
 responses).
 
 Rollouts (AsyncConfig.rollout): "static" samples whole rounds of up to b groups and
 hands them over sorted by prompt (threaded: one engine per round; deterministic: exactly
-`rl.sync_loop.sample_batch_groups`, DAPO dynamic sampling included); "continuous"
+`rl.loops.sync.sample_batch_groups`, DAPO dynamic sampling included); "continuous"
 (threaded only) keeps one engine whose free slots are refilled with new prompts at every
-segment boundary while the admission rule allows; "april" runs `rl.april.AprilRollout`
+segment boundary while the admission rule allows; "april" runs `rl.rollout.april.AprilRollout`
 rounds (⌈over_provision·b⌉ groups started, the round ends when b are complete, the
 unfinished ones wait whole in a FIFO drained first next round). An APRIL round samples
-under one params version (rl.april's collect takes the params per round), so its weight
+under one params version (rl.rollout.april's collect takes the params per round), so its weight
 swaps happen at round boundaries, and resumed groups carry prefixes of older versions:
 with stale_policy="drop" the groups with a prefix older than η versions are dropped
 (counted), with "downweight" none is discarded. mask_offpolicy_prefix removes, per
@@ -36,10 +36,10 @@ replaced; no filler groups).
 Proximal policy (AsyncConfig.proximal): "current" keeps the TrainConfig as given;
 "versions" sets old_logp="versions" (AReaL's log-linear interpolation from per-token
 versions); "exact" computes TrainBatch.proximal_logprobs with
-`rl.proximal.exact_proximal_logprobs` from the snapshot ring (log π at each token's own
+`rl.learner.proximal.exact_proximal_logprobs` from the snapshot ring (log π at each token's own
 behaviour version) and sets old_logp="proximal", so the PPO ratio is π_θ / π_v(b) (pure
 staleness) and π_prox/μ is the pure train–inference discrepancy; "ewma" keeps PPO-EWMA
-params θ_prox ← β θ_prox + (1 − β) θ (rl.proximal.ewma_update) and uses their log-probs
+params θ_prox ← β θ_prox + (1 − β) θ (rl.learner.proximal.ewma_update) and uses their log-probs
 (old_logp="proximal"). The trainer logs both factors of the ratio (mismatch_* =
 π_prox/μ, staleness_* = π_θ/π_prox), plus the buffer's counters (buffer_*) and the
 behaviour-version lag of each batch.
@@ -51,7 +51,7 @@ re-raises; the producer is always stopped and joined (timeout, then it is a daem
 thread, so it can never keep the process alive). Resume: deterministic mode resumes
 exactly with static rollouts (the snapshot ring is saved beside each checkpoint under
 run_dir/snapshots/); with APRIL its FIFO is saved under run_dir/rollout_state/ and
-restored whole, but rl.april reseeds new groups on a restore, so the continuation is
+restored whole, but rl.rollout.april reseeds new groups on a restore, so the continuation is
 statistically, not bitwise, the same. Threaded mode restarts the producer at
 the data position it had reached when the checkpoint was written: groups that were
 queued or still being sampled then are NOT restored and are counted as dropped
@@ -63,10 +63,8 @@ the process; a checkpoint's meta holds the counters at its save ("async"/"buffer
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
-import math
 import threading
 import time
 import warnings
@@ -80,19 +78,31 @@ from tqdm.auto import tqdm
 
 from models.config import ModelConfig
 from models.sharding import make_mesh
-from rl.april import AprilConfig, AprilRollout, offpolicy_prefix_mask
-from rl.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer
-from rl.checkpoint import CheckpointError
-from rl.logging import atomic_write_bytes
-from rl.offpolicy import kept_group_indices
-from rl.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
-from rl.rollout import RolloutConfig, RolloutEngine
-from rl.sampling import SamplingConfig
-from rl.snapshots import ParamSnapshots
-from rl.sync_loop import (LoopConfig, RunResult, _take_rows, _total_reward, build_batch,
-                          make_evaluator, open_run, rollout_seed, sample_batch_groups, score)
+from rl.learner.batch import TrainBatch, TrainState
+from rl.learner.config import TrainConfig
+from rl.learner.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
+from rl.learner.snapshots import ParamSnapshots
+from rl.loops.buffer import STALE_POLICIES, TrajectoryBuffer
+from rl.loops.producer import (
+    AprilSource,
+    RolloutProducer,
+    flatten_arrays,
+    offpolicy_prefix_batch,
+    unflatten_arrays,
+)
+from rl.loops.sync import (
+    LoopConfig,
+    RunResult,
+    build_batch,
+    make_evaluator,
+    open_run,
+    rollout_seed,
+    sample_batch_groups,
+)
+from rl.rollout.april import AprilConfig
+from rl.runtime.checkpoint import CheckpointError
+from rl.runtime.logging import atomic_write_bytes
 from rl.tasks.base import Task
-from rl.trainer import TrainBatch, TrainConfig, TrainState
 
 MODES = ("threaded", "deterministic")
 ROLLOUTS = ("static", "continuous", "april")
@@ -104,7 +114,7 @@ class AsyncConfig:
     """max_staleness η: data may be at most η versions older than the learner (0 =
     synchronous). mode "threaded" | "deterministic" (module doc). stale_policy "drop" |
     "downweight" (per stale token, factor stale_weight) for data older than η (see
-    rl.buffer). rollout "static" | "continuous" (threaded mode only) | "april" (+
+    rl.loops.buffer). rollout "static" | "continuous" (threaded mode only) | "april" (+
     over_provision, mask_offpolicy_prefix).
     proximal "current" | "exact" | "versions" | "ewma" (+ ewma_beta). snapshot_capacity:
     versions kept in the param ring (default η + 2; at least η + 1). rollout_devices:
@@ -171,276 +181,6 @@ def train_config_for(config: TrainConfig, async_config: AsyncConfig) -> TrainCon
     old = {"current": config.old_logp, "versions": "versions", "exact": "proximal",
            "ewma": "proximal"}[async_config.proximal]
     return config if old == config.old_logp else dataclasses.replace(config, old_logp=old)
-
-
-# ----------------------------------------------------------------------------- producer
-def _split_groups(traj, rewards: dict[str, np.ndarray], group_size: int) -> list[tuple[int, ScoredGroup]]:
-    """(engine group id, ScoredGroup) per group of a harvested Trajectory (rows grouped)."""
-    gids = np.asarray(traj.group_ids)
-    out = []
-    for start in range(0, gids.size, group_size):
-        rows = list(range(start, start + group_size))
-        out.append((int(gids[start]), ScoredGroup(traj=_take_rows(traj, rows),
-                                                  rewards={k: v[rows] for k, v in rewards.items()})))
-    return out
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, np.ndarray]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = np.asarray(v)
-    return out
-
-
-def _unflatten(flat: Any) -> dict:
-    out: dict = {}
-    for key in flat.keys():
-        node = out
-        *path, leaf = key.split("/")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = np.asarray(flat[key])
-    return out
-
-
-class _AprilSource:
-    """APRIL rounds (rl.april.AprilRollout) over the task's train stream from `base`;
-    the group with global id g is the prompt at stream position base + g."""
-
-    def __init__(self, model_config: ModelConfig, task: Task, config: TrainConfig,
-                 loop: LoopConfig, acfg: AsyncConfig, *, base: int, seed: int,
-                 saved: dict | None = None):
-        self.task, self.config, self.loop, self.base = task, config, loop, int(base)
-        n, b = loop.group_size, loop.prompts_per_step
-        rc = RolloutConfig(num_slots=math.ceil(acfg.over_provision * b - 1e-9) * n, group_size=n,
-                           segment_len=loop.segment_len, max_prompt_len=task.max_prompt_len,
-                           max_new_tokens=task.max_new_tokens,
-                           sampling=SamplingConfig(temperature=config.temperature),
-                           stop_ids=tuple(task.stop_ids), seed=int(seed))
-        submitted = 0 if saved is None else int(saved["counts"]["submitted"])
-        self.rollout = AprilRollout(model_config, rc, self._prompts(self.base + submitted),
-                                    AprilConfig(over_provision=acfg.over_provision,
-                                                mask_offpolicy_prefix=acfg.mask_offpolicy_prefix))
-        if saved is not None:
-            self.rollout.load_state_dict(saved)
-
-    def _prompts(self, start: int):
-        chunk = max(self.loop.prompts_per_step, 8)
-        while True:
-            for p in self.task.train_prompts(start, chunk):
-                yield p.ids
-            start += chunk
-
-    def _prompt_map(self, traj) -> dict[int, Any]:
-        return {int(g): self.task.train_prompts(self.base + int(g), 1)[0]
-                for g in np.unique(np.asarray(traj.group_ids))}
-
-    def _accept(self, group) -> bool:
-        rewards = score(self.task, self._prompt_map(group), group)
-        return kept_group_indices(_total_reward(rewards, self.config),
-                                  self.loop.group_size).size > 0
-
-    def round(self, params: Any, version: int, n: int) -> list[ScoredGroup]:
-        """n finished groups sampled under (params, version), scored, in group order."""
-        accept = self._accept if self.loop.dynamic_sampling else None
-        traj = self.rollout.collect(params, int(version), n, accept=accept)
-        rewards = score(self.task, self._prompt_map(traj), traj)
-        return [g for _, g in _split_groups(traj, rewards, self.loop.group_size)]
-
-    @property
-    def position(self) -> int:
-        return self.base + self.rollout.counts["submitted"]
-
-    @property
-    def generated_tokens(self) -> int:
-        return int(self.rollout.last_round.get("generated_tokens", 0))
-
-    def state(self) -> dict:
-        """Between rounds: {"base", "april": AprilRollout.state_dict()} (numpy)."""
-        return {"base": np.asarray(self.base, np.int64), "april": self.rollout.state_dict()}
-
-    def metrics(self) -> dict[str, float]:
-        return {f"april_{k}": float(v) for k, v in self.rollout.counts.items()}
-
-
-def _offpolicy_prefix_batch(batch: TrainBatch, group_size: int) -> TrainBatch:
-    """APRIL's optional mask: per group, drop from the loss the tokens drawn under a
-    version older than the group's newest token (the part sampled before its last resume)."""
-    mask, vers = np.asarray(batch.loss_mask), np.asarray(batch.versions)
-    out = mask.copy()
-    for start in range(0, mask.shape[0], group_size):
-        rows = slice(start, start + group_size)
-        if mask[rows].any():
-            out[rows] = offpolicy_prefix_mask(vers[rows], mask[rows], int(vers[rows][mask[rows]].max()))
-    return batch.replace(loss_mask=out)
-
-
-class _Producer:
-    """The rollout thread's work: admit prompts under the buffer's rule, sample with the
-    latest published params segment by segment, score, put finished groups."""
-
-    def __init__(self, *, model_config: ModelConfig, task: Task, config: TrainConfig,
-                 loop: LoopConfig, rollout: str, buffer: TrajectoryBuffer,
-                 latest: Callable[[], tuple[Any, int]], data_position: int, rng: np.ndarray,
-                 device: jax.Device | None, april: _AprilSource | None = None):
-        self.model_config, self.task, self.config, self.loop = model_config, task, config, loop
-        self.april = april
-        # APRIL: (state between rounds, data position) of the last round, for checkpoints
-        self.april_snapshot = None if april is None else (april.state(), april.position)
-        self.rollout, self.buffer, self.latest, self.device = rollout, buffer, latest, device
-        self._lock = threading.Lock()
-        self._pos, self._rng = int(data_position), np.asarray(rng, np.uint32)
-        self._stop = threading.Event()
-        self.error: BaseException | None = None
-        self.sampled_tokens = 0
-        self.filtered_in_a_row = 0
-        self._engine: RolloutEngine | None = None
-        self._prompts: dict[int, Any] = {}
-
-    # -------------------------------------------------------------- shared state
-    def position(self) -> tuple[int, np.ndarray]:
-        """(data position of the next prompt, rng key) — consistent with each other
-        (APRIL: the position at the end of the last round)."""
-        with self._lock:
-            pos = self._pos if self.april is None else self.april_snapshot[1]
-            return pos, self._rng.copy()
-
-    def _april_round(self) -> None:
-        n = self._admit(self.loop.prompts_per_step, block=True)
-        if n == 0:
-            return
-        params, version = self.latest()
-        groups = self.april.round(params, version, n)
-        self.sampled_tokens += self.april.generated_tokens
-        with self._lock:
-            self.april_snapshot = (self.april.state(), self.april.position)
-        for g in groups:
-            self.buffer.put(g)
-
-    def _take_prompts(self, n: int) -> tuple[int, list]:
-        """Seed + the next n train prompts; advances position and rng together."""
-        with self._lock:
-            seed, key = rollout_seed(self._rng)
-            prompts = self.task.train_prompts(self._pos, n)
-            self._pos += n
-            self._rng = np.asarray(key, np.uint32)
-        return seed, prompts
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set() or self.buffer.closed
-
-    # -------------------------------------------------------------- pieces
-    def _engine_for(self, seed: int) -> RolloutEngine:
-        lp, t = self.loop, self.task
-        rc = RolloutConfig(num_slots=lp.prompts_per_step * lp.group_size, group_size=lp.group_size,
-                           segment_len=lp.segment_len, max_prompt_len=t.max_prompt_len,
-                           max_new_tokens=t.max_new_tokens,
-                           sampling=SamplingConfig(temperature=self.config.temperature),
-                           stop_ids=tuple(t.stop_ids), seed=int(seed))
-        return RolloutEngine(self.model_config, rc)
-
-    def _admit(self, most: int, block: bool) -> int:
-        """Reserve up to `most` groups (blocking until at least one fits if `block`)."""
-        while most > 0:
-            n = min(most, self.buffer.capacity())
-            if n > 0 and self.buffer.reserve(n):
-                return n
-            if not block or self.stopping:
-                return 0
-            self.buffer.wait_for_capacity(1, timeout=0.1)
-        return 0
-
-    def _segment(self) -> list[tuple[int, ScoredGroup]]:
-        """One segment with the latest params; the finished groups, scored."""
-        params, version = self.latest()
-        self._engine.step(params, version)
-        part = self._engine.harvest()
-        if part is None:
-            return []
-        self.sampled_tokens += part.num_tokens()
-        rewards = score(self.task, self._prompts, part)
-        for g in np.unique(np.asarray(part.group_ids)):
-            self._prompts.pop(int(g), None)
-        return _split_groups(part, rewards, self.loop.group_size)
-
-    def _offer(self, group: ScoredGroup) -> None:
-        """Put a group, or (dynamic sampling, all rewards equal) release it as filtered."""
-        if self.loop.dynamic_sampling:
-            total = _total_reward(dict(group.rewards), self.config)
-            if kept_group_indices(total, self.loop.group_size).size == 0:
-                self.buffer.release(1, "filtered")
-                self.filtered_in_a_row += 1
-                limit = (self.loop.max_resample_rounds + 1) * self.loop.prompts_per_step
-                if self.filtered_in_a_row >= limit:
-                    raise ValueError(
-                        f"empty batch after dynamic sampling: {self.filtered_in_a_row} groups in a "
-                        "row had equal rewards within their group (no learning signal); raise "
-                        "max_resample_rounds, the group size or the temperature, or turn dynamic "
-                        "sampling off")
-                return
-        self.filtered_in_a_row = 0
-        self.buffer.put(group)
-
-    def _static_round(self) -> None:
-        n = self._admit(self.loop.prompts_per_step, block=True)
-        if n == 0:
-            return
-        seed, prompts = self._take_prompts(n)
-        self._engine = self._engine_for(seed)
-        self._prompts = dict(zip(self._engine.submit([p.ids for p in prompts]), prompts))
-        done: list[tuple[int, ScoredGroup]] = []
-        while not self._engine.idle and not self.stopping:
-            done += self._segment()
-        for _, group in sorted(done, key=lambda x: x[0]):  # prompt order, as the sync loop
-            self._offer(group)
-
-    def _continuous_step(self) -> None:
-        n_slots = self.loop.prompts_per_step
-        if self._engine is None or self._engine.idle:
-            n = self._admit(n_slots, block=True)
-            if n == 0:
-                return
-            seed, prompts = self._take_prompts(n)
-            self._engine = self._engine_for(seed)
-            self._prompts = dict(zip(self._engine.submit([p.ids for p in prompts]), prompts))
-        else:  # refill free slots while the admission rule allows
-            free = self._engine.num_free_slots // self.loop.group_size - self._engine.num_queued
-            n = self._admit(free, block=False) if free > 0 else 0
-            if n:
-                with self._lock:
-                    prompts = self.task.train_prompts(self._pos, n)
-                    self._pos += n
-                self._prompts.update(zip(self._engine.submit([p.ids for p in prompts]), prompts))
-        for _, group in self._segment():
-            self._offer(group)
-
-    # -------------------------------------------------------------- thread body
-    def run(self) -> None:
-        try:
-            place = (jax.default_device(self.device) if self.device is not None
-                     else contextlib.nullcontext())
-            with place:
-                while not self.stopping:
-                    if self.rollout == "static":
-                        self._static_round()
-                    elif self.rollout == "april":
-                        self._april_round()
-                    else:
-                        self._continuous_step()
-        except BaseException as err:  # handed to the learner, which re-raises it
-            self.error = err
-            self.buffer.close()
-        finally:
-            running = self.buffer.stats()["running_groups"]
-            if running:
-                self.buffer.release(running, "cancelled")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -512,7 +252,7 @@ def run_async(
 ) -> RunResult:
     """Train with the asynchronous loop (module doc) for loop.steps optimizer steps.
 
-    Same outputs as rl.sync_loop.run (metrics.jsonl, checkpoints/, wandb, RunResult);
+    Same outputs as rl.loops.sync.run (metrics.jsonl, checkpoints/, wandb, RunResult);
     train records add buffer_* counters, behaviour_version_* / version_lag_*, and
     rollout_wait_s (time the learner waited for data). on_step(record) is called after
     each train record (raise KeyboardInterrupt there to stop the run like Ctrl-C). In
@@ -537,12 +277,12 @@ def run_async(
     if resume:
         meta_async = dict(ctx.meta.get("async") or {})
         resume_note["dropped_on_resume_groups"] = int(meta_async.get("in_flight_groups", 0))
-    producer: _Producer | None = None
+    producer: RolloutProducer | None = None
     thread: threading.Thread | None = None
     holder = {"state": state, "data_position": ctx.data_position}
     published: dict[str, Any] = {}
     ewma = None
-    april: _AprilSource | None = None
+    april: AprilSource | None = None
 
     def publish(st: TrainState) -> None:
         v = int(st.version)
@@ -558,7 +298,7 @@ def run_async(
         if april is not None:  # the FIFO of unfinished groups is restored on resume
             april_state = april.state() if producer is None else producer.april_snapshot[0]
             atomic_write_bytes(run_dir / "rollout_state" / f"{step}.npz",
-                               _npz_bytes(_flatten(april_state)))
+                               _npz_bytes(flatten_arrays(april_state)))
         if producer is not None:  # threaded: the producer's position and rng chain
             pos, rng = producer.position()
             st = st.replace(rng=jax.device_put(rng, st.rng.sharding))
@@ -597,9 +337,12 @@ def run_async(
         if acfg.rollout == "april":
             saved, base = None, ctx.data_position
             if resume:
-                saved = _unflatten(_load_npz(run_dir / "rollout_state" / f"{ctx.start}.npz"))
+                saved = unflatten_arrays(_load_npz(run_dir / "rollout_state" / f"{ctx.start}.npz"))
                 base = int(saved["base"])
-            april = _AprilSource(model_config, task, config, loop, acfg, base=base,
+            april = AprilSource(model_config, task, config, loop,
+                                 AprilConfig(over_provision=acfg.over_provision,
+                                             mask_offpolicy_prefix=acfg.mask_offpolicy_prefix),
+                                 base=base,
                                  seed=rollout_seed(state.rng)[0],
                                  saved=None if saved is None else saved["april"])
         if acfg.proximal == "ewma":
@@ -608,7 +351,7 @@ def run_async(
         if not resume:
             do_eval(0, snaps[v0], v0)
         if acfg.mode == "threaded":
-            producer = _Producer(model_config=model_config, task=task, config=config, loop=loop,
+            producer = RolloutProducer(model_config=model_config, task=task, config=config, loop=loop,
                                  rollout=acfg.rollout, buffer=buffer, latest=latest,
                                  data_position=ctx.data_position,
                                  rng=np.asarray(jax.device_get(state.rng)), device=rollout_device,
@@ -667,7 +410,7 @@ def run_async(
             batch = build_batch(got.groups, model_config=model_config, task=task, config=config,
                                 group_size=loop.group_size, token_weights=got.token_weights)
             if acfg.mask_offpolicy_prefix:
-                batch = _offpolicy_prefix_batch(batch, loop.group_size)
+                batch = offpolicy_prefix_batch(batch, loop.group_size)
             if acfg.proximal == "exact":
                 batch = batch.replace(proximal_logprobs=exact_proximal_logprobs(
                     snaps, model_config, batch, config.temperature, config.attn_impl))

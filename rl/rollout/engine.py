@@ -27,9 +27,22 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from rl.sampling import (KV_LAYOUTS, PartialSample, SamplingConfig, as_key_data,
-                         check_prompt, check_stop_ids, decode_segment, init_state, load_samples,
-                         prefill, read_slots, sample_keys)
+from rl.rollout.sampler import (
+    PartialSample,
+    check_prompt,
+    decode_segment,
+    load_samples,
+    prefill,
+    read_slots,
+)
+from rl.rollout.sampler_state import (
+    KV_LAYOUTS,
+    SamplingConfig,
+    as_key_data,
+    check_stop_ids,
+    init_state,
+    sample_keys,
+)
 from rl.trajectory import Trajectory
 
 

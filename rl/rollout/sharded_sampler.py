@@ -1,4 +1,4 @@
-"""The sampler on a (data, fsdp, tensor) mesh: `rl.sampling`'s pure fill and segment-decode
+"""The sampler on a (data, fsdp, tensor) mesh: `rl.rollout.sampler`'s pure fill and segment-decode
 bodies (`fill_impl`, `decode_segment_impl`) jitted with explicit in/out shardings.
 
 Placement follows the logical rules of `models.sharding`: sampler slots and the groups
@@ -14,7 +14,7 @@ Same rng streams as the one-device sampler, so the tokens are the same on any me
     state = sampler.prefill(params, state, prompts, group_slots=range(len(prompts)),
                             keys=sample_keys(seed, group_ids, 8))
     state = sampler.decode_segment(params, state, num_tokens=32, version=v)
-    samples = read_slots(state, range(64))            # rl.sampling works on the result
+    samples = read_slots(state, range(64))            # rl.rollout.sampler works on the result
 """
 from __future__ import annotations
 
@@ -27,15 +27,16 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, LogicalRules, logical_to_mesh_sharding, mesh_context
-from rl.sampling import (SamplerState, SamplingConfig, SegmentedFill, check_prompt,
-                         decode_segment_impl, fill_impl, init_state, state_logical_axes)
-from rl.sharding import param_shardings, replicated, validate_mesh
+from rl.rollout.sampler import check_prompt
+from rl.rollout.sampler_core import SegmentedFill, decode_segment_impl, fill_impl
+from rl.rollout.sampler_state import SamplerState, SamplingConfig, init_state, state_logical_axes
+from rl.runtime.mesh import param_shardings, replicated, validate_mesh
 
 Params = Any
 
 
 class ShardedSampler:
-    """fill / prefill / decode_segment of `rl.sampling` compiled for one mesh. States and
+    """fill / prefill / decode_segment of `rl.rollout.sampler` compiled for one mesh. States and
     params must be placed with `init_state` / `place_state` / `place_params`; every call
     returns the state with the same shardings (it donates the state it gets)."""
 
@@ -50,7 +51,7 @@ class ShardedSampler:
 
     # ------------------------------------------------------------------ placement
     def state_shardings(self, state: SamplerState) -> SamplerState:
-        """NamedSharding tree of `state` from its logical axes (rl.sampling.state_logical_axes)."""
+        """NamedSharding tree of `state` from its logical axes (rl.rollout.sampler.state_logical_axes)."""
         return logical_to_mesh_sharding(state_logical_axes(state), self.mesh, self.rules)
 
     def _check_state(self, state: SamplerState) -> None:
@@ -73,7 +74,7 @@ class ShardedSampler:
                    group_size: int | None = None, sampling: SamplingConfig = SamplingConfig(),
                    stop_ids: Sequence[int] = (), attn_impl: str | None = None,
                    kv_layout: str | None = None, cache_dtype: str | None = None) -> SamplerState:
-        """rl.sampling.init_state, placed on the mesh. ValueError (before compiling) if the
+        """rl.rollout.sampler.init_state, placed on the mesh. ValueError (before compiling) if the
         slots, or the groups of a segmented cache, do not divide by data*fsdp."""
         def build():
             return init_state(self.model_config, num_slots=num_slots,
@@ -103,7 +104,7 @@ class ShardedSampler:
         return self._jits[key]
 
     def fill(self, params: Params, state: SamplerState, fill: Any) -> SamplerState:
-        """rl.sampling.fill_impl with explicit shardings (the fill's host arrays are
+        """rl.rollout.sampler.fill_impl with explicit shardings (the fill's host arrays are
         replicated: they are small next to the cache)."""
         self._check_state(state)
         with mesh_context(self.mesh, self.rules):
@@ -114,12 +115,12 @@ class ShardedSampler:
                 ) -> SamplerState:
         """Start G groups in a segmented state: prompt g is prefilled once into group slot
         group_slots[g] (slots group_slots[g] * N .. + N - 1); keys [G, N, 2] uint32 (see
-        rl.sampling.sample_keys); max_new_tokens (default: the state's) is each sample's
+        rl.rollout.sampler.sample_keys); max_new_tokens (default: the state's) is each sample's
         budget. One compiled shape: every group slot is in the fill (unused ones dropped)."""
         self._check_state(state)
         if state.kv_layout != "segmented":
             raise ValueError("ShardedSampler.prefill builds segmented fills; for a replicated "
-                             "state build a rl.sampling.ReplicatedFill and call fill()")
+                             "state build a rl.rollout.sampler.ReplicatedFill and call fill()")
         n, n_groups = state.group_size, state.cache.groups
         g = len(prompts)
         slots = np.asarray(group_slots, np.int64).reshape(-1)
@@ -156,7 +157,7 @@ class ShardedSampler:
 
     def decode_segment(self, params: Params, state: SamplerState, num_tokens: int,
                        version: int) -> SamplerState:
-        """rl.sampling.decode_segment with explicit shardings: every live slot advances by
+        """rl.rollout.sampler.decode_segment with explicit shardings: every live slot advances by
         at most num_tokens tokens drawn from `params`, stamped with `version`."""
         self._check_state(state)
         for name, v, low in (("num_tokens", num_tokens, 1), ("version", version, 0)):

@@ -9,7 +9,7 @@ exactly the tokens of one long call. Swapping params between steps does NOT reco
 the KV cache of the tokens already made: tokens after the swap are drawn from the new
 params attending to the old params' keys/values (in-flight update). Their recorded μ is
 that distribution — what acted —, so the exact π_prox of the new version
-(rl.proximal) differs from μ there and the train–inference factor π_prox/μ shows it.
+(rl.learner.proximal) differs from μ there and the train–inference factor π_prox/μ shows it.
 
 Ratio modes (`ratio_mode_changes`), for segments made under several versions:
   "pois" (pseudo on-policy IS): every token is treated as if sampled by the latest
@@ -17,7 +17,7 @@ Ratio modes (`ratio_mode_changes`), for segments made under several versions:
       (TrainConfig.old_logp="current", ratio 1 in value) and no off-policy weight
       (OffPolicyConfig() = none), so the importance weight is 1.
   "sais" (segment-aware IS): each token's own version: old_logp="proximal" with the
-      exact log π at the token's version (rl.proximal.exact_proximal_logprobs) when given,
+      exact log π at the token's version (rl.learner.proximal.exact_proximal_logprobs) when given,
       else old_logp="behaviour" (the recorded μ of that version).
 
 DMMPT (dynamic masking of well-mastered positive tokens): drop token t of sample i from
@@ -33,9 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from rl.losses import token_entropy
-from rl.proximal import check_train_batch, check_temperature
-from rl.trainer import OffPolicyConfig, TrainBatch, TrainConfig, token_logprobs
+from models.logprobs import token_logprobs
+from rl.learner.batch import TrainBatch
+from rl.learner.config import OffPolicyConfig, TrainConfig
+from rl.learner.proximal import check_temperature, check_train_batch
+from rl.objectives.losses import token_entropy
 
 RATIO_MODES = ("pois", "sais")
 

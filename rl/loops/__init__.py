@@ -1,0 +1,25 @@
+"""The loops that wire rollout and learner together.
+
+    sync          the synchronous GRPO loop: run(...) (sample -> score -> batch -> step,
+                  eval, checkpoints, metrics) and its reusable pieces
+    asynchronous  run_async(...): producer and learner under a staleness bound η, threaded
+                  or deterministic, with APRIL rollouts and exact proximal log-probs
+    producer      the asynchronous loop's rollout thread and APRIL source
+    buffer        TrajectoryBuffer: scored groups between producer and learner (AReaL's
+                  admission rule, staleness policies)
+
+May import anything in `rl` (the top of the import direction); nothing imports `rl.loops`
+except `experiments`.
+
+    from rl.loops import LoopConfig, run, AsyncConfig, run_async
+"""
+from rl.loops.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer  # noqa: I001
+from rl.loops.sync import (LoopConfig, RunResult, build_batch, collect_batch, evaluate, run,
+                           sample_batch_groups, sample_groups, score)
+from rl.loops.asynchronous import AsyncConfig, run_async, train_config_for
+
+__all__ = [
+    "STALE_POLICIES", "ScoredGroup", "TrajectoryBuffer", "LoopConfig", "RunResult", "build_batch",
+    "collect_batch", "evaluate", "run", "sample_batch_groups", "sample_groups", "score",
+    "AsyncConfig", "run_async", "train_config_for",
+]

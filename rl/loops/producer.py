@@ -1,0 +1,296 @@
+"""The asynchronous loop's rollout side: `RolloutProducer` (the threaded producer: admit
+prompts under the buffer's rule, sample with the latest published params segment by
+segment, score, put finished groups) and `AprilSource` (APRIL rounds over a task's train
+stream), plus the small helpers that cut a harvested trajectory into scored groups.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from models.config import ModelConfig
+from rl.learner.batch import TrainBatch
+from rl.learner.config import TrainConfig
+from rl.loops.buffer import ScoredGroup, TrajectoryBuffer
+from rl.loops.sync import LoopConfig, rollout_seed, score, take_rows, total_reward
+from rl.objectives.offpolicy import kept_group_indices
+from rl.rollout.april import AprilConfig, AprilRollout, offpolicy_prefix_mask
+from rl.rollout.engine import RolloutConfig, RolloutEngine
+from rl.rollout.sampler_state import SamplingConfig
+from rl.tasks.base import Task
+
+
+# ----------------------------------------------------------------------------- producer
+def split_groups(traj, rewards: dict[str, np.ndarray], group_size: int) -> list[tuple[int, ScoredGroup]]:
+    """(engine group id, ScoredGroup) per group of a harvested Trajectory (rows grouped)."""
+    gids = np.asarray(traj.group_ids)
+    out = []
+    for start in range(0, gids.size, group_size):
+        rows = list(range(start, start + group_size))
+        out.append((int(gids[start]), ScoredGroup(traj=take_rows(traj, rows),
+                                                  rewards={k: v[rows] for k, v in rewards.items()})))
+    return out
+
+
+def flatten_arrays(d: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten_arrays(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = np.asarray(v)
+    return out
+
+
+def unflatten_arrays(flat: Any) -> dict:
+    out: dict = {}
+    for key in flat.keys():
+        node = out
+        *path, leaf = key.split("/")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = np.asarray(flat[key])
+    return out
+
+
+class AprilSource:
+    """APRIL rounds (rl.rollout.april.AprilRollout) over the task's train stream from `base`;
+    the group with global id g is the prompt at stream position base + g."""
+
+    def __init__(self, model_config: ModelConfig, task: Task, config: TrainConfig,
+                 loop: LoopConfig, april: AprilConfig, *, base: int, seed: int,
+                 saved: dict | None = None):
+        self.task, self.config, self.loop, self.base = task, config, loop, int(base)
+        n, b = loop.group_size, loop.prompts_per_step
+        rc = RolloutConfig(num_slots=math.ceil(april.over_provision * b - 1e-9) * n, group_size=n,
+                           segment_len=loop.segment_len, max_prompt_len=task.max_prompt_len,
+                           max_new_tokens=task.max_new_tokens,
+                           sampling=SamplingConfig(temperature=config.temperature),
+                           stop_ids=tuple(task.stop_ids), seed=int(seed))
+        submitted = 0 if saved is None else int(saved["counts"]["submitted"])
+        self.rollout = AprilRollout(model_config, rc, self._prompts(self.base + submitted),
+                                    april)
+        if saved is not None:
+            self.rollout.load_state_dict(saved)
+
+    def _prompts(self, start: int):
+        chunk = max(self.loop.prompts_per_step, 8)
+        while True:
+            for p in self.task.train_prompts(start, chunk):
+                yield p.ids
+            start += chunk
+
+    def _prompt_map(self, traj) -> dict[int, Any]:
+        return {int(g): self.task.train_prompts(self.base + int(g), 1)[0]
+                for g in np.unique(np.asarray(traj.group_ids))}
+
+    def _accept(self, group) -> bool:
+        rewards = score(self.task, self._prompt_map(group), group)
+        return kept_group_indices(total_reward(rewards, self.config),
+                                  self.loop.group_size).size > 0
+
+    def round(self, params: Any, version: int, n: int) -> list[ScoredGroup]:
+        """n finished groups sampled under (params, version), scored, in group order."""
+        accept = self._accept if self.loop.dynamic_sampling else None
+        traj = self.rollout.collect(params, int(version), n, accept=accept)
+        rewards = score(self.task, self._prompt_map(traj), traj)
+        return [g for _, g in split_groups(traj, rewards, self.loop.group_size)]
+
+    @property
+    def position(self) -> int:
+        return self.base + self.rollout.counts["submitted"]
+
+    @property
+    def generated_tokens(self) -> int:
+        return int(self.rollout.last_round.get("generated_tokens", 0))
+
+    def state(self) -> dict:
+        """Between rounds: {"base", "april": AprilRollout.state_dict()} (numpy)."""
+        return {"base": np.asarray(self.base, np.int64), "april": self.rollout.state_dict()}
+
+    def metrics(self) -> dict[str, float]:
+        return {f"april_{k}": float(v) for k, v in self.rollout.counts.items()}
+
+
+def offpolicy_prefix_batch(batch: TrainBatch, group_size: int) -> TrainBatch:
+    """APRIL's optional mask: per group, drop from the loss the tokens drawn under a
+    version older than the group's newest token (the part sampled before its last resume)."""
+    mask, vers = np.asarray(batch.loss_mask), np.asarray(batch.versions)
+    out = mask.copy()
+    for start in range(0, mask.shape[0], group_size):
+        rows = slice(start, start + group_size)
+        if mask[rows].any():
+            out[rows] = offpolicy_prefix_mask(vers[rows], mask[rows], int(vers[rows][mask[rows]].max()))
+    return batch.replace(loss_mask=out)
+
+
+class RolloutProducer:
+    """The rollout thread's work: admit prompts under the buffer's rule, sample with the
+    latest published params segment by segment, score, put finished groups."""
+
+    def __init__(self, *, model_config: ModelConfig, task: Task, config: TrainConfig,
+                 loop: LoopConfig, rollout: str, buffer: TrajectoryBuffer,
+                 latest: Callable[[], tuple[Any, int]], data_position: int, rng: np.ndarray,
+                 device: jax.Device | None, april: AprilSource | None = None):
+        self.model_config, self.task, self.config, self.loop = model_config, task, config, loop
+        self.april = april
+        # APRIL: (state between rounds, data position) of the last round, for checkpoints
+        self.april_snapshot = None if april is None else (april.state(), april.position)
+        self.rollout, self.buffer, self.latest, self.device = rollout, buffer, latest, device
+        self._lock = threading.Lock()
+        self._pos, self._rng = int(data_position), np.asarray(rng, np.uint32)
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.sampled_tokens = 0
+        self.filtered_in_a_row = 0
+        self._engine: RolloutEngine | None = None
+        self._prompts: dict[int, Any] = {}
+
+    # -------------------------------------------------------------- shared state
+    def position(self) -> tuple[int, np.ndarray]:
+        """(data position of the next prompt, rng key) — consistent with each other
+        (APRIL: the position at the end of the last round)."""
+        with self._lock:
+            pos = self._pos if self.april is None else self.april_snapshot[1]
+            return pos, self._rng.copy()
+
+    def _april_round(self) -> None:
+        n = self._admit(self.loop.prompts_per_step, block=True)
+        if n == 0:
+            return
+        params, version = self.latest()
+        groups = self.april.round(params, version, n)
+        self.sampled_tokens += self.april.generated_tokens
+        with self._lock:
+            self.april_snapshot = (self.april.state(), self.april.position)
+        for g in groups:
+            self.buffer.put(g)
+
+    def _take_prompts(self, n: int) -> tuple[int, list]:
+        """Seed + the next n train prompts; advances position and rng together."""
+        with self._lock:
+            seed, key = rollout_seed(self._rng)
+            prompts = self.task.train_prompts(self._pos, n)
+            self._pos += n
+            self._rng = np.asarray(key, np.uint32)
+        return seed, prompts
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set() or self.buffer.closed
+
+    # -------------------------------------------------------------- pieces
+    def _engine_for(self, seed: int) -> RolloutEngine:
+        lp, t = self.loop, self.task
+        rc = RolloutConfig(num_slots=lp.prompts_per_step * lp.group_size, group_size=lp.group_size,
+                           segment_len=lp.segment_len, max_prompt_len=t.max_prompt_len,
+                           max_new_tokens=t.max_new_tokens,
+                           sampling=SamplingConfig(temperature=self.config.temperature),
+                           stop_ids=tuple(t.stop_ids), seed=int(seed))
+        return RolloutEngine(self.model_config, rc)
+
+    def _admit(self, most: int, block: bool) -> int:
+        """Reserve up to `most` groups (blocking until at least one fits if `block`)."""
+        while most > 0:
+            n = min(most, self.buffer.capacity())
+            if n > 0 and self.buffer.reserve(n):
+                return n
+            if not block or self.stopping:
+                return 0
+            self.buffer.wait_for_capacity(1, timeout=0.1)
+        return 0
+
+    def _segment(self) -> list[tuple[int, ScoredGroup]]:
+        """One segment with the latest params; the finished groups, scored."""
+        params, version = self.latest()
+        self._engine.step(params, version)
+        part = self._engine.harvest()
+        if part is None:
+            return []
+        self.sampled_tokens += part.num_tokens()
+        rewards = score(self.task, self._prompts, part)
+        for g in np.unique(np.asarray(part.group_ids)):
+            self._prompts.pop(int(g), None)
+        return split_groups(part, rewards, self.loop.group_size)
+
+    def _offer(self, group: ScoredGroup) -> None:
+        """Put a group, or (dynamic sampling, all rewards equal) release it as filtered."""
+        if self.loop.dynamic_sampling:
+            total = total_reward(dict(group.rewards), self.config)
+            if kept_group_indices(total, self.loop.group_size).size == 0:
+                self.buffer.release(1, "filtered")
+                self.filtered_in_a_row += 1
+                limit = (self.loop.max_resample_rounds + 1) * self.loop.prompts_per_step
+                if self.filtered_in_a_row >= limit:
+                    raise ValueError(
+                        f"empty batch after dynamic sampling: {self.filtered_in_a_row} groups in a "
+                        "row had equal rewards within their group (no learning signal); raise "
+                        "max_resample_rounds, the group size or the temperature, or turn dynamic "
+                        "sampling off")
+                return
+        self.filtered_in_a_row = 0
+        self.buffer.put(group)
+
+    def _static_round(self) -> None:
+        n = self._admit(self.loop.prompts_per_step, block=True)
+        if n == 0:
+            return
+        seed, prompts = self._take_prompts(n)
+        self._engine = self._engine_for(seed)
+        self._prompts = dict(zip(self._engine.submit([p.ids for p in prompts]), prompts))
+        done: list[tuple[int, ScoredGroup]] = []
+        while not self._engine.idle and not self.stopping:
+            done += self._segment()
+        for _, group in sorted(done, key=lambda x: x[0]):  # prompt order, as the sync loop
+            self._offer(group)
+
+    def _continuous_step(self) -> None:
+        n_slots = self.loop.prompts_per_step
+        if self._engine is None or self._engine.idle:
+            n = self._admit(n_slots, block=True)
+            if n == 0:
+                return
+            seed, prompts = self._take_prompts(n)
+            self._engine = self._engine_for(seed)
+            self._prompts = dict(zip(self._engine.submit([p.ids for p in prompts]), prompts))
+        else:  # refill free slots while the admission rule allows
+            free = self._engine.num_free_slots // self.loop.group_size - self._engine.num_queued
+            n = self._admit(free, block=False) if free > 0 else 0
+            if n:
+                with self._lock:
+                    prompts = self.task.train_prompts(self._pos, n)
+                    self._pos += n
+                self._prompts.update(zip(self._engine.submit([p.ids for p in prompts]), prompts))
+        for _, group in self._segment():
+            self._offer(group)
+
+    # -------------------------------------------------------------- thread body
+    def run(self) -> None:
+        try:
+            place = (jax.default_device(self.device) if self.device is not None
+                     else contextlib.nullcontext())
+            with place:
+                while not self.stopping:
+                    if self.rollout == "static":
+                        self._static_round()
+                    elif self.rollout == "april":
+                        self._april_round()
+                    else:
+                        self._continuous_step()
+        except BaseException as err:  # handed to the learner, which re-raises it
+            self.error = err
+            self.buffer.close()
+        finally:
+            running = self.buffer.stats()["running_groups"]
+            if running:
+                self.buffer.release(running, "cancelled")
+
+

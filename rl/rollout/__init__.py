@@ -1,0 +1,33 @@
+"""The rollout side: prompts in, a `rl.trajectory.Trajectory` of sampled responses out.
+
+    sampler_state    SamplingConfig, the fixed-slot SamplerState, init_state, sample_keys
+    sampler_core     the token draw and the pure jitted prefill / segment-decode bodies
+    sampler          host API: prefill, decode_segment, read_slots, load_samples, generate
+    sharded_sampler  the same sampler on a device mesh (explicit shardings)
+    engine           RolloutEngine: continuous batching over the sampler, extract / resume
+    april            rollout strategies: APRIL (over-provision + FIFO), static, continuous
+
+May import: `models`, `kernels`, `rl.trajectory`, `rl.runtime` — not `rl.learner` nor
+`rl.loops` (the learner never runs here; the loops drive both sides).
+
+    from rl.rollout import SamplingConfig, generate, RolloutEngine, RolloutConfig
+"""
+from rl.rollout.sampler_state import (KV_LAYOUTS, SamplerState, SamplingConfig, as_key_data,  # noqa: I001
+                                      init_state, sample_keys, state_logical_axes)
+from rl.rollout.sampler_core import (ReplicatedFill, SegmentedFill, decode_segment_impl, fill_impl,
+                                     sample_tokens)
+from rl.rollout.sampler import (GenerationResult, PartialSample, decode_segment, generate,
+                                load_samples, prefill, read_slots)
+from rl.rollout.engine import PartialGroup, RolloutConfig, RolloutEngine, StepInfo
+from rl.rollout.sharded_sampler import ShardedSampler
+from rl.rollout.april import (AprilConfig, AprilRollout, ContinuousRollout, StaticRollout,
+                              offpolicy_prefix_mask)
+
+__all__ = [
+    "KV_LAYOUTS", "SamplerState", "SamplingConfig", "as_key_data", "init_state", "sample_keys",
+    "state_logical_axes", "ReplicatedFill", "SegmentedFill", "decode_segment_impl", "fill_impl",
+    "sample_tokens", "GenerationResult", "PartialSample", "decode_segment", "generate",
+    "load_samples", "prefill", "read_slots", "PartialGroup", "RolloutConfig", "RolloutEngine",
+    "StepInfo", "ShardedSampler", "AprilConfig", "AprilRollout", "ContinuousRollout",
+    "StaticRollout", "offpolicy_prefix_mask",
+]
