@@ -1,0 +1,229 @@
+"""The package layout holds: no import circle anywhere in rl/, models/, kernels/, no import
+against the stated direction, no module over ~600 lines.
+
+Imports are read with `ast` (nothing is imported), every import statement counts, those
+inside functions too: a lazy import that closes a circle is still a circle.
+
+Direction (README "Layout"): kernels <- models <- rl <- experiments, and inside rl
+objectives <- learner / rollout <- loops, with tasks, trajectory and runtime as leaves.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kernels", "models", "rl")
+MAX_LINES = 620  # "no module over ~600 lines"
+
+# layer -> the layers it may import (itself always included)
+ALLOWED = {
+    "kernels": set(),
+    "models": {"kernels"},
+    "rl": set(),  # rl/__init__.py: a docstring only
+    "rl.trajectory": set(),
+    "rl.tasks": set(),
+    "rl.objectives": set(),
+    "rl.runtime": {"models", "kernels"},
+    "rl.rollout": {"rl.objectives", "rl.trajectory", "rl.runtime", "models", "kernels"},
+    "rl.learner": {"rl.objectives", "rl.trajectory", "rl.runtime", "models", "kernels"},
+    "rl.loops": {"rl.objectives", "rl.trajectory", "rl.runtime", "rl.rollout", "rl.learner",
+                 "rl.tasks", "models", "kernels"},
+}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def collect_modules(root: Path, packages=PACKAGES) -> dict[str, Path]:
+    out = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            out[module_name(path, root)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Internal modules that `name` imports (module-level or inside functions)."""
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                pkg = pkg[:len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            # `import a.b.c` of an internal module, or the closest internal parent
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def import_graph(root: Path, packages=PACKAGES) -> dict[str, set[str]]:
+    modules = collect_modules(root, packages)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (as a closed path) per strongly connected component with a cycle (Tarjan)."""
+    index, low, stack, on_stack, sccs = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                sccs.append(set(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for comp in sccs:  # a closed path inside the component, for the message
+        start = min(comp)
+        path, seen = [start], {start}
+        while True:
+            nxt = min(w for w in graph[path[-1]] if w in comp)
+            if nxt in seen:
+                cycles.append(path[path.index(nxt):] + [nxt])
+                break
+            path.append(nxt)
+            seen.add(nxt)
+    return cycles
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "rl" and len(parts) > 1:
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def direction_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in sorted(graph.items()):
+        here = layer(src)
+        if here not in ALLOWED:
+            bad.append(f"{src}: layer {here!r} has no stated place in the import direction")
+            continue
+        for t in sorted(targets):
+            there = layer(t)
+            if there != here and there not in ALLOWED[here]:
+                bad.append(f"{src} imports {t} ({here} may import only "
+                           f"{sorted(ALLOWED[here]) or 'nothing else'})")
+    return bad
+
+
+# ----------------------------------------------------------------------------- the checks
+def test_no_import_circle():
+    cycles = find_cycles(import_graph(ROOT))
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_imports_follow_the_direction():
+    bad = direction_violations(import_graph(ROOT))
+    assert not bad, "imports against the stated direction:\n" + "\n".join(bad)
+
+
+def test_every_rl_subpackage_says_what_lives_there_and_what_it_may_import():
+    for init in sorted((ROOT / "rl").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc, f"{init.relative_to(ROOT)} has no docstring"
+        assert "import" in doc.lower(), f"{init.relative_to(ROOT)}'s docstring does not say " \
+            "what it may import"
+
+
+def test_no_module_over_about_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in collect_modules(ROOT).values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_readme_layout_names_every_rl_subpackage_and_module():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for path in sorted((ROOT / "rl").rglob("*.py")):
+        stem = path.parent.name if path.name == "__init__.py" else path.stem
+        if stem not in section:
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"README's layout section does not mention: {missing}"
+
+
+# ----------------------------------------------------------------------------- the checker can fail
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path
+
+
+def test_checker_finds_a_lazy_circle_and_a_relative_one(tmp_path):
+    root = _tree(tmp_path, {
+        "models/__init__.py": "",
+        "models/a.py": "def f():\n    from models.b import g\n",   # lazy import
+        "models/b.py": "import models.a\n",
+        "kernels/__init__.py": "",
+        "kernels/x/__init__.py": "from .y import z\n",
+        "kernels/x/y.py": "from kernels.x import w\n",
+        "rl/__init__.py": "",
+    })
+    cycles = find_cycles(import_graph(root))
+    assert sorted(sorted(set(c)) for c in cycles) == [["kernels.x", "kernels.x.y"],
+                                                      ["models.a", "models.b"]]
+
+
+def test_checker_flags_imports_against_the_direction(tmp_path):
+    root = _tree(tmp_path, {
+        "kernels/__init__.py": "from models.config import C\n",
+        "models/__init__.py": "", "models/config.py": "C = 1\n",
+        "rl/__init__.py": "",
+        "rl/objectives/__init__.py": "", "rl/objectives/loss.py": "from rl.learner import step\n",
+        "rl/learner/__init__.py": "", "rl/learner/step.py": "from rl.objectives import loss\n",
+        "rl/loops/__init__.py": "from rl.learner.step import x\n",
+    })
+    bad = direction_violations(import_graph(root))
+    assert len(bad) == 2, bad
+    assert bad[0].startswith("kernels imports models.config")
+    assert bad[1].startswith("rl.objectives.loss imports rl.learner")
+
+
+@pytest.mark.parametrize("src,ok", [("from rl.trajectory import T", True),
+                                    ("from rl.rollout import generate", False)])
+def test_checker_learner_may_read_trajectory_but_not_rollout(tmp_path, src, ok):
+    root = _tree(tmp_path, {"rl/__init__.py": "", "rl/trajectory.py": "T = 1\n",
+                            "rl/rollout/__init__.py": "generate = 1\n",
+                            "rl/learner/__init__.py": src + "\n",
+                            "models/__init__.py": "", "kernels/__init__.py": ""})
+    assert (direction_violations(import_graph(root)) == []) == ok
