@@ -98,7 +98,7 @@ def run_one(method: str, k: int, seed: int, steps: int, eval_every: int, eval_pr
                        progress=False, on_step=on_step)
     wall = time.perf_counter() - t0
     shutil.rmtree(run_dir, ignore_errors=True)
-    loop_src = Path(__file__).resolve().parents[1] / "rl" / "loop.py"
+    loop_src = Path(__file__).resolve().parents[1] / "rl" / "loops" / "asynchronous.py"
     train_rows = [[r["step"]] + [None if r.get(key) is None else round(float(r[key]), 5)
                                  for key in TRAIN_KEYS] for r in result.train]
     return {
@@ -110,7 +110,8 @@ def run_one(method: str, k: int, seed: int, steps: int, eval_every: int, eval_pr
         "config": {"train": repr(train), "loop": dataclasses.asdict(loop),
                    "async": {"mode": "deterministic", "max_staleness": k}},
         "load_average_after": load_average(),
-        # provenance of the asynchronous loop the run used (git blob id of rl/loop.py)
+        # provenance of the asynchronous loop the run used: git blob id of
+        # rl/loops/asynchronous.py (of rl/loop.py in results from before the rl/ layout change)
         "rl_loop_blob": _git_blob(loop_src),
     }
 

@@ -559,7 +559,7 @@ def prefill_segments(
     prompt_tokens [G, P] (right-padded, prompt_lengths [G] valid, may be 0) are run once
     per group; resp_tokens [G, N, R] (resp_lengths [G, N] valid, may be 0) are teacher-forced
     behind their group's prompt at positions prompt_lengths[g] + t, each attending to the
-    prompt and causally to itself only (models/packed.py layout, no vocabulary head).
+    prompt and causally to itself only (models/packed_layout.py, no vocabulary head).
     A pure traceable function (no checks): callers validate. Returns k_prompt, v_prompt
     [layers, G, P, kv_heads, head_dim] and k_resp, v_resp [layers, G, N, R, kv_heads,
     head_dim] in the compute dtype; entries past the lengths are meaningless.

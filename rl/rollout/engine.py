@@ -1,7 +1,7 @@
 """Host-side rollout engine: continuous batching of groups over the sampler's fixed slots,
 segment decoding, harvesting finished groups, and extract/resume of unfinished groups.
 
-Plain Python around the jitted sampler functions (rl/sampling.py). A *group* is the N
+Plain Python around the jitted sampler functions (rl/rollout/sampler.py). A *group* is the N
 samples of one prompt; it enters the slots whole (one prefill, KV copied into N slots)
 and leaves whole: `harvest()` returns only groups whose N samples are all done.
 At each `step(params, version)` free slots are first refilled — resumed groups before
