@@ -1,21 +1,101 @@
-"""VCPO on the learner side: the exact per-trajectory gradient norms ‖∇_θ log π(τ_i)‖²
-that the minimum-variance baseline weighs (W_i = w_i² ‖∇_θ log π(τ_i)‖², Huang et al.
-2026), computed with ``vmap(grad)`` over rows in chunks. The arithmetic of VCPO (ESS,
-baseline, advantages, the ESS-scaled update) lives in `rl.objectives.vcpo`.
+"""VCPO on the learner side (Huang et al. 2026; the arithmetic — ESS, baseline, advantages,
+the ESS-scaled update — lives in `rl.objectives.vcpo`).
+
+    vcpo_terms                     what the step needs from VCPO for the WHOLE batch, before
+                                   any micro-batch: advantages, truncated sequence weights,
+                                   the vcpo_* metrics (and ρ for the optimizer)
+    per_trajectory_logprob_grads   the exact per-trajectory gradient norms ‖∇_θ log π(τ_i)‖²
+    per_trajectory_grad_sq_norms   that the minimum-variance baseline weighs
+                                   (W_i = w_i² ‖∇_θ log π(τ_i)‖²), by ``vmap(grad)`` over
+                                   rows in chunks
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from models.config import ModelConfig
 from models.logprobs import token_logprobs
+from rl.learner.batch import TrainBatch
+from rl.learner.config import TrainConfig
+from rl.learner.rewards import scalar_rewards
 from rl.objectives.losses import token_mask
 from rl.objectives.registry import check_rank, check_same_shape
+from rl.objectives.vcpo import (
+    ess_lr_scale,
+    ess_ratio,
+    sequence_log_weights,
+    truncated_sequence_weights,
+    vcpo_advantages,
+    weight_tail_stats,
+)
 
 Array = jax.Array
+
+
+# ----------------------------------------------------------------------------- in the step
+class VCPOTerms(NamedTuple):
+    """VCPO's per-batch terms. advantages [B] and seq_weights [B] are None when monitoring
+    only; metrics holds vcpo_ess (ρ, which also scales the optimizer's update) and the
+    vcpo_* statistics."""
+
+    advantages: Array | None
+    seq_weights: Array | None
+    metrics: dict
+
+
+def vcpo_terms(config: TrainConfig, model_config: ModelConfig, params: Any, batch: TrainBatch,
+               monitor: bool = False) -> VCPOTerms:
+    """VCPO's per-row quantities for the WHOLE batch (the jitted step sees the global array,
+    so ρ counts every micro-batch and device): log w from the step's starting params (with
+    exact per-row gradient norms when the OPOB baseline needs them), advantages, truncated
+    sequence weights [B] and the vcpo_* metrics. monitor: only ρ and the log-weight
+    statistics (one forward)."""
+    vc = config.vcpo
+    tokens, positions, loss_mask = batch.tokens, batch.positions, batch.loss_mask
+    mask = loss_mask[:, 1:]
+    norms = None
+    if not monitor and vc.baseline == "opob" and vc.grad_norms == "exact":
+        logp, norms = per_trajectory_logprob_grads(params, model_config, tokens, positions,
+                                                   loss_mask, config.temperature, vc.chunk,
+                                                   config.attn_impl)
+    else:  # one forward, micro-batch by micro-batch (the activations of one at a time)
+        m = config.micro_batches
+
+        def fwd(xs):
+            return token_logprobs(params, model_config, *xs, config.temperature, config.attn_impl)[0]
+
+        split = lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:])  # noqa: E731
+        logp = jax.lax.map(fwd, (split(tokens), split(positions))).reshape(mask.shape)
+    log_w = sequence_log_weights(logp, batch.behaviour_logprobs[:, 1:], mask)
+    valid = jnp.any(mask, axis=1)
+    rho = ess_ratio(log_w, valid)
+    if monitor:
+        return VCPOTerms(None, None, {"vcpo_ess": rho, **weight_tail_stats(log_w, valid)})
+    rewards = scalar_rewards(config, batch)
+    adv, base = vcpo_advantages(rewards, log_w, norms, batch.group_size, baseline=vc.baseline,
+                                variant=vc.variant, valid=valid, is_cap=vc.is_cap)
+    seq_w = truncated_sequence_weights(log_w, vc.is_cap)
+    group_mean = jnp.mean(rewards.reshape(base.shape[0], -1), axis=1)
+    metrics = {
+        "vcpo_ess": rho,
+        "vcpo_lr_scale": ess_lr_scale(rho, vc.rho_base, vc.lr_scale),
+        "vcpo_baseline_minus_mean": jnp.mean(jnp.abs(base - group_mean)),
+        "vcpo_capped_frac": jnp.sum(valid & (log_w > math.log(vc.is_cap)))
+        / jnp.maximum(jnp.sum(valid), 1),
+        **weight_tail_stats(log_w, valid),
+    }
+    if norms is not None:
+        metrics["vcpo_grad_sq_norm_mean"] = jnp.sum(jnp.where(valid, norms, 0.0)) \
+            / jnp.maximum(jnp.sum(valid), 1)
+    return VCPOTerms(adv, seq_w, metrics)
+
+
+# ----------------------------------------------------------------------------- exact gradient norms
 
 
 def per_trajectory_logprob_grads(params: Any, model_config: Any, tokens: Array, positions: Array,
