@@ -3,7 +3,8 @@
     config     OptimizerConfig, OffPolicyConfig, TrainConfig; make_optimizer, make_schedule
     batch      TrainState, TrainBatch, init_train_state, batch_from_trajectory, global_batch
     step       train_step: the GRPO step read top to bottom, each variant a named function
-    vcpo       VCPO's exact per-trajectory gradient norms and its in-step terms
+    rewards    named rewards -> the scalar reward and the advantages the step trains on
+    vcpo       VCPO's in-step terms (vcpo_terms) and exact per-trajectory gradient norms
     jitted     make_train_step: the step jitted with explicit shardings (any mesh)
     proximal   exact proximal log-probs at each token's own version, PPO-EWMA params
     snapshots  ParamSnapshots, the ring of past params the exact proximal policy reads
