@@ -1,6 +1,7 @@
 """Tandem's RL side, in subpackages that follow the data flow of one training step:
 
-    rl.tasks        prompts and verifiable rewards (leaf)
+    rl.tasks        prompts and verifiable rewards (leaf; multi-turn environments will be
+                    the sibling leaf rl.envs)
     rl.rollout      the sampler and the rollout engine + strategies (APRIL): prompts -> Trajectory
     rl.trajectory   the Trajectory that rollout hands to the learner (leaf data type)
     rl.objectives   advantages, losses, off-policy corrections, VCPO's math: pure functions of arrays

@@ -25,12 +25,13 @@ ALLOWED = {
     "rl": set(),  # rl/__init__.py: a docstring only
     "rl.trajectory": set(),
     "rl.tasks": set(),
+    "rl.envs": set(),  # multi-turn environments and tools (a leaf, like tasks)
     "rl.objectives": set(),
     "rl.runtime": {"models", "kernels"},
-    "rl.rollout": {"rl.objectives", "rl.trajectory", "rl.runtime", "models", "kernels"},
+    "rl.rollout": {"rl.objectives", "rl.trajectory", "rl.runtime", "rl.envs", "models", "kernels"},
     "rl.learner": {"rl.objectives", "rl.trajectory", "rl.runtime", "models", "kernels"},
     "rl.loops": {"rl.objectives", "rl.trajectory", "rl.runtime", "rl.rollout", "rl.learner",
-                 "rl.tasks", "models", "kernels"},
+                 "rl.tasks", "rl.envs", "models", "kernels"},
 }
 
 

@@ -2,7 +2,8 @@
 
 A leaf: imports nothing else from `rl` (a task needs no model; tokenizers come in as
 arguments). Single-turn tasks live here; multi-turn environments (an episode of model
-turns and observations, tools) are planned as `rl.tasks.envs`, beside them.
+turns and observations, tools) get their own leaf beside it, `rl.envs` (which
+tests/test_layout.py already places: rollout and loops may import it).
 
     from rl.tasks import make_task
     task = make_task("synthetic", kind="reverse", length=4)
