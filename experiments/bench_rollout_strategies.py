@@ -12,7 +12,7 @@ plotted. Each strategy has its own identical prompt stream;
 rounds run round-robin across strategies so load from other processes hits them alike;
 compilation time (jax.monitoring compile events) is subtracted from each round.
 
-Part 2 — wall-clock per training step of rl.loops.sync.run vs rl.loops.asynchronous.run_async (threaded,
+Part 2 — wall-clock per training step of rl.loops.run vs rl.loops.run_async (threaded,
 η = 1) on 8 forced CPU devices split 4 training / 4 rollout (a subprocess with
 XLA_FLAGS), on the tiny-synthetic preset, plus a cost model projecting the async speedup
 to separate accelerators: t_sync = t_roll + t_train, t_async ≈ max(t_roll, t_train) + swap.

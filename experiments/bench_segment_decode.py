@@ -3,9 +3,9 @@
     python -m experiments.bench_segment_decode [--groups 2] [--layers 4] [--steps 8]
 
 For N in {8, 64} samples per prompt and P in {256, 1024} prompt tokens it builds one
-sampler state per KV layout (rl.rollout.sampler.init_state(kv_layout=...), max_new_tokens =
+sampler state per KV layout (rl.rollout.init_state(kv_layout=...), max_new_tokens =
 R_MAX), prefills `groups` random prompts of exactly P tokens, and times the real
-`rl.rollout.sampler.decode_segment` advancing every sample by `steps` tokens (median of
+`rl.rollout.decode_segment` advancing every sample by `steps` tokens (median of
 round-robin repeats from the same prefilled state, compile excluded):
   replicated  dense cache [layers, groups*N, P + R_MAX, kv_heads, d], the prompt KV copied
               into every sample's row (plain masked decode attention);

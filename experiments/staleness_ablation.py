@@ -5,7 +5,7 @@
     nohup python -m experiments.staleness_ablation > ablation.log 2>&1 &
 
 Each run trains the `tiny-synthetic` preset of experiments.train (tiny decoder from random
-init, "reverse 4 symbols") with rl.loops.asynchronous.run_async in deterministic mode: step v trains on a
+init, "reverse 4 symbols") with rl.loops.run_async in deterministic mode: step v trains on a
 batch sampled with the params of version max(v - k, 0), so past step k every token is
 exactly k versions stale. Methods (same preset optimizer, PPO-clip token-mean loss with
 π_old = the step's starting params, i.e. ratio 1 and one update per batch):

@@ -6,8 +6,8 @@
     python -m experiments.train --max-staleness 2 --rollout continuous   # async (rl.loops.asynchronous)
     python -m experiments.train --max-staleness 4 --async-mode deterministic --proximal exact
 
-Any async flag (--max-staleness, --async-mode, --rollout, ...) runs rl.loops.asynchronous.run_async
-(η defaults to 1 then); without one the synchronous rl.loops.sync.run runs as before.
+Any async flag (--max-staleness, --async-mode, --rollout, ...) runs rl.loops.run_async
+(η defaults to 1 then); without one the synchronous rl.loops.run runs as before.
 
 Each iteration: task prompts -> sampler (rl.rollout) -> task rewards -> advantages ->
 one train_step. Prints a tqdm bar (reward, tokens/s) and eval lines; writes into the
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact per-trajectory gradient norms (vmap(grad)) or the cheap mode")
     v.add_argument("--log-ess", action="store_true",
                    help="log the batch's ESS ratio and log-weight tails (VCPOConfig(monitor=True))")
-    a = p.add_argument_group("asynchronous training (any of these selects rl.loops.asynchronous.run_async)")
+    a = p.add_argument_group("asynchronous training (any of these selects rl.loops.run_async)")
     a.add_argument("--max-staleness", type=int,
                    help="η: data at most η policy versions old (0 = synchronous; default 1)")
     a.add_argument("--async-mode", choices=MODES,
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     config, params, task = load_policy(preset, args.seed)
     if multi and acfg is not None:
-        build_parser().error("asynchronous training (rl.loops.asynchronous.run_async) runs in one process; "
+        build_parser().error("asynchronous training (rl.loops.run_async) runs in one process; "
                              "drop the async flags or the multi-process flags")
     mesh = None
     if args.mesh or multi:

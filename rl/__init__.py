@@ -4,7 +4,8 @@
                     the sibling leaf rl.envs)
     rl.rollout      the sampler and the rollout engine + strategies (APRIL): prompts -> Trajectory
     rl.trajectory   the Trajectory that rollout hands to the learner (leaf data type)
-    rl.objectives   advantages, losses, off-policy corrections, VCPO's math: pure functions of arrays
+    rl.objectives   advantages, losses, off-policy corrections, VCPO's math (pure functions
+                    of arrays)
     rl.learner      the train step, its configs / state / batch, proximal log-probs, snapshots
     rl.loops        the synchronous and asynchronous loops and the buffer between them
     rl.runtime      run plumbing: meshes, processes, checkpoints, metrics logging (leaf)

@@ -14,7 +14,7 @@ Two modes (AsyncConfig.mode):
   * "deterministic": no threads; step v samples its batch with the params of version
     max(v − k, 0), k = η, from a `rl.learner.snapshots.ParamSnapshots` ring, so every token of
     step v has version exactly v − k (v ≥ k) and runs are reproducible on one CPU.
-With η = 0 both modes reproduce `rl.loops.sync.run` exactly (same rng splits, same
+With η = 0 both modes reproduce `rl.loops.run` exactly (same rng splits, same
 sampling calls; rollout "static" in threaded mode, and "continuous" on equal-length
 responses).
 
@@ -252,7 +252,7 @@ def run_async(
 ) -> RunResult:
     """Train with the asynchronous loop (module doc) for loop.steps optimizer steps.
 
-    Same outputs as rl.loops.sync.run (metrics.jsonl, checkpoints/, wandb, RunResult);
+    Same outputs as rl.loops.run (metrics.jsonl, checkpoints/, wandb, RunResult);
     train records add buffer_* counters, behaviour_version_* / version_lag_*, and
     rollout_wait_s (time the learner waited for data). on_step(record) is called after
     each train record (raise KeyboardInterrupt there to stop the run like Ctrl-C). In

@@ -152,7 +152,7 @@ def check_params(kind: str, name: str, fn: Callable, params: tuple[tuple[str, An
 
 
 # ---------------------------------------------------------------------------
-# Boundary checks shared by rl.objectives.advantages, rl.objectives.losses and rl.objectives.offpolicy.
+# Boundary checks shared by rl.objectives' advantages, losses and offpolicy.
 # Shape checks are static, so they also run under jit and vmap; value checks
 # (finiteness) need concrete data and are skipped for tracers.
 

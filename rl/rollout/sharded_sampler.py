@@ -51,7 +51,8 @@ class ShardedSampler:
 
     # ------------------------------------------------------------------ placement
     def state_shardings(self, state: SamplerState) -> SamplerState:
-        """NamedSharding tree of `state` from its logical axes (rl.rollout.sampler.state_logical_axes)."""
+        """NamedSharding tree of `state` from its logical axes
+        (rl.rollout.sampler_state.state_logical_axes)."""
         return logical_to_mesh_sharding(state_logical_axes(state), self.mesh, self.rules)
 
     def _check_state(self, state: SamplerState) -> None:
@@ -74,7 +75,7 @@ class ShardedSampler:
                    group_size: int | None = None, sampling: SamplingConfig = SamplingConfig(),
                    stop_ids: Sequence[int] = (), attn_impl: str | None = None,
                    kv_layout: str | None = None, cache_dtype: str | None = None) -> SamplerState:
-        """rl.rollout.sampler.init_state, placed on the mesh. ValueError (before compiling) if the
+        """rl.rollout.init_state, placed on the mesh. ValueError (before compiling) if the
         slots, or the groups of a segmented cache, do not divide by data*fsdp."""
         def build():
             return init_state(self.model_config, num_slots=num_slots,
@@ -104,7 +105,7 @@ class ShardedSampler:
         return self._jits[key]
 
     def fill(self, params: Params, state: SamplerState, fill: Any) -> SamplerState:
-        """rl.rollout.sampler.fill_impl with explicit shardings (the fill's host arrays are
+        """rl.rollout.fill_impl with explicit shardings (the fill's host arrays are
         replicated: they are small next to the cache)."""
         self._check_state(state)
         with mesh_context(self.mesh, self.rules):
@@ -115,12 +116,12 @@ class ShardedSampler:
                 ) -> SamplerState:
         """Start G groups in a segmented state: prompt g is prefilled once into group slot
         group_slots[g] (slots group_slots[g] * N .. + N - 1); keys [G, N, 2] uint32 (see
-        rl.rollout.sampler.sample_keys); max_new_tokens (default: the state's) is each sample's
+        rl.rollout.sample_keys); max_new_tokens (default: the state's) is each sample's
         budget. One compiled shape: every group slot is in the fill (unused ones dropped)."""
         self._check_state(state)
         if state.kv_layout != "segmented":
             raise ValueError("ShardedSampler.prefill builds segmented fills; for a replicated "
-                             "state build a rl.rollout.sampler.ReplicatedFill and call fill()")
+                             "state build a rl.rollout.ReplicatedFill and call fill()")
         n, n_groups = state.group_size, state.cache.groups
         g = len(prompts)
         slots = np.asarray(group_slots, np.int64).reshape(-1)
@@ -157,7 +158,7 @@ class ShardedSampler:
 
     def decode_segment(self, params: Params, state: SamplerState, num_tokens: int,
                        version: int) -> SamplerState:
-        """rl.rollout.sampler.decode_segment with explicit shardings: every live slot advances by
+        """rl.rollout.decode_segment with explicit shardings: every live slot advances by
         at most num_tokens tokens drawn from `params`, stamped with `version`."""
         self._check_state(state)
         for name, v, low in (("num_tokens", num_tokens, 1), ("version", version, 0)):
