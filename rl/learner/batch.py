@@ -19,6 +19,8 @@ from rl.runtime.mesh import batch_sharding, mesh_axes
 from rl.trajectory import Trajectory
 
 Params = Any
+
+
 # ----------------------------------------------------------------------------- pytrees
 @struct.dataclass
 class TrainState:

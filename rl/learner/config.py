@@ -20,7 +20,6 @@ from rl.objectives.advantages import AdvantageConfig
 from rl.objectives.losses import LossConfig
 from rl.objectives.vcpo import VCPOConfig, scale_by_ess
 
-Params = Any
 
 # ----------------------------------------------------------------------------- configs
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,8 @@ from rl.learner.step import train_step
 from rl.runtime.mesh import batch_sharding
 
 Params = Any
+
+
 # ----------------------------------------------------------------------------- jit + shardings
 def abstract_train_state(model_config: ModelConfig, config: TrainConfig) -> TrainState:
     """Shapes and dtypes (jax.ShapeDtypeStruct leaves) of a TrainState; allocates nothing."""

@@ -8,12 +8,14 @@ s, s = min(1, ρ/ρ_base) (:func:`scale_by_ess`, chained AFTER the optimizer), a
 centres each group's rewards on the minimum-variance off-policy baseline
 b_g = Σ W_i R_i / (Σ W_i + 1e-8), W_i = w_i² ‖∇_θ log π(τ_i)‖² (:func:`min_variance_baseline`),
 with per-trajectory gradient norms computed exactly by ``vmap(grad)`` in chunks
-(:func:`per_trajectory_grad_sq_norms`). The loss multiplies each sequence by its
-truncated weight min(exp(clamp(log w, -20, 20)), 8), detached.
+(`rl.learner.vcpo.per_trajectory_grad_sq_norms`: it needs the model, so it lives on the
+learner side). The loss multiplies each sequence by its truncated weight
+min(exp(clamp(log w, -20, 20)), 8), detached.
 
 Everything here works on log weights, so no weight is ever exponentiated to inf: ESS and
 the baseline are ratios of sums, computed after shifting by the largest log weight.
-`rl.learner` wires it in through ``TrainConfig.vcpo`` (a :class:`VCPOConfig`).
+`rl.learner.vcpo.vcpo_terms` wires it into the train step through ``TrainConfig.vcpo``
+(a :class:`VCPOConfig`).
 """
 from __future__ import annotations
 

@@ -60,6 +60,8 @@ from rl.rollout.sampler_state import (
 )
 
 Params = Any
+
+
 # ----------------------------------------------------------------------------- host wrappers
 def _bucket_width(n: int, limit: int) -> int:
     """Prefill width: n rounded up to a multiple of 8, or to 4 steps per octave beyond 64

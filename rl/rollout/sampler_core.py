@@ -16,6 +16,8 @@ from models.kv_cache import KVCache
 from rl.rollout.sampler_state import SamplerState, SamplingConfig
 
 Params = Any
+
+
 # ----------------------------------------------------------------------------- sampling
 def sample_tokens(logits: jax.Array, keys: jax.Array, sampling: SamplingConfig
                   ) -> tuple[jax.Array, jax.Array]:

@@ -18,7 +18,7 @@ from models import kv_cache as kvc
 from models.config import ModelConfig
 from models.kv_cache import KVCache, SegmentedKVCache, init_cache, init_segmented_cache
 
-Params = Any
+
 # ----------------------------------------------------------------------------- config
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
