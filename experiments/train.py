@@ -11,7 +11,8 @@ Any async flag (--max-staleness, --async-mode, --rollout, ...) runs rl.loops.run
 
 Each iteration: task prompts -> sampler (rl.rollout) -> task rewards -> advantages ->
 one train_step. Prints a tqdm bar (reward, tokens/s) and eval lines; writes into the
-run dir: metrics.jsonl, checkpoints/ (orbax; --resume continues from the latest),
+run dir: model.json (model, ModelConfig, task: what experiments.export reads),
+metrics.jsonl, checkpoints/ (orbax; --resume continues from the latest),
 wandb/ (offline unless --wandb online), summary.json and reward_curve.png.
 `--results-json PATH` also writes the headline summary there (and the PNG beside it).
 """
@@ -293,6 +294,10 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = load_average()
     t0 = time.perf_counter()
     config, params, task = load_policy(preset, args.seed)
+    if is_main_process():  # what experiments.export / evaluate rebuild the policy from
+        from experiments.export import model_record
+
+        atomic_write_json(run_dir / "model.json", model_record(preset, config, args.seed))
     if multi and acfg is not None:
         build_parser().error("asynchronous training (rl.loops.run_async) runs in one process; "
                              "drop the async flags or the multi-process flags")
