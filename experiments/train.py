@@ -239,25 +239,59 @@ def load_policy(preset: Preset, seed: int):
     return config, params, task
 
 
+EVAL_METRICS = ("accuracy", "mean_length", "truncated_frac")  # logged besides the rewards
+
+
+def initial_policy_label(preset: Preset) -> str:
+    """What the step-0 eval measured: the random policy (a "tiny" model, random init) or
+    the starting policy (a pretrained model)."""
+    return "random policy" if preset.model == "tiny" else "starting policy"
+
+
+def before_after(first: dict, last: dict, names: Any) -> dict:
+    """{metric: {"initial", "final" [, "initial_greedy", "final_greedy"]}} of the first and
+    last eval records, for each of `names` the records hold."""
+    out = {}
+    for name in names:
+        if first.get(name) is None and last.get(name) is None:
+            continue
+        entry = {"initial": first.get(name), "final": last.get(name)}
+        if first.get(f"greedy_{name}") is not None or last.get(f"greedy_{name}") is not None:
+            entry.update(initial_greedy=first.get(f"greedy_{name}"),
+                         final_greedy=last.get(f"greedy_{name}"))
+        out[name] = entry
+    return out
+
+
 def summarize(result: RunResult, preset: Preset, train: TrainConfig, loop: LoopConfig,
               task: Any, wall_s: float, load_before: list[float], command: str) -> dict:
-    """Headline (final eval / initial eval reward) and the curves, JSON-ready."""
+    """Headline (final eval / initial eval reward), each named reward's and eval metric's
+    first and last eval (sampled and greedy: "rewards", "eval_metrics"), and the curves,
+    JSON-ready. The initial eval is the random policy's for a "tiny" model (also under the
+    old key random_policy_eval_reward) and the starting policy's for a pretrained one."""
     evals = result.eval
     first, last = evals[0], evals[-1]
     ratio = last["reward"] / first["reward"] if first["reward"] > 0 else None
+    initial = initial_policy_label(preset)
+    names = tuple(getattr(task, "reward_names", ()))
     out = {
         "headline": {
-            "metric": "final eval reward / random-policy eval reward",
+            "metric": f"final eval reward / {initial.replace(' ', '-')} eval reward",
             "value": None if ratio is None else round(ratio, 4),
             "target": preset.headline_target,
+            "initial_policy": initial,
             "machine": machine(),
         },
         "command": command,
         "preset": preset.name,
         "description": preset.description,
-        "random_policy_eval_reward": first["reward"],
+        "initial_policy": initial,
+        "initial_eval_reward": first["reward"],
         "final_eval_reward": last["reward"],
+        "initial_greedy_eval_reward": first.get("greedy_reward"),
         "final_greedy_eval_reward": last.get("greedy_reward"),
+        "rewards": before_after(first, last, ("reward", *names)),
+        "eval_metrics": before_after(first, last, EVAL_METRICS),
         "uniform_policy_expected_reward": task.random_baseline()
         if hasattr(task, "random_baseline") else None,
         "steps": int(result.state.step),
@@ -270,11 +304,32 @@ def summarize(result: RunResult, preset: Preset, train: TrainConfig, loop: LoopC
             "eval_reward": [[r["step"], round(r["reward"], 4)] for r in evals],
             "eval_greedy_reward": [[r["step"], round(r["greedy_reward"], 4)] for r in evals
                                    if r.get("greedy_reward") is not None],
+            "eval_rewards": {n: [[r["step"], round(r[n], 4)] for r in evals
+                                 if r.get(n) is not None] for n in names},
         },
     }
+    if preset.model == "tiny":  # the key results files and their readers know
+        out["random_policy_eval_reward"] = first["reward"]
     if preset.headline_target is not None and ratio is not None:
         out["headline"]["reached_target"] = ratio >= preset.headline_target
     return out
+
+
+def format_summary(summary: dict) -> str:
+    """The final lines main prints: the headline and each reward's first -> last eval."""
+    h = summary["headline"]
+    ratio = "n/a" if h["value"] is None else f"{h['value']:.2f}x"
+    lines = [(f"done: {summary['steps']} steps in {summary['wall_time_s']} s; eval reward "
+              f"({summary['initial_policy']} -> final) {summary['initial_eval_reward']:.3f} -> "
+              f"{summary['final_eval_reward']:.3f} ({ratio})")]
+    for name, e in {**summary["rewards"], **summary["eval_metrics"]}.items():
+        if e["initial"] is None or e["final"] is None:
+            continue
+        line = f"  {name:<16} {e['initial']:.3f} -> {e['final']:.3f} sampled"
+        if e.get("initial_greedy") is not None and e.get("final_greedy") is not None:
+            line += f", {e['initial_greedy']:.3f} -> {e['final_greedy']:.3f} greedy"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -340,18 +395,14 @@ def main(argv: list[str] | None = None) -> dict:
     title = f"{preset.name}: GRPO reward" + (
         "" if acfg is None else f" (async {acfg.mode}, η={acfg.max_staleness})")
     atomic_write_json(run_dir / "summary.json", summary)
-    plot_reward_curve(result.train, result.eval, run_dir / "reward_curve.png", baseline=baseline,
-                      title=title)
+    plot = {"baseline": baseline, "title": title, "pretrained": preset.model != "tiny",
+            "reward_names": getattr(task, "reward_names", None), "minutes": True}
+    plot_reward_curve(result.train, result.eval, run_dir / "reward_curve.png", **plot)
     if args.results_json:
         path = Path(args.results_json)
         atomic_write_json(path, summary)
-        plot_reward_curve(result.train, result.eval, path.with_suffix(".png"), baseline=baseline,
-                          title=title)
-    h = summary["headline"]
-    ratio = "n/a" if h["value"] is None else f"{h['value']:.2f}x"
-    print(f"done: {summary['steps']} steps in {summary['wall_time_s']} s; eval reward "
-          f"{summary['random_policy_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "
-          f"({ratio}); run dir {run_dir}")
+        plot_reward_curve(result.train, result.eval, path.with_suffix(".png"), **plot)
+    print(f"{format_summary(summary)}\nrun dir {run_dir}")
     return summary
 
 

@@ -7,6 +7,9 @@
     producer      the asynchronous loop's rollout thread and APRIL source
     buffer        TrajectoryBuffer: scored groups between producer and learner (AReaL's
                   admission rule, staleness policies)
+    evaluation    the statistics of an evaluation report (accuracy ± stderr, pass@k,
+                  lengths, truncation) and the train batch's zero-spread fraction;
+                  sync.eval_report samples and builds the report
 
 May import anything in `rl` (the top of the import direction); nothing imports `rl.loops`
 except `experiments`.
@@ -14,12 +17,13 @@ except `experiments`.
     from rl.loops import LoopConfig, run, AsyncConfig, run_async
 """
 from rl.loops.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer  # noqa: I001
-from rl.loops.sync import (LoopConfig, RunResult, build_batch, collect_batch, evaluate, run,
-                           sample_batch_groups, sample_groups, score)
+from rl.loops.sync import (LoopConfig, RunResult, build_batch, collect_batch, eval_report,
+                           evaluate, run, sample_batch_groups, sample_groups, score)
 from rl.loops.asynchronous import AsyncConfig, run_async, train_config_for
 
 __all__ = [
     "STALE_POLICIES", "ScoredGroup", "TrajectoryBuffer", "LoopConfig", "RunResult", "build_batch",
-    "collect_batch", "evaluate", "run", "sample_batch_groups", "sample_groups", "score",
+    "collect_batch", "eval_report", "evaluate", "run", "sample_batch_groups", "sample_groups",
+    "score",
     "AsyncConfig", "run_async", "train_config_for",
 ]

@@ -83,6 +83,7 @@ from rl.learner.config import TrainConfig
 from rl.learner.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
 from rl.learner.snapshots import ParamSnapshots
 from rl.loops.buffer import STALE_POLICIES, TrajectoryBuffer
+from rl.loops.evaluation import batch_reward_metrics
 from rl.loops.producer import (
     AprilSource,
     RolloutProducer,
@@ -418,6 +419,8 @@ def run_async(
                 batch = batch.replace(proximal_logprobs=policy_logprobs(
                     ewma, model_config, batch, config.temperature, config.attn_impl))
             extra = _batch_metrics(batch, v)
+            extra.update(batch_reward_metrics(batch.reward_names, batch.rewards, loop.group_size,
+                                              config.reward_weights), time_s=do_eval.clock())
             t2 = time.perf_counter()
             st, metrics = ctx.step_fn(st, batch, ctx.ref)
             holder.update(state=st, data_position=pos)

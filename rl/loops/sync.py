@@ -13,7 +13,8 @@ position, so 2 steps + resume + 2 steps == 4 steps, bit for bit on CPU.
 Its pieces are shared with the asynchronous loop (rl.loops.asynchronous): open_run (run dir, state,
 checkpointer, logger, jitted step), make_evaluator, sample_batch_groups (one batch of
 scored groups) and build_batch (groups -> TrainBatch, with optional per-token loss
-weights), score, evaluate, rollout_seed.
+weights), score, evaluate / eval_report (the evaluation report; statistics in
+rl.loops.evaluation), rollout_seed, run_clock.
 """
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ from rl.learner.batch import (
 from rl.learner.config import TrainConfig
 from rl.learner.jitted import make_train_step, state_shardings
 from rl.loops.buffer import ScoredGroup
+from rl.loops.evaluation import (
+    accuracy_name,
+    batch_reward_metrics,
+    flat_metrics,
+    jsonable,
+    mean_stderr,
+    pass_at_k,
+    response_stats,
+    solved,
+)
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.engine import RolloutConfig, RolloutEngine
 from rl.rollout.sampler_state import SamplingConfig
@@ -103,16 +114,19 @@ def take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
 
 def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Task,
                   prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
-                  segment_len: int, seed: int, first_group_id: int = 0) -> Trajectory:
+                  segment_len: int, seed: int, first_group_id: int = 0,
+                  max_new_tokens: int | None = None) -> Trajectory:
     """Sample `group_size` responses for each prompt with the rollout engine (all groups
     decode together). Rows come back grouped in prompt order: group g = prompts[g].
     first_group_id: the global index of prompts[0] (a process's shard of a batch): the
-    rng keys follow the global group ids, the returned group ids stay 0..G-1."""
+    rng keys follow the global group ids, the returned group ids stay 0..G-1.
+    max_new_tokens: the response budget (default task.max_new_tokens)."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
     rc = RolloutConfig(num_slots=len(prompts) * group_size, group_size=group_size,
                        segment_len=segment_len, max_prompt_len=task.max_prompt_len,
-                       max_new_tokens=task.max_new_tokens, sampling=sampling,
+                       max_new_tokens=int(max_new_tokens or task.max_new_tokens),
+                       sampling=sampling,
                        stop_ids=tuple(task.stop_ids), seed=int(seed),
                        first_group_id=int(first_group_id))
     engine = RolloutEngine(model_config, rc)
@@ -163,17 +177,100 @@ def total_reward(rewards: dict[str, np.ndarray], config: TrainConfig) -> np.ndar
 
 
 # ----------------------------------------------------------------------------- eval
+def _sample_rows(params, version, model_config, task, prompts, *, group_size, sampling,
+                 segment_len, seed, max_new_tokens, max_slots, bar):
+    """(response id lists, truncated [B], rewards {name: [B]}) of group_size samples per
+    prompt, rows in prompt order, sampled in chunks of at most max_slots rows (None: all at
+    once); rng keys follow the global group id, so the chunking changes no sample."""
+    per = len(prompts) if max_slots is None else max(1, max_slots // group_size)
+    ids, trunc, parts = [], [], []
+    for start in range(0, len(prompts), per):
+        chunk = prompts[start:start + per]
+        traj = sample_groups(params, version, model_config, task, chunk, group_size=group_size,
+                             sampling=sampling, segment_len=segment_len, seed=seed,
+                             first_group_id=start, max_new_tokens=max_new_tokens)
+        parts.append(score(task, chunk, traj))
+        resp, mask = np.asarray(traj.response_ids), np.asarray(traj.response_mask)
+        ids += [resp[i, :int(mask[i].sum())].tolist() for i in range(traj.batch_size)]
+        trunc.append(np.asarray(traj.truncated, bool))
+        bar.update(len(chunk) * group_size)
+    return ids, np.concatenate(trunc), {n: np.concatenate([p[n] for p in parts])
+                                        for n in task.reward_names}
+
+
+def eval_report(params: Any, version: int, model_config: ModelConfig, task: Task,
+                prompts: Sequence[Prompt], *, sampling: SamplingConfig | None = None,
+                segment_len: int = 32, seed: int = 0, k: int = 0, temperature: float = 1.0,
+                reward_weights: dict[str, float] | None = None, max_new_tokens: int | None = None,
+                examples: int = 0, decode: Callable[[list[int]], str] | None = None,
+                max_slots: int | None = None, progress: bool = False) -> dict:
+    """The evaluation report of `params` on `prompts` (rl.loops.evaluation has the formulas).
+
+    One response per prompt with `sampling` (default greedy): "accuracy" (+ "accuracy_stderr";
+    "accuracy_reward" names the reward it reads), the weighted total "reward", each named
+    reward's mean under "rewards", "mean_length" (tokens), "truncated_frac" (cut at the
+    budget, no stop token), "n" and "per_prompt_accuracy". k > 0 adds "pass_at_k": k samples
+    per prompt at `temperature` with pass_at_k (+ stderr), best_of_k (mean best accuracy),
+    the same block statistics over all k * n samples and per_prompt_accuracy [n][k].
+    "examples": the first `examples` prompts' main-pass completions (prompt text, response
+    via decode (default: the task's tokenizer, else the ids), answer, rewards, length,
+    truncated, the task's describe line). max_new_tokens overrides the task's budget; max_slots caps the rows sampled
+    at once; progress shows a tqdm bar."""
+    if not prompts:
+        raise ValueError("eval_report: no prompts to evaluate")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"eval_report: k must be an int >= 0 (0 = no pass@k), got {k!r}")
+    sampling = sampling or SamplingConfig(greedy=True)
+    w, acc_name = dict(reward_weights or {}), accuracy_name(task.reward_names)
+    bar = tqdm(total=len(prompts) * (1 + k), desc="eval", disable=not progress, unit="resp",
+               dynamic_ncols=True)
+
+    def one_pass(group_size, how):
+        ids, trunc, rewards = _sample_rows(
+            params, version, model_config, task, prompts, group_size=group_size, sampling=how,
+            segment_len=segment_len, seed=seed, max_new_tokens=max_new_tokens,
+            max_slots=max_slots, bar=bar)
+        total = sum(w.get(n, 1.0) * v for n, v in rewards.items())
+        acc = total if acc_name == "reward" else rewards[acc_name]
+        return response_stats(rewards, total, [len(x) for x in ids], trunc, acc_name), \
+            ids, trunc, rewards, np.asarray(acc, np.float64)
+
+    try:
+        block, ids, trunc, rewards, acc = one_pass(1, sampling)
+        report = {"accuracy_reward": acc_name, "greedy": sampling.greedy,
+                  "temperature": None if sampling.greedy else sampling.temperature, **block,
+                  "per_prompt_accuracy": acc.tolist(), "pass_at_k": None}
+        if k:
+            kblock, *_, kacc = one_pass(k, SamplingConfig(temperature=temperature))
+            per = kacc.reshape(len(prompts), k)
+            report["pass_at_k"] = {
+                "k": k, "temperature": temperature, "pass_at_k": pass_at_k(per),
+                "pass_at_k_stderr": mean_stderr(solved(per).any(axis=1))[1],
+                "best_of_k": float(per.max(axis=1).mean()), **kblock,
+                "per_prompt_accuracy": per.tolist()}
+    finally:
+        bar.close()
+    if decode is None:
+        tok = getattr(task, "tokenizer", None)
+        decode = tok.decode if tok is not None else (lambda x: " ".join(map(str, x)))
+    report["examples"] = [
+        {"prompt": prompts[i].text, "response": decode(list(ids[i])), "answer":
+         jsonable(prompts[i].answer), "rewards": {n: float(v[i]) for n, v in rewards.items()},
+         "length": len(ids[i]), "truncated": bool(trunc[i]),
+         "describe": task.describe(prompts[i], list(ids[i]))}
+        for i in range(min(int(examples), len(prompts)))]
+    return report
+
+
 def evaluate(params: Any, version: int, model_config: ModelConfig, task: Task,
              prompts: Sequence[Prompt], *, sampling: SamplingConfig, segment_len: int,
              seed: int, reward_weights: dict[str, float] | None = None) -> dict[str, float]:
-    """One response per eval prompt; returns {"reward": weighted total mean, <name>: mean}."""
-    traj = sample_groups(params, version, model_config, task, prompts, group_size=1,
-                         sampling=sampling, segment_len=segment_len, seed=seed)
-    rewards = score(task, prompts, traj)
-    w = reward_weights or {}
-    out = {n: float(v.mean()) for n, v in rewards.items()}
-    out["reward"] = float(sum(w.get(n, 1.0) * v for n, v in rewards.items()).mean())
-    return out
+    """One response per eval prompt (eval_report's main pass) as flat metrics: {"reward":
+    weighted total mean, <name>: mean, accuracy, accuracy_stderr, mean_length,
+    truncated_frac}."""
+    return flat_metrics(eval_report(params, version, model_config, task, prompts,
+                                    sampling=sampling, segment_len=segment_len, seed=seed,
+                                    reward_weights=reward_weights))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -354,13 +451,24 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
                       data_position=data_position, start=start, meta=meta)
 
 
+def run_clock(logger: MetricsLogger) -> Callable[[], float]:
+    """Wall seconds of the run: since this call, plus the last time_s the logger holds (a
+    resumed run continues its clock)."""
+    offset = max((float(r.get("time_s") or 0.0) for r in logger.records), default=0.0)
+    t0 = time.perf_counter()
+    return lambda: offset + time.perf_counter() - t0
+
+
 def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, loop: LoopConfig,
                    logger: MetricsLogger, on_eval: Callable[[dict], Any] | None = None
                    ) -> Callable[[int, Any, int], dict]:
-    """do_eval(step, params, version) -> the logged eval record (sampled at the train
-    temperature, plus greedy with loop.eval_greedy; seed from loop.seed and step)."""
+    """do_eval(step, params, version) -> the logged eval record: eval_report's main pass
+    (flat_metrics: reward, each named reward, accuracy, accuracy_stderr, mean_length,
+    truncated_frac) sampled at the train temperature, plus the same with prefix "greedy_"
+    with loop.eval_greedy (seed from loop.seed and step), and time_s (do_eval.clock())."""
     eval_prompts = task.eval_prompts(loop.eval_prompts)
     weights = dict(config.reward_weights)
+    clock = run_clock(logger)
 
     def do_eval(step: int, params: Any, version: int) -> dict:
         rec = {}
@@ -372,11 +480,13 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
                            segment_len=loop.segment_len, seed=(loop.seed * 7919 + step) % (2 ** 31),
                            reward_weights=weights)
             rec.update({f"{prefix}{k}": v for k, v in res.items()})
+        rec["time_s"] = clock()
         record = logger.log(step, rec, kind="eval")
         if on_eval is not None:
             on_eval(record)
         return record
 
+    do_eval.clock = clock
     return do_eval
 
 
@@ -422,6 +532,8 @@ def run(
             batch, state, data_position, stats = collect_batch(state, model_config, task, config,
                                                                loop, data_position)
             t1 = time.perf_counter()
+            stats.update(batch_reward_metrics(batch.reward_names, batch.rewards, loop.group_size,
+                                              config.reward_weights))
             if jax.process_count() > 1:  # each process's rows -> one global batch
                 batch = global_batch(batch, mesh)
             state, metrics = step_fn(state, batch, ref)
@@ -429,7 +541,7 @@ def run(
             t2 = time.perf_counter()
             metrics.update(stats, rollout_s=t1 - t0, train_s=t2 - t1,
                            tokens_per_s=stats["sampled_tokens"] / max(t2 - t0, 1e-9),
-                           data_position=data_position)
+                           data_position=data_position, time_s=do_eval.clock())
             done = step + 1
             logger.log(done, metrics, kind="train")
             bar.update(1)
