@@ -1,7 +1,7 @@
 """Evaluate a model on a task's eval split: accuracy with its standard error, every named
 reward, pass@k, response lengths and truncation, a few example completions.
 
-    python -m experiments.evaluate --model smollm2-135m --task arithmetic --n 256 --k 4
+    python -m experiments.evaluate --model smollm2-135m --task reasoning_gym:chain_sum --n 256 --k 4
     python -m experiments.evaluate --model runs/tiny-synthetic --n 64        # a training run
     python -m experiments.evaluate --model model.Q8_0.gguf --task reasoning_gym:chain_sum \\
         --task-option max_new_tokens=256 --out eval.json
@@ -10,7 +10,7 @@ reward, pass@k, response lengths and truncation, a few example completions.
 run dir (model.json + checkpoints/: experiments.export.load_run, latest checkpoint or
 --step; the task, its options and the seed default to the run's, so the eval split is the
 one the run held out) or "tiny" (random init, for tokenizer-free tasks). --task: a
-rl.tasks.make_task spec ("synthetic", "arithmetic", "reasoning_gym:chain_sum=1,...").
+rl.tasks.make_task spec ("synthetic", "reasoning_gym:basic_arithmetic", "reasoning_gym:chain_sum=1,...").
 
 The numbers come from rl.loops.sync.eval_report, the function the training loops'
 periodic eval calls: one greedy response per prompt -> accuracy (mean of the task's
@@ -103,7 +103,7 @@ def load(args: argparse.Namespace) -> dict:
         kind = "model"
     spec = args.task or meta.get("task")
     if not spec:
-        raise ValueError("--task is required (a rl.tasks.make_task spec, e.g. 'arithmetic')")
+        raise ValueError("--task is required (a rl.tasks.make_task spec, e.g. 'reasoning_gym:chain_sum')")
     if spec == meta.get("task"):
         options = {**(meta.get("task_options") or {}), **options}
     seed = args.seed if args.seed is not None else int(meta.get("seed", 0))

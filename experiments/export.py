@@ -1,6 +1,6 @@
 """Export the trained policy of a training run as a Hugging Face model directory.
 
-    python -m experiments.export --run-dir runs/smollm2-arith --out exported/smollm2-arith
+    python -m experiments.export --run-dir runs/smollm2-rg --out exported/smollm2-rg
     python -m experiments.export --run-dir RUN --out DIR --step 100 --force
 
 Reads RUN/model.json (written by `python -m experiments.train`: the model name, its

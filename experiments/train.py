@@ -1,7 +1,7 @@
 """The main job: train a policy with GRPO, synchronously or asynchronously.
 
     python -m experiments.train                          # preset "tiny-synthetic" on CPU
-    python -m experiments.train --preset smollm2-arith   # SmolLM2-135M on arithmetic problems
+    python -m experiments.train --preset smollm2-rg      # SmolLM2-135M on reasoning-gym chain_sum
     python -m experiments.train --run-dir runs/a --steps 400 --resume
     python -m experiments.train --max-staleness 2 --rollout continuous   # async (rl.loops.asynchronous)
     python -m experiments.train --max-staleness 4 --async-mode deterministic --proximal exact
@@ -19,6 +19,7 @@ wandb/ (offline unless --wandb online), summary.json and reward_curve.png.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import sys
 import time
@@ -57,6 +58,7 @@ class Preset:
     loop: LoopConfig
     init_seed: int = 0
     headline_target: float | None = None
+    task_seed: int | None = None  # the task's split seed; None: the run's --seed
 
 
 PRESETS: dict[str, Preset] = {
@@ -77,23 +79,28 @@ PRESETS: dict[str, Preset] = {
                         eval_every=50, eval_prompts=64, eval_greedy=True, save_every=200),
         headline_target=3.0,
     ),
-    "smollm2-arith": Preset(
-        name="smollm2-arith",
-        description="SmolLM2-135M-Instruct on templated arithmetic word problems (GPU-sized)",
+    "smollm2-rg": Preset(
+        name="smollm2-rg",
+        description="SmolLM2-135M-Instruct on reasoning-gym chain_sum (two 1-2 digit terms) "
+                    "on a 2-core CPU, 55 min; greedy accuracy on 256 held-out problems",
         model="smollm2-135m",
-        task="arithmetic",
-        task_options=(("max_prompt_len", 128), ("max_new_tokens", 128)),
+        task="reasoning_gym:chain_sum",
+        task_options=(("max_digits", 2), ("max_new_tokens", 48), ("max_prompt_len", 128),
+                      ("max_terms", 2), ("min_terms", 2)),
         train=TrainConfig(
             loss=LossConfig(name="ppo_clip", params={"clip_low": 0.2, "clip_high": 0.28},
                             aggregation="token-mean"),
             advantage=AdvantageConfig("grpo"),
-            optimizer=OptimizerConfig(name="adamw", learning_rate=1e-6, warmup_steps=5,
-                                      weight_decay=0.01, max_grad_norm=1.0),
-            temperature=1.0,
-            micro_batches=4,
+            optimizer=OptimizerConfig(name="adamw", learning_rate=2e-5, warmup_steps=3,
+                                      weight_decay=0.0, max_grad_norm=1.0),
+            temperature=0.8,
+            packed=True,
+            reward_weights={"correct": 1.0, "format": 0.5},
         ),
-        loop=LoopConfig(steps=200, prompts_per_step=8, group_size=8, segment_len=32,
-                        eval_every=25, eval_prompts=64, save_every=25),
+        loop=LoopConfig(steps=200, prompts_per_step=8, group_size=8, segment_len=16,
+                        eval_every=8, eval_prompts=256, eval_greedy=True, eval_sampled_prompts=64,
+                        save_every=8, time_limit_s=55 * 60.0),
+        task_seed=0,  # every seed is measured on the same 256 held-out problems
     ),
 }
 DEFAULT_PRESET = "tiny-synthetic"
@@ -116,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.train",
                                 description="Synchronous GRPO training (Tandem's main job).")
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    p.add_argument("--task", help="task spec replacing the preset's (rl.tasks.make_task), e.g. "
+                   "'reasoning_gym:basic_arithmetic' or 'reasoning_gym:chain_sum=1,leg_counting=1'")
+    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a task option (repeatable), e.g. max_terms=2 or chain_sum.max_digits=1; "
+                        "values are Python literals or strings")
     p.add_argument("--steps", type=int, help="total optimizer steps (a resumed run continues to it)")
     p.add_argument("--seed", type=int, default=0, help="init and rollout seed (default 0)")
     p.add_argument("--run-dir", help="output directory (default runs/<preset>)")
@@ -134,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, help="steps between evals (0: start and end only)")
     p.add_argument("--save-every", type=int, help="steps between checkpoints (0: end only)")
     p.add_argument("--eval-prompts", type=int, help="eval split prompts per eval")
+    p.add_argument("--time-limit", type=float, metavar="MINUTES",
+                   help="wall-time budget: the step that crosses it is the last (then eval, save)")
     p.add_argument("--dynamic-sampling", action="store_true", help="DAPO dynamic sampling")
     p.add_argument("--results-json", help="also write the headline summary JSON here (+ PNG beside)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -190,9 +204,42 @@ def async_config(args: argparse.Namespace) -> AsyncConfig | None:
     return AsyncConfig(**kw) if kw else None
 
 
+def parse_task_options(pairs: list[str]) -> dict[str, Any]:
+    """["max_terms=2", "operators=('+','-')", "name=x"] -> {"max_terms": 2, ...}: a value
+    is a Python literal when it parses as one, else the string."""
+    out = {}
+    for pair in pairs:
+        key, eq, raw = pair.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--task-option wants KEY=VALUE, got {pair!r}")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+# sampling budget options a preset's task keeps when --task swaps the task itself
+_BUDGET_OPTIONS = ("max_prompt_len", "max_new_tokens")
+
+
+def task_override(preset: Preset, task: str | None, options: list[str]) -> Preset:
+    """The preset with --task (which drops the preset's task options except the sampling
+    budget) and --task-option applied."""
+    if task is None and not options:
+        return preset
+    kept = dict(preset.task_options)
+    if task is not None and task != preset.task:
+        kept = {k: v for k, v in kept.items() if k in _BUDGET_OPTIONS}
+    kept.update(parse_task_options(options))
+    return dataclasses.replace(preset, task=task or preset.task,
+                               task_options=tuple(sorted(kept.items())))
+
+
 def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig]:
     """The preset with the command line's overrides applied (validated by the configs)."""
-    preset = PRESETS[args.preset]
+    preset = task_override(PRESETS[args.preset], args.task, args.task_option)
     train, loop = preset.train, preset.loop
     if args.lr is not None:
         train = dataclasses.replace(train, optimizer=dataclasses.replace(train.optimizer,
@@ -219,6 +266,8 @@ def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig
                        ("save_every", "save_every"), ("eval_prompts", "eval_prompts")):
         if getattr(args, arg) is not None:
             loop_kw[field] = getattr(args, arg)
+    if args.time_limit is not None:
+        loop_kw["time_limit_s"] = 60.0 * args.time_limit
     if args.dynamic_sampling:
         loop_kw["dynamic_sampling"] = True
     loop = dataclasses.replace(loop, **loop_kw)
@@ -229,14 +278,37 @@ def load_policy(preset: Preset, seed: int):
     """(model_config, params, task) for a preset."""
     options = dict(preset.task_options)
     if preset.model == "tiny":
-        task = make_task(preset.task, seed=seed, **options)
+        task = make_task(preset.task, seed=_task_seed(preset, seed), **options)
+        if not hasattr(task, "vocab_size"):
+            raise ValueError(f"the tiny random model has no tokenizer, so it trains only on "
+                             f"token-level tasks ('synthetic'); task {preset.task!r} needs a "
+                             "pretrained model: pick a preset such as smollm2-rg")
         config = get_config("tiny", vocab_size=task.vocab_size)
+        check_context(config, task)
         return config, init_params(config, preset.init_seed + seed), task
     from models.assets import load_model
 
     config, params, tokenizer = load_model(preset.model)
-    task = make_task(preset.task, tokenizer=tokenizer, seed=seed, **options)
+    task = make_task(preset.task, tokenizer=tokenizer, seed=_task_seed(preset, seed), **options)
+    check_context(config, task)
     return config, params, task
+
+
+def _task_seed(preset: Preset, seed: int) -> int:
+    return seed if preset.task_seed is None else preset.task_seed
+
+
+def check_context(config, task) -> None:
+    """ValueError unless a prompt plus its response budget fits the model's context and
+    the task's first prompts fit its max_prompt_len (building them raises if not)."""
+    need = task.max_prompt_len + task.max_new_tokens
+    if need > config.max_position_embeddings:
+        raise ValueError(f"task {task.name!r} asks for prompts of up to {task.max_prompt_len} "
+                         f"plus {task.max_new_tokens} new tokens = {need}, more than the model's "
+                         f"context ({config.max_position_embeddings}): lower max_prompt_len / "
+                         "max_new_tokens (--task-option)")
+    task.train_prompts(0, 8)
+    task.eval_prompts(8)
 
 
 EVAL_METRICS = ("accuracy", "mean_length", "truncated_frac")  # logged besides the rewards
@@ -348,11 +420,15 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python -m experiments.train " + " ".join(sys.argv[1:] if argv is None else argv)
     load_before = load_average()
     t0 = time.perf_counter()
-    config, params, task = load_policy(preset, args.seed)
+    try:
+        config, params, task = load_policy(preset, args.seed)
+    except ValueError as err:
+        build_parser().error(str(err))
     if is_main_process():  # what experiments.export / evaluate rebuild the policy from
         from experiments.export import model_record
 
-        atomic_write_json(run_dir / "model.json", model_record(preset, config, args.seed))
+        atomic_write_json(run_dir / "model.json", model_record(preset, config, args.seed,
+                                                                task_seed=_task_seed(preset, args.seed)))
     if multi and acfg is not None:
         build_parser().error("asynchronous training (rl.loops.run_async) runs in one process; "
                              "drop the async flags or the multi-process flags")

@@ -21,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +70,10 @@ class LoopConfig:
     eval_greedy: also run a greedy eval; save_every / keep_checkpoints: checkpoint cadence
     and how many to keep (0 = only at the end); dynamic_sampling: DAPO's filter (drop
     groups whose rewards are all equal, resample up to max_resample_rounds extra
-    batches); seed: the run's seed (rollout rng, eval sampling)."""
+    batches); seed: the run's seed (rollout rng, eval sampling); eval_sampled_prompts:
+    how many of the eval prompts the sampled (train-temperature) eval pass uses (0 = all;
+    the greedy pass always uses all); time_limit_s: wall-time budget of the run in
+    seconds (0 = none): the step that crosses it is the last (eval and save as usual)."""
 
     steps: int = 100
     prompts_per_step: int = 8
@@ -83,9 +87,14 @@ class LoopConfig:
     dynamic_sampling: bool = False
     max_resample_rounds: int = 4
     seed: int = 0
+    eval_sampled_prompts: int = 0
+    time_limit_s: float = 0.0
 
     def __post_init__(self):
-        for name, low in (("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
+        if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s >= 0):
+            raise ValueError(f"LoopConfig.time_limit_s must be >= 0 seconds (0 = no limit), "
+                             f"got {self.time_limit_s!r}")
+        for name, low in (("eval_sampled_prompts", 0), ("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
                           ("segment_len", 1), ("eval_every", 0), ("eval_prompts", 1),
                           ("save_every", 0), ("keep_checkpoints", 1), ("max_resample_rounds", 0),
                           ("seed", 0)):
@@ -476,7 +485,10 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
         if loop.eval_greedy:
             modes.append(("greedy_", SamplingConfig(greedy=True)))
         for prefix, sampling in modes:
-            res = evaluate(params, version, model_config, task, eval_prompts, sampling=sampling,
+            prompts = eval_prompts
+            if not prefix and loop.eval_sampled_prompts:
+                prompts = eval_prompts[:loop.eval_sampled_prompts]
+            res = evaluate(params, version, model_config, task, prompts, sampling=sampling,
                            segment_len=loop.segment_len, seed=(loop.seed * 7919 + step) % (2 ** 31),
                            reward_weights=weights)
             rec.update({f"{prefix}{k}": v for k, v in res.items()})
@@ -547,13 +559,17 @@ def run(
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
-            is_last = done == loop.steps
+            out_of_time = bool(loop.time_limit_s) and metrics["time_s"] >= loop.time_limit_s
+            is_last = done == loop.steps or out_of_time
             if is_last or (loop.eval_every and done % loop.eval_every == 0):
                 ev = do_eval(done, process_local(state.params), int(state.version))
                 if progress:
                     bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
             if is_last or (loop.save_every and done % loop.save_every == 0):
                 ckpt.save(done, state, {"data_position": data_position, "task": task.name})
+            if out_of_time:
+                bar.write(f"time limit {loop.time_limit_s:.0f} s reached after step {done}")
+                break
         bar.close()
     finally:
         ctx.close()

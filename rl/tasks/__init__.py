@@ -5,12 +5,20 @@ arguments). Single-turn tasks live here; multi-turn environments (an episode of 
 turns and observations, tools) get their own leaf beside it, `rl.envs` (which
 tests/test_layout.py already places: rollout and loops may import it).
 
+  base           the Task protocol, Prompt, the hash split
+  synthetic      token-level tasks a tiny random model learns from scratch
+  reasoning_gym  any reasoning-gym dataset or weighted mixture, by name (rewards
+                 "correct" via the dataset's own verifier, "format" = one final \\boxed{})
+  math_answers   final-\\boxed{} extraction and math-verify equality with a timeout
+
     from rl.tasks import make_task
     task = make_task("synthetic", kind="reverse", length=4)
+    task = make_task("reasoning_gym:chain_sum=1,leg_counting=1", tokenizer=tok)
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rl.tasks.base import Prompt, Task, in_eval_split
 from rl.tasks.synthetic import SyntheticTask
@@ -18,19 +26,31 @@ from rl.tasks.synthetic import SyntheticTask
 TASKS: dict[str, Callable[..., Any]] = {"synthetic": SyntheticTask}
 
 
-def _arithmetic(**kw):
-    from rl.tasks.arithmetic import ArithmeticTask  # needs no model, but keep imports light
-    return ArithmeticTask(**kw)
+def _reasoning_gym(datasets: Any = None, **kw):
+    from rl.tasks.reasoning_gym import make_reasoning_gym_task  # imports reasoning-gym
+
+    if not datasets:
+        raise ValueError("reasoning_gym needs datasets: write 'reasoning_gym:NAME' or "
+                         "'reasoning_gym:NAME=WEIGHT,NAME=WEIGHT'")
+    return make_reasoning_gym_task(datasets, **kw)
 
 
-TASKS["arithmetic"] = _arithmetic
+TASKS["reasoning_gym"] = _reasoning_gym
 
 
-def make_task(name: str, **kwargs) -> Task:
-    """Build a registered task by name ("synthetic", "arithmetic")."""
+def make_task(spec: str, **kwargs) -> Task:
+    """Build a task from a spec: a registered name ("synthetic", "reasoning_gym") or
+    "name:args", e.g. "reasoning_gym:basic_arithmetic" or
+    "reasoning_gym:chain_sum=1,leg_counting=1" (the part after ':' is the task's
+    `datasets`). kwargs: the task's options (tokenizer, seed, dataset options, ...)."""
+    name, _, rest = spec.replace(" ", "").partition(":")
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; available: {sorted(TASKS)}")
+    if rest:
+        if name != "reasoning_gym":
+            raise ValueError(f"task {name!r} takes no ':' arguments (got {spec!r})")
+        kwargs = {"datasets": rest, **kwargs}
     return TASKS[name](**kwargs)
 
 
-__all__ = ["Prompt", "Task", "SyntheticTask", "TASKS", "make_task", "in_eval_split"]
+__all__ = ["TASKS", "Prompt", "SyntheticTask", "Task", "in_eval_split", "make_task"]

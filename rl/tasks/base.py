@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ against transformers (an independent implementation) loading that directory.
 A fake run dir is written exactly as the training loop writes one (TrainState from
 rl.learner.init_train_state with the preset's optimizer, saved by rl.runtime.checkpoint's
 Checkpointer, model.json from experiments.export.model_record as experiments.train writes
-it). Its model is SmolLM2-135M's architecture and tokenizer (the smollm2-arith preset's
+it). Its model is SmolLM2-135M's architecture and tokenizer (the smollm2-rg preset's
 model) shrunk to 2 layers of width 64: the full 135M model made the test take ~50 s on 2
 cores (two 1.6 GB TrainState checkpoints), and its 30 fp32 layers alone differ from
 transformers' by ~1.3e-4, above this test's 1e-4. The checkpoint holds the initial weights
@@ -86,8 +86,8 @@ SMALL_SMOLLM2 = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "
 @pytest.fixture(scope="module")
 def smollm2_export(tmp_path_factory):
     """(out_dir, initial params, perturbed params, config, tokenizer) of an exported fake
-    smollm2-arith run whose latest checkpoint (step 50) holds the perturbed weights."""
-    preset = PRESETS["smollm2-arith"]
+    smollm2-rg run whose latest checkpoint (step 50) holds the perturbed weights."""
+    preset = PRESETS["smollm2-rg"]
     config = get_config(preset.model, **SMALL_SMOLLM2)  # SmolLM2's vocab and special ids, fp32
     tok = load_tokenizer({"model": preset.model})  # Tandem's SmolLM2 tokenizer (from the GGUF)
     params = init_params(config, 0)
@@ -127,7 +127,8 @@ def test_exported_smollm2_logits_match_transformers(smollm2_export):
     assert gen == {"bos_token_id": 1, "eos_token_id": [2, 0], "pad_token_id": 2}
     provenance = json.loads((out / "tandem_export.json").read_text())
     assert provenance["step"] == 50 and provenance["model"] == "smollm2-135m"
-    assert provenance["task"] == "arithmetic" and provenance["preset"] == "smollm2-arith"
+    assert provenance["task"] == "reasoning_gym:chain_sum"
+    assert provenance["preset"] == "smollm2-rg"
 
 
 def test_exported_tokenizer_matches_tandem(smollm2_export):
