@@ -106,7 +106,9 @@ def load(args: argparse.Namespace) -> dict:
         raise ValueError("--task is required (a rl.tasks.make_task spec, e.g. 'reasoning_gym:chain_sum')")
     if spec == meta.get("task"):
         options = {**(meta.get("task_options") or {}), **options}
-    seed = args.seed if args.seed is not None else int(meta.get("seed", 0))
+    # a run's task split seed (model.json "task_seed", else its seed), so a run is
+    # evaluated on the problems it held out
+    seed = args.seed if args.seed is not None else int(meta.get("task_seed", meta.get("seed", 0)))
     kw = {} if tokenizer is None else {"tokenizer": tokenizer}
     task = make_task(spec, seed=seed, **kw, **options)
     if kind == "tiny":

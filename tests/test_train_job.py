@@ -80,3 +80,36 @@ def test_cli_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--run-dir", str(tmp_path / "used"), "--wandb", "disabled", *SMALL])
     assert "--resume" in capsys.readouterr().err
+
+
+def test_time_limit_stops_after_the_crossing_step(tmp_path):
+    """--time-limit: the step that crosses the budget is the last, with its eval and
+    checkpoint; a tiny budget (0.6 ms) is crossed by the first step."""
+    summary = main(["--steps", "50", "--time-limit", "0.00001", "--run-dir", str(tmp_path / "t"),
+                    "--wandb", "disabled", *SMALL])
+    assert summary["steps"] == 1
+    assert [s for s, _ in summary["curve"]["eval_reward"]] == [0, 1]
+    assert (tmp_path / "t" / "checkpoints" / "1").is_dir()
+
+
+def test_task_flags(tmp_path, capsys):
+    from experiments.train import parse_task_options, task_override
+
+    assert parse_task_options(["max_terms=2", "operators=('+', '-')", "name=x y", "a.b=0.5"]) == {
+        "max_terms": 2, "operators": ("+", "-"), "name": "x y", "a.b": 0.5}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_task_options(["max_terms"])
+    rg = PRESETS["smollm2-rg"]
+    other = task_override(rg, "reasoning_gym:leg_counting", ["max_animals=2"])
+    # a new task drops the preset's dataset options but keeps its sampling budget
+    assert dict(other.task_options) == {"max_new_tokens": 48, "max_prompt_len": 128,
+                                        "max_animals": 2}
+    same = task_override(rg, None, ["max_digits=1"])
+    assert dict(same.task_options)["max_digits"] == 1 and same.task == rg.task
+    with pytest.raises(SystemExit):  # the tiny model has no tokenizer for a text task
+        main(["--task", "reasoning_gym:chain_sum", "--run-dir", str(tmp_path / "x"),
+              "--wandb", "disabled", *SMALL])
+    assert "tokenizer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--time-limit", "-1", "--wandb", "disabled", *SMALL])
+    assert "time_limit_s" in capsys.readouterr().err
