@@ -145,3 +145,14 @@ def test_bad_input_is_a_clear_error():
         task.train_prompts(0, 1)
     with pytest.raises(ValueError, match="tokenizer"):
         make_task("reasoning_gym:chain_sum").train_prompts(0, 1)
+
+
+def test_prompt_plus_budget_beyond_the_context_is_a_clear_error():
+    from types import SimpleNamespace
+
+    from experiments.train import check_context
+
+    task = _chain_sum()
+    check_context(SimpleNamespace(max_position_embeddings=1024), task)  # 400 + 128 fits
+    with pytest.raises(ValueError, match=r"= 528, more than the model's context \(512\)"):
+        check_context(SimpleNamespace(max_position_embeddings=512), task)
