@@ -1,7 +1,7 @@
 """The real-model result: SmolLM2-135M-Instruct made better at a reasoning-gym task by
 GRPO on a CPU, over several seeds.
 
-    python -m experiments.smollm2_rg --seeds 0 1 --train   # run each seed (~37 min each on
+    python -m experiments.smollm2_rg --seeds 0 1 --train   # run each seed (~32 min each on
                                                             # 2 CPU cores), then collect
     python -m experiments.smollm2_rg --seeds 0 1           # collect finished runs only
 

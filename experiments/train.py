@@ -82,7 +82,7 @@ PRESETS: dict[str, Preset] = {
     "smollm2-rg": Preset(
         name="smollm2-rg",
         description="SmolLM2-135M-Instruct on reasoning-gym chain_sum (two 1-2 digit terms) "
-                    "on a 2-core CPU, 35 min; greedy accuracy on 256 held-out problems",
+                    "on a 2-core CPU, 30 min; greedy accuracy on 256 held-out problems",
         model="smollm2-135m",
         task="reasoning_gym:chain_sum",
         task_options=(("max_digits", 2), ("max_new_tokens", 48), ("max_prompt_len", 128),
@@ -103,7 +103,7 @@ PRESETS: dict[str, Preset] = {
         ),
         loop=LoopConfig(steps=200, prompts_per_step=8, group_size=8, segment_len=16,
                         eval_every=8, eval_prompts=256, eval_greedy=True, eval_sampled_prompts=64,
-                        save_every=8, time_limit_s=35 * 60.0),
+                        save_every=8, time_limit_s=30 * 60.0),
         task_seed=0,  # every seed is measured on the same 256 held-out problems
     ),
 }
