@@ -109,8 +109,10 @@ def _freeze(mapping: Mapping[str, Any]) -> tuple:
 class ReasoningGymTask:
     """datasets: {name: weight} (or a spec string "a=1,b=2"); dataset_options:
     {name: {option: value}} passed to reasoning_gym.create_dataset (for a single
-    dataset a flat {option: value} works too); tokenizer: models.tokenizer.Tokenizer;
-    seed: the split seed; chat: wrap prompts in the chat template; max_prompt_len /
+    dataset a flat {option: value} works too); verifier: "dataset" (the dataset's own
+    score_answer) or "math" (rl.tasks.math_answers.math_equal, so `\\frac{1}{2}` = `0.5`;
+    timeout math_timeout_s; it checks value, not form: an unreduced fraction passes, so
+    use it for sets whose answer is a value); tokenizer: models.tokenizer.Tokenizer; seed: the split seed; chat: wrap prompts in the chat template; max_prompt_len /
     max_new_tokens: sampling budget (a longer prompt is a clear error)."""
 
     datasets: Any
@@ -124,6 +126,8 @@ class ReasoningGymTask:
     max_prompt_len: int = 256
     max_new_tokens: int = 128
     name: str = ""
+    verifier: str = "dataset"
+    math_timeout_s: float = 2.0
 
     def __post_init__(self):
         weights = parse_mixture(self.datasets) if isinstance(self.datasets, str) else dict(
@@ -150,6 +154,9 @@ class ReasoningGymTask:
         if not self.name:
             object.__setattr__(self, "name", "reasoning_gym:" + ",".join(
                 n if len(weights) == 1 else f"{n}={w:g}" for n, w in self.datasets))
+        if self.verifier not in ("dataset", "math"):
+            raise ValueError(f"verifier must be 'dataset' (the dataset's score_answer) or "
+                             f"'math' (math-verify equality), got {self.verifier!r}")
         check_count("ReasoningGymTask.seed", self.seed)
         check_count("ReasoningGymTask.max_prompt_len", self.max_prompt_len, 1)
         check_count("ReasoningGymTask.max_new_tokens", self.max_new_tokens, 1)
@@ -275,7 +282,11 @@ class ReasoningGymTask:
         answer = extract_answer(text, str(entry["answer"]))
         name = entry["metadata"]["source_dataset"]
         correct = 0.0
-        if answer is not None:
+        if answer is not None and self.verifier == "math":
+            from rl.tasks.math_answers import math_equal
+
+            correct = float(math_equal(answer, str(entry["answer"]), timeout_s=self.math_timeout_s))
+        elif answer is not None:
             correct = float(self._dataset(name, "train").score_answer(answer, entry))
         return {"correct": correct, "format": float(has_final_boxed_format(text))}
 

@@ -156,3 +156,22 @@ def test_prompt_plus_budget_beyond_the_context_is_a_clear_error():
     check_context(SimpleNamespace(max_position_embeddings=1024), task)  # 400 + 128 fits
     with pytest.raises(ValueError, match=r"= 528, more than the model's context \(512\)"):
         check_context(SimpleNamespace(max_position_embeddings=512), task)
+
+
+def test_math_verifier_accepts_equal_forms_the_dataset_rejects():
+    opts = dict(tokenizer=_CharTokenizer(), max_prompt_len=400)
+    by_dataset = make_task("reasoning_gym:fraction_simplification", **opts)
+    by_math = make_task("reasoning_gym:fraction_simplification", verifier="math", **opts)
+    prompt = by_math.eval_prompts(1)[0]
+    num, den = (int(x) for x in re.findall(r"\d+", prompt.answer["answer"]))  # LaTeX ref
+    decimal = f"so \\boxed{{{num / den!r}}}"
+    assert by_dataset.reward(prompt, decimal)["correct"] < 0.1  # its scorer wants a fraction
+    assert by_math.reward(prompt, decimal) == {"correct": 1.0, "format": 1.0}
+    # equality, not form: math-verify also takes the unreduced fraction, which this
+    # dataset (reduce to lowest terms) rightly refuses, so "math" suits answer-is-a-value sets
+    unreduced = f"\\boxed{{\\frac{{{2 * num}}}{{{2 * den}}}}}"
+    assert by_math.reward(prompt, unreduced)["correct"] == 1.0
+    assert by_dataset.reward(prompt, unreduced)["correct"] < 0.1
+    assert by_math.reward(prompt, f"\\boxed{{{num}/{den + 1}}}")["correct"] == 0.0
+    with pytest.raises(ValueError, match="verifier"):
+        make_task("reasoning_gym:chain_sum", verifier="sympy")
