@@ -159,7 +159,7 @@ def test_prompt_plus_budget_beyond_the_context_is_a_clear_error():
 
 
 def test_math_verifier_accepts_equal_forms_the_dataset_rejects():
-    opts = dict(tokenizer=_CharTokenizer(), max_prompt_len=400)
+    opts = {"tokenizer": _CharTokenizer(), "max_prompt_len": 400}
     by_dataset = make_task("reasoning_gym:fraction_simplification", **opts)
     by_math = make_task("reasoning_gym:fraction_simplification", verifier="math", **opts)
     prompt = by_math.eval_prompts(1)[0]
