@@ -433,6 +433,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         atomic_write_json(run_dir / "model.json", model_record(preset, config, args.seed,
                                                                 task_seed=_task_seed(preset, args.seed)))
+    if acfg is not None and loop.time_limit_s:
+        build_parser().error("--time-limit is for the synchronous loop; drop it or the async flags")
     if multi and acfg is not None:
         build_parser().error("asynchronous training (rl.loops.run_async) runs in one process; "
                              "drop the async flags or the multi-process flags")

@@ -113,3 +113,15 @@ def test_task_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--time-limit", "-1", "--wandb", "disabled", *SMALL])
     assert "time_limit_s" in capsys.readouterr().err
+
+
+def test_time_limit_is_refused_by_the_async_loop(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--time-limit", "5", "--max-staleness", "1", "--run-dir", str(tmp_path / "a"),
+              "--wandb", "disabled", *SMALL])
+    assert "synchronous loop" in capsys.readouterr().err
+    from rl.loops import AsyncConfig, LoopConfig, run_async
+
+    with pytest.raises(ValueError, match="synchronous loop only"):
+        run_async(None, None, None, None, LoopConfig(time_limit_s=60.0), AsyncConfig(),
+                  tmp_path / "b")

@@ -259,6 +259,10 @@ def run_async(
     each train record (raise KeyboardInterrupt there to stop the run like Ctrl-C). In
     threaded mode with several devices and mesh=None, the training devices get a
     data-parallel mesh (the batch's rows must divide by their number)."""
+    if loop.time_limit_s:
+        raise ValueError("LoopConfig.time_limit_s is implemented by the synchronous loop only "
+                         "(rl.loops.run); the asynchronous loop runs loop.steps steps: set "
+                         "time_limit_s=0 or drop the async flags")
     if not isinstance(async_config, AsyncConfig):
         raise ValueError(f"async_config must be an AsyncConfig, got {type(async_config).__name__}")
     acfg = async_config

@@ -36,6 +36,7 @@ Imports only the standard library at module level (the worker loads this file by
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -138,11 +139,9 @@ def _serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGALRM, _overdue)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" notices
-    try:
+    with contextlib.suppress(ImportError, ValueError, OSError):  # best effort (not on all OSes)
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_LIMIT_BYTES,) * 2)
-    except (ImportError, ValueError, OSError):
-        pass
     _verify_here("1/2", "0.5")  # import and warm up before saying ready
     out.write(b"ready\n")
     for line in sys.stdin.buffer:
@@ -199,16 +198,12 @@ class _Worker:
             return False
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # already gone
             self.proc.kill()
             self.proc.wait(timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
         for stream in (self.proc.stdin, self.proc.stdout):
-            try:
+            with contextlib.suppress(OSError):
                 stream.close()
-            except OSError:
-                pass
 
 
 _LOCK = threading.Lock()
