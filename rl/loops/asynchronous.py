@@ -102,7 +102,7 @@ from rl.loops.sync import (
 )
 from rl.rollout.april import AprilConfig
 from rl.runtime.checkpoint import CheckpointError
-from rl.runtime.logging import atomic_write_bytes
+from rl.runtime.logging import EXTRA_PHASES, PHASES, StepProfile, atomic_write_bytes
 from rl.tasks.base import Task
 
 MODES = ("threaded", "deterministic")
@@ -255,7 +255,13 @@ def run_async(
 
     Same outputs as rl.loops.run (metrics.jsonl, checkpoints/, wandb, RunResult);
     train records add buffer_* counters, behaviour_version_* / version_lag_*, and
-    rollout_wait_s (time the learner waited for data). on_step(record) is called after
+    rollout_wait_s (time the learner waited for data), and the step profile
+    (rl.runtime.logging.StepProfile, the learner thread's view: step_s, prefill_s /
+    decode_s / reward_s when it samples itself (deterministic, static), wait_s (waiting
+    on the producer thread, or a deterministic APRIL round), host_s, proximal_s (exact /
+    EWMA proximal log-probs and the EWMA update), learner_s, transfer_s, other_s,
+    peak_rss_mb; in threaded mode the producer's sampling overlaps these phases and is
+    not split). on_step(record) is called after
     each train record (raise KeyboardInterrupt there to stop the run like Ctrl-C). In
     threaded mode with several devices and mesh=None, the training devices get a
     data-parallel mesh (the batch's rows must divide by their number)."""
@@ -366,7 +372,9 @@ def run_async(
         bar = tqdm(total=loop.steps, initial=ctx.start, disable=not progress,
                    desc=f"async η={k}", dynamic_ncols=True)
         last_tokens = 0
+        prof = StepProfile((*PHASES, *EXTRA_PHASES))
         for step in range(ctx.start, loop.steps):
+            prof.start()
             st = holder["state"]
             v = int(st.version)
             pos = holder["data_position"]
@@ -378,18 +386,21 @@ def run_async(
                     if april is None:
                         sampler = st.replace(params=snaps[bv], version=jnp.asarray(bv, jnp.int32))
                         groups, sampler, pos, stats = sample_batch_groups(
-                            sampler, model_config, task, config, loop, pos)
+                            sampler, model_config, task, config, loop, pos, prof)
                         st = st.replace(rng=sampler.rng)
                     else:
-                        groups = april.round(snaps[bv], bv, b - buffer.stats()["queued_groups"])
+                        with prof.phase("wait_s"):  # a whole APRIL round
+                            groups = april.round(snaps[bv], bv,
+                                                 b - buffer.stats()["queued_groups"])
                         pos = april.position
                         stats["sampled_tokens"] += april.generated_tokens
                     if not buffer.reserve(len(groups)):
                         raise RuntimeError(f"admission refused {len(groups)} groups at version "
                                            f"{v}: {buffer.stats()}")
-                    for g in groups:
-                        buffer.put(g)
-                    got = buffer.get_batch(b, v, timeout=0)
+                    with prof.phase("host_s"):
+                        for g in groups:
+                            buffer.put(g)
+                        got = buffer.get_batch(b, v, timeout=0)
                     rounds += 1
                     # static: versions are exactly v - k, never stale; APRIL's resumed
                     # prefixes may be (dropped with stale_policy="drop"): sample more
@@ -399,7 +410,7 @@ def run_async(
                             f"max_staleness={k} versions ({buffer.stats()}); use "
                             "stale_policy='downweight' or a larger max_staleness")
             else:
-                got = None
+                got, t_wait = None, time.perf_counter()
                 while got is None:
                     got = buffer.get_batch(b, v, timeout=0.1)
                     if producer.error is not None:
@@ -409,31 +420,43 @@ def run_async(
                     if got is None and not thread.is_alive():
                         raise RuntimeError("the rollout thread stopped without an error before "
                                            "the run was complete")
+                prof.add("wait_s", time.perf_counter() - t_wait)
                 stats = {"sampled_tokens": producer.sampled_tokens - last_tokens}
                 last_tokens = producer.sampled_tokens
             t1 = time.perf_counter()
-            batch = build_batch(got.groups, model_config=model_config, task=task, config=config,
-                                group_size=loop.group_size, token_weights=got.token_weights)
-            if acfg.mask_offpolicy_prefix:
-                batch = offpolicy_prefix_batch(batch, loop.group_size)
-            if acfg.proximal == "exact":
-                batch = batch.replace(proximal_logprobs=exact_proximal_logprobs(
-                    snaps, model_config, batch, config.temperature, config.attn_impl))
-            elif acfg.proximal == "ewma":
-                batch = batch.replace(proximal_logprobs=policy_logprobs(
-                    ewma, model_config, batch, config.temperature, config.attn_impl))
-            extra = _batch_metrics(batch, v)
-            extra.update(batch_reward_metrics(batch.reward_names, batch.rewards, loop.group_size,
-                                              config.reward_weights), time_s=do_eval.clock())
+            with prof.phase("host_s"):
+                batch = build_batch(got.groups, model_config=model_config, task=task,
+                                    config=config, group_size=loop.group_size,
+                                    token_weights=got.token_weights)
+                if acfg.mask_offpolicy_prefix:
+                    batch = offpolicy_prefix_batch(batch, loop.group_size)
+            with prof.phase("proximal_s"):
+                if acfg.proximal == "exact":
+                    batch = batch.replace(proximal_logprobs=jax.block_until_ready(
+                        exact_proximal_logprobs(snaps, model_config, batch, config.temperature,
+                                                config.attn_impl)))
+                elif acfg.proximal == "ewma":
+                    batch = batch.replace(proximal_logprobs=jax.block_until_ready(
+                        policy_logprobs(ewma, model_config, batch, config.temperature,
+                                        config.attn_impl)))
+            with prof.phase("host_s"):
+                extra = _batch_metrics(batch, v)
+                extra.update(batch_reward_metrics(batch.reward_names, batch.rewards,
+                                                  loop.group_size, config.reward_weights),
+                             time_s=do_eval.clock())
             t2 = time.perf_counter()
-            st, metrics = ctx.step_fn(st, batch, ctx.ref)
+            with prof.phase("learner_s"):
+                st, metrics = jax.block_until_ready(ctx.step_fn(st, batch, ctx.ref))
             holder.update(state=st, data_position=pos)
-            if ewma is not None:
-                ewma = ewma_update(ewma, st.params, acfg.ewma_beta)
-            publish(st)
-            if step + 1 < loop.steps:  # after the last step, admit nothing more
-                buffer.set_version(int(st.version))
-            metrics = {kk: float(x) for kk, x in jax.device_get(metrics).items()}
+            with prof.phase("proximal_s"):
+                if ewma is not None:
+                    ewma = jax.block_until_ready(ewma_update(ewma, st.params, acfg.ewma_beta))
+            with prof.phase("transfer_s"):
+                publish(st)
+                if step + 1 < loop.steps:  # after the last step, admit nothing more
+                    buffer.set_version(int(st.version))
+                metrics = jax.device_get(metrics)
+            metrics = {kk: float(x) for kk, x in metrics.items()}
             t3 = time.perf_counter()
             if producer is not None:
                 holder["data_position"] = producer.position()[0]
@@ -446,6 +469,7 @@ def run_async(
                 metrics.update(april.metrics())
             if step == ctx.start:
                 metrics.update(resume_note)
+            metrics.update(prof.finish())
             done = step + 1
             record = logger.log(done, metrics, kind="train")
             bar.update(1)

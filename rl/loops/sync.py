@@ -56,7 +56,7 @@ from rl.rollout.engine import RolloutConfig, RolloutEngine
 from rl.rollout.sampler_state import SamplingConfig
 from rl.runtime.checkpoint import Checkpointer, CheckpointError
 from rl.runtime.distributed import process_local, process_shard
-from rl.runtime.logging import MetricsLogger
+from rl.runtime.logging import NULL_PROFILE, MetricsLogger, StepProfile
 from rl.tasks.base import Prompt, Task
 from rl.trajectory import Trajectory, concat_trajectories
 
@@ -124,14 +124,16 @@ def take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
 def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Task,
                   prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
                   segment_len: int, seed: int, first_group_id: int = 0,
-                  max_new_tokens: int | None = None) -> Trajectory:
+                  max_new_tokens: int | None = None, profile=NULL_PROFILE) -> Trajectory:
     """Sample `group_size` responses for each prompt with the rollout engine (all groups
     decode together). Rows come back grouped in prompt order: group g = prompts[g].
     first_group_id: the global index of prompts[0] (a process's shard of a batch): the
     rng keys follow the global group ids, the returned group ids stay 0..G-1.
-    max_new_tokens: the response budget (default task.max_new_tokens)."""
+    max_new_tokens: the response budget (default task.max_new_tokens). profile: a
+    StepProfile that gets the engine's prefill_s / decode_s and the rest as host_s."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
+    t0 = time.perf_counter()
     rc = RolloutConfig(num_slots=len(prompts) * group_size, group_size=group_size,
                        segment_len=segment_len, max_prompt_len=task.max_prompt_len,
                        max_new_tokens=int(max_new_tokens or task.max_new_tokens),
@@ -149,7 +151,12 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
     traj = parts[0] if len(parts) == 1 else concat_trajectories(parts)
     order = np.argsort(np.asarray(traj.group_ids), kind="stable")
     traj = take_rows(traj, order)
-    return traj.replace(group_ids=np.asarray(traj.group_ids) - first_group_id)
+    traj = traj.replace(group_ids=np.asarray(traj.group_ids) - first_group_id)
+    fill, dec = engine.timings["prefill_s"], engine.timings["decode_s"]
+    profile.add("prefill_s", fill)
+    profile.add("decode_s", dec)
+    profile.add("host_s", time.perf_counter() - t0 - fill - dec)
+    return traj
 
 
 def score(task: Task, prompts: Sequence[Prompt], traj: Trajectory) -> dict[str, np.ndarray]:
@@ -296,8 +303,8 @@ def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:
 
 
 def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task,
-                        config: TrainConfig, loop: LoopConfig, data_position: int
-                        ) -> tuple[list[ScoredGroup], TrainState, int, dict]:
+                        config: TrainConfig, loop: LoopConfig, data_position: int,
+                        profile=NULL_PROFILE) -> tuple[list[ScoredGroup], TrainState, int, dict]:
     """Sample and score loop.prompts_per_step groups from the train stream at
     `data_position` with state.params (tokens stamped state.version). Returns (groups in
     prompt order, state with advanced rng, new data position, rollout stats). With
@@ -305,26 +312,31 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     sampled (up to loop.max_resample_rounds extra rounds); if too few groups survive,
     dropped groups fill the batch with live=False (their loss mask is cleared); if none
     survive, ValueError. In a multi-process run each process samples its own contiguous
-    share of the prompts (rl.runtime.distributed.process_shard; rng keys by global group id)."""
+    share of the prompts (rl.runtime.distributed.process_shard; rng keys by global group id).
+    profile: a StepProfile timing the phases (rl.runtime.logging)."""
     n = loop.group_size
     if loop.dynamic_sampling and jax.process_count() > 1:
         raise ValueError("dynamic sampling is not supported across processes (each would "
                          "resample a different number of rounds); run it in one process")
     sampling = SamplingConfig(temperature=config.temperature)
-    params = process_local(state.params)
+    with profile.phase("transfer_s"):
+        params = process_local(state.params)
     kept: list[tuple[Trajectory, dict, list[int]]] = []
     dropped: list[tuple[Trajectory, dict, list[int]]] = []
     n_kept = rounds = sampled_tokens = 0
     while True:
-        offset, prompts = process_shard(task.train_prompts(data_position, loop.prompts_per_step))
-        g = len(prompts)
-        data_position += loop.prompts_per_step
-        seed, state = _rollout_seed(state)
+        with profile.phase("host_s"):
+            offset, prompts = process_shard(task.train_prompts(data_position,
+                                                               loop.prompts_per_step))
+            g = len(prompts)
+            data_position += loop.prompts_per_step
+            seed, state = _rollout_seed(state)
         traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
-                             seed=seed, first_group_id=offset)
+                             seed=seed, first_group_id=offset, profile=profile)
         sampled_tokens += traj.num_tokens()
-        rewards = score(task, prompts, traj)
+        with profile.phase("reward_s"):
+            rewards = score(task, prompts, traj)
         if not loop.dynamic_sampling:
             kept.append((traj, rewards, list(range(g))))
             break
@@ -344,11 +356,11 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     if len(picks) < g:  # fill the fixed batch shape with masked-out dropped groups
         picks += [(t, r, grp, False) for t, r, gs in dropped for grp in gs][:g - len(picks)]
     groups = []
-    for t, r, grp, use in picks:
-        rows = list(range(grp * n, (grp + 1) * n))
-        groups.append(ScoredGroup(traj=take_rows(t, rows),
-                                  rewards={name: r[name][rows] for name in task.reward_names},
-                                  live=use))
+    with profile.phase("host_s"):
+        for t, r, grp, use in picks:
+            rows = list(range(grp * n, (grp + 1) * n))
+            groups.append(ScoredGroup(traj=take_rows(t, rows), live=use,
+                                      rewards={name: r[name][rows] for name in task.reward_names}))
     stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
              "kept_groups": n_kept if loop.dynamic_sampling else loop.prompts_per_step}
     return groups, state, data_position, stats
@@ -393,14 +405,16 @@ def build_batch(groups: Sequence[ScoredGroup], *, model_config: ModelConfig, tas
 
 
 def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, config: TrainConfig,
-                  loop: LoopConfig, data_position: int) -> tuple[TrainBatch, TrainState, int, dict]:
+                  loop: LoopConfig, data_position: int, profile=NULL_PROFILE
+                  ) -> tuple[TrainBatch, TrainState, int, dict]:
     """Sample and score one batch of loop.prompts_per_step groups from the train stream
     at `data_position` (sample_batch_groups, then build_batch). Returns (batch, state
-    with advanced rng, new data position, rollout stats)."""
+    with advanced rng, new data position, rollout stats); profile times the phases."""
     groups, state, data_position, stats = sample_batch_groups(state, model_config, task, config,
-                                                              loop, data_position)
-    batch = build_batch(groups, model_config=model_config, task=task, config=config,
-                        group_size=loop.group_size)
+                                                              loop, data_position, profile)
+    with profile.phase("host_s"):
+        batch = build_batch(groups, model_config=model_config, task=task, config=config,
+                            group_size=loop.group_size)
     return batch, state, data_position, stats
 
 
@@ -539,21 +553,32 @@ def run(
             do_eval(0, process_local(state.params), 0)
         bar = tqdm(total=loop.steps, initial=start, disable=not progress, desc="grpo",
                    dynamic_ncols=True)
+        prof = StepProfile()
         for step in range(start, loop.steps):
+            prof.start()
             t0 = time.perf_counter()
             batch, state, data_position, stats = collect_batch(state, model_config, task, config,
-                                                               loop, data_position)
+                                                               loop, data_position, prof)
             t1 = time.perf_counter()
-            stats.update(batch_reward_metrics(batch.reward_names, batch.rewards, loop.group_size,
-                                              config.reward_weights))
-            if jax.process_count() > 1:  # each process's rows -> one global batch
-                batch = global_batch(batch, mesh)
-            state, metrics = step_fn(state, batch, ref)
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            with prof.phase("host_s"):
+                stats.update(batch_reward_metrics(batch.reward_names, batch.rewards,
+                                                  loop.group_size, config.reward_weights))
+            with prof.phase("transfer_s"):  # each process's rows -> one global batch
+                if jax.process_count() > 1:
+                    batch = global_batch(batch, mesh)
+                elif mesh is None:  # on the device before the step, so it is timed here
+                    batch = jax.device_put(batch, jax.devices()[0])
+            with prof.phase("learner_s"):
+                state, metrics = jax.block_until_ready(step_fn(state, batch, ref))
+            with prof.phase("transfer_s"):
+                metrics = jax.device_get(metrics)
             t2 = time.perf_counter()
-            metrics.update(stats, rollout_s=t1 - t0, train_s=t2 - t1,
-                           tokens_per_s=stats["sampled_tokens"] / max(t2 - t0, 1e-9),
-                           data_position=data_position, time_s=do_eval.clock())
+            with prof.phase("host_s"):
+                metrics = {k: float(v) for k, v in metrics.items()}
+                metrics.update(stats, rollout_s=t1 - t0, train_s=t2 - t1,
+                               tokens_per_s=stats["sampled_tokens"] / max(t2 - t0, 1e-9),
+                               data_position=data_position, time_s=do_eval.clock())
+            metrics.update(prof.finish())
             done = step + 1
             logger.log(done, metrics, kind="train")
             bar.update(1)

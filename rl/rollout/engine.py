@@ -16,11 +16,17 @@ once in its aligned block of N slots (slots are [groups, N]; num_slots is rounde
 a multiple of N); a resumed group's prompt runs once and its samples' partial responses
 are teacher-forced into their response segments. "replicated" copies the prompt KV into
 every slot. Both produce the same tokens for the same seed.
+
+`RolloutEngine.timings` accumulates the wall seconds of its prefills ("prefill_s": the
+refill of free slots, prefill and resumed-group loads, waited for when a step refilled
+any slot) and of its decode segments ("decode_s": the segment and the read of its
+progress counters); the loops' step profile reads them.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Any, Iterable, Iterator, Sequence
 
 import jax
@@ -141,6 +147,7 @@ class RolloutEngine:
         self._resumed: collections.deque[PartialGroup] = collections.deque()
         self._source: Iterator[Sequence[int]] | None = None if prompts is None else iter(prompts)
         self._next_group_id = rollout.first_group_id
+        self.timings = {"prefill_s": 0.0, "decode_s": 0.0}
 
     # ------------------------------------------------------------------ queues
     def _new_group(self, prompt: Sequence[int]) -> int:
@@ -221,10 +228,17 @@ class RolloutEngine:
     def step(self, params: Any, version: int) -> StepInfo:
         """Refill free slots (resumed groups first), then decode one segment of at most
         segment_len tokens per live slot with `params`, stamping `version`."""
+        t0 = time.perf_counter()
         started, resumed = self._fill(params)
+        # reading the counters waits for the fill (a sync the step always had), so the
+        # fill is not counted as decode time
         before = int(np.asarray(self.state.num_generated).sum())
+        t1 = time.perf_counter()
         self.state = decode_segment(params, self.state, self.rollout.segment_len, version)
         n_gen, done = jax.device_get((self.state.num_generated, self.state.done))
+        t2 = time.perf_counter()
+        self.timings["prefill_s"] += t1 - t0
+        self.timings["decode_s"] += t2 - t1
         return StepInfo(new_tokens=int(n_gen.sum()) - before, started_groups=started,
                         resumed_groups=resumed, live_slots=int((~done).sum()))
 

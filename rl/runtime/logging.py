@@ -8,16 +8,27 @@ half-written file behind.
 
 Multi-process runs: only process 0 writes (metrics.jsonl, wandb); the other processes
 keep their records in memory, so the loop's code is the same on every process.
+
+The step profile: `StepProfile` times the phases of one training step (prefill, decode,
+reward, learner, host work, transfers; `other_s` is the rest of the step's wall time, so
+the phases always sum to `step_s`) and its peak resident memory (`peak_rss_mb`: Linux's
+VmHWM, reset at the start of each step through /proc/self/clear_refs where that file is
+writable, else the process's high-water mark so far); `profile_summary` averages the
+train records of a run (mean seconds and share per phase, steps/hour without the first,
+compiling step, peak memory).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import tempfile
+import time
 import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -148,3 +159,151 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+# ----------------------------------------------------------------------------- step profile
+PHASES = ("prefill_s", "decode_s", "reward_s", "learner_s", "host_s", "transfer_s")
+"""The step profile's timed phases (seconds); a loop may add its own (e.g. the async
+loop's wait_s, proximal_s); other_s = step_s - the sum of all of them."""
+EXTRA_PHASES = ("wait_s", "proximal_s")  # the asynchronous loop's own phases
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's resident high-water mark (VmHWM) to its current RSS (Linux,
+    /proc/self/clear_refs "5"); False where that is not possible (then peak_rss_mb reports
+    the high-water mark since the process started)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float | None:
+    """The process's peak resident memory in MB (10^6 bytes): VmHWM from /proc/self/status,
+    else getrusage's ru_maxrss; None if neither is available."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+        import sys
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return kb / 1e6 if sys.platform == "darwin" else kb * 1024 / 1e6  # bytes on macOS
+    except (ImportError, OSError):
+        return None
+
+
+class StepProfile:
+    """Wall time of one step split into phases, plus its peak resident memory.
+
+        prof = StepProfile()
+        prof.start()                      # resets the memory high-water mark
+        with prof.phase("reward_s"): ...  # or prof.add("decode_s", seconds)
+        record.update(prof.finish())      # {step_s, <phase>_s..., other_s, peak_rss_mb}
+
+    Phases must not nest (each second belongs to one phase); what no phase covers is
+    other_s, so the phases always sum to step_s."""
+
+    def __init__(self, phases: Sequence[str] = PHASES):
+        self.phases = tuple(phases)
+        self.times = dict.fromkeys(self.phases, 0.0)
+        self.memory_per_step = False
+        self._t0: float | None = None
+
+    def start(self) -> None:
+        self.times = dict.fromkeys(self.phases, 0.0)
+        self.memory_per_step = reset_peak_rss()
+        self._t0 = time.perf_counter()
+
+    def add(self, name: str, seconds: float) -> None:
+        if name not in self.times:
+            raise ValueError(f"StepProfile: unknown phase {name!r}; phases are {self.phases}")
+        self.times[name] += float(seconds)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t)
+
+    def finish(self) -> dict[str, float | bool | None]:
+        """The step's record: step_s (since start()), each phase, other_s, peak_rss_mb and
+        peak_rss_per_step (whether the mark was reset at start())."""
+        if self._t0 is None:
+            raise RuntimeError("StepProfile.finish() before start()")
+        step = time.perf_counter() - self._t0
+        out: dict[str, float | bool | None] = {"step_s": step, **self.times}
+        out["other_s"] = step - sum(self.times.values())
+        out["peak_rss_mb"] = peak_rss_mb()
+        out["peak_rss_per_step"] = self.memory_per_step
+        self._t0 = None
+        return out
+
+
+class NullProfile:
+    """A StepProfile that records nothing (the default where no profile is asked for)."""
+
+    def add(self, name: str, seconds: float) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+
+NULL_PROFILE = NullProfile()
+
+
+def profile_summary(records: Sequence[Mapping[str, Any]], *, skip_first: int = 1) -> dict | None:
+    """The step profile of a run from its train records (those with step_s): per phase the
+    mean seconds and share of the mean step, steps/hour (3600 / mean step_s) and the peak
+    memory, over the records after the first `skip_first` (the first step compiles); None
+    if no record has a profile. With a single profiled step, that one is used (and
+    "compile_step_included" says so)."""
+    prof = [r for r in records if r.get("step_s") is not None]
+    if not prof:
+        return None
+    used = prof[skip_first:] or prof
+    names = [k for k in (*PHASES, *EXTRA_PHASES, "other_s") if any(k in r for r in used)]
+    step = sum(float(r["step_s"]) for r in used) / len(used)
+    phases = {}
+    for k in names:
+        mean = sum(float(r.get(k) or 0.0) for r in used) / len(used)
+        phases[k] = {"mean_s": mean, "share": mean / step if step > 0 else None}
+    mem = [float(r["peak_rss_mb"]) for r in prof if r.get("peak_rss_mb") is not None]
+    return {
+        "steps_measured": len(used),
+        "compile_step_included": len(used) == len(prof) and skip_first > 0,
+        "first_step_s": float(prof[0]["step_s"]),
+        "step_s_mean": step,
+        "steps_per_hour": 3600.0 / step if step > 0 else None,
+        "phases": phases,
+        "peak_rss_mb": max(mem) if mem else None,
+        "peak_rss_mb_per_step": [None if r.get("peak_rss_mb") is None else float(r["peak_rss_mb"])
+                                 for r in prof],
+        "peak_rss_per_step": all(bool(r.get("peak_rss_per_step")) for r in prof),
+    }
+
+
+def format_profile(summary: Mapping[str, Any]) -> str:
+    """The step profile summary as lines of text (what experiments.train prints)."""
+    n = summary["steps_measured"]
+    head = (f"step profile ({n} step{'s' * (n != 1)}"
+            f"{', compile step included' if summary['compile_step_included'] else ', first step excluded'}): "
+            f"{summary['step_s_mean']:.2f} s/step, {summary['steps_per_hour']:.0f} steps/hour")
+    lines = [head]
+    for k, v in summary["phases"].items():
+        lines.append(f"  {k[:-2]:<13} {v['mean_s']:8.3f} s  {100 * (v['share'] or 0):5.1f} %")
+    if summary["peak_rss_mb"] is not None:
+        how = "per step" if summary["peak_rss_per_step"] else "process high-water mark"
+        lines.append(f"  peak memory   {summary['peak_rss_mb'] / 1e3:8.2f} GB resident ({how})")
+    return "\n".join(lines)
