@@ -249,6 +249,9 @@ class Decoder(nn.Module):
     mode: str = "forward"
     attn_impl: str | None = None
     packed_nr: tuple[int, int] | None = None
+    # True: return the final-normed hidden states [batch, seq, embed] instead of logits
+    # (the head runs elsewhere, e.g. models.logprobs' chunked log-softmax; see head_matrix)
+    return_hidden: bool = False
 
     @nn.compact
     def __call__(self, tokens, positions, mask, start=None, kv=None, logits_at=None):
@@ -277,12 +280,25 @@ class Decoder(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         x = RMSNorm(c.rms_norm_eps, "embed", name="final_norm", **_dtypes(c))(x)
+        if self.return_hidden:
+            if not c.tie_word_embeddings:
+                _Head(c, name="lm_head")()  # declare the param (init) even when unused here
+            return nn.with_logical_constraint(x, ("batch", "seq", "embed")), kv
         if c.tie_word_embeddings:
             head = embed.embedding.astype(dt).T
         else:
             head = _Head(c, name="lm_head")()
         logits = jnp.einsum("bse,ev->bsv", x, head.astype(dt), preferred_element_type=jnp.float32)
         return nn.with_logical_constraint(logits, ("batch", "seq", "vocab")), kv
+
+
+def head_matrix(params: Params, config: ModelConfig) -> jax.Array:
+    """The vocabulary head [embed, vocab] in the compute dtype: logits = hidden @ head
+    (the embedding's transpose when tied, else lm_head/kernel)."""
+    dt = jnp.dtype(config.dtype)
+    if config.tie_word_embeddings:
+        return params["embed"]["embedding"].astype(dt).T
+    return params["lm_head"]["kernel"].astype(dt)
 
 
 class _Head(nn.Module):
@@ -502,9 +518,11 @@ def prefill(
                         config=config, attn_impl=attn_impl)
 
 
-@partial(jax.jit, static_argnames=("config", "attn_impl"))
-def _decode_jit(params, tokens, cache, *, config, attn_impl):
-    positions, mask, start, kv = kvc.decode_inputs(cache)
+@partial(jax.jit, static_argnames=("config", "attn_impl", "kv_bound"))
+def _decode_jit(params, tokens, cache, *, config, attn_impl, kv_bound=None):
+    # kv_bound None: the masked path (exact slow twin); int: the bounded path, attending to
+    # the first kv_bound slots only (models/kv_cache.py).
+    positions, mask, start, kv = kvc.decode_inputs(cache, kv_bound)
     logits, new_kv = Decoder(config, "decode", attn_impl).apply(
         {"params": params}, tokens[:, None], positions, mask, start, kv)
     return logits[:, 0], kvc.after_decode(cache, new_kv)
@@ -517,6 +535,7 @@ def decode_step(
     cache: KVCache | SegmentedKVCache,
     *,
     attn_impl: str | None = None,
+    kv_bound: int | None = None,
 ) -> tuple[jax.Array, KVCache | SegmentedKVCache]:
     """Feed one token per row, tokens [batch], and return logits [batch, vocab] float32
     for the following token and the cache with every row's length + 1.
@@ -525,7 +544,9 @@ def decode_step(
     b is sample (g, n) = (b // N, b % N); its token sits at position prompt_lengths[g] +
     resp_lengths[g, n], is written into its response segment and attends (via
     kernels.segment_decode, impl = attn_impl) to the group's prompt segment and its own
-    response segment."""
+    response segment. kv_bound (optional, static): attend to the first kv_bound slots of
+    each row / response segment only (every row's length must be < kv_bound) -- the
+    same logits at a cost that follows the tokens present; None attends, masked, to all."""
     validate_tokens(tokens, config)
     tokens = jnp.asarray(tokens, jnp.int32)
     _check_shape("tokens", tokens, (cache.batch,))
@@ -541,7 +562,12 @@ def decode_step(
                 f"cache is full: {what} {arr.tolist()} reached {where}={limit}; "
                 "allocate a longer cache"
             )
-    return _decode_jit(params, tokens, cache, config=config, attn_impl=attn_impl)
+        if kv_bound is not None and arr.max() >= kvc.check_kv_bound(kv_bound, limit):
+            raise ValueError(f"kv_bound={kv_bound} must exceed every row's {what} (max "
+                             f"{arr.max()}): the new token's slot must lie inside the bound")
+    kv_bound = kvc.check_kv_bound(kv_bound, limit)
+    return _decode_jit(params, tokens, cache, config=config, attn_impl=attn_impl,
+                       kv_bound=kv_bound)
 
 
 def prefill_segments(

@@ -3,28 +3,108 @@ proximal policy (rl.learner.proximal) and VCPO's per-trajectory gradients get lo
 
 The logit at position t predicts token t+1, so the log-probs of a [B, T] row are
 [B, T-1]: logp[b, t] = log softmax(logits[b, t] / T)[tokens[b, t+1]] at temperature T
-(the sampler's). The packed shared-prefix twin is `models.packed.packed_token_logprobs`.
+(the sampler's). The packed shared-prefix twins are in `models.packed`.
+
+Two paths with the same results (to float rounding; tests/models/test_logprobs.py):
+  * `token_logprobs` (the slow twin): the full logits [B, T-1, V] in float32, then
+    log-softmax and a gather. With V = 49,152 (SmolLM2) that is 200 KB per token, and the
+    backward holds several such arrays: gigabytes for a few thousand tokens.
+  * `token_logprobs_fused`: the model stops at the final-normed hidden states [B, T, E];
+    `chunked_logprobs` applies the head to C tokens at a time, keeping only log p and
+    the entropy per token, and (jax.checkpoint per chunk) recomputes each chunk's logits
+    in the backward instead of storing them, so at most [C, V] logits exist at once.
+    Per token: logp = z[y] - logsumexp(z), H = logsumexp(z) - Σ_v softmax(z)_v z_v, with
+    z = h @ W / T.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.decoder import forward
+from models.decoder import Decoder, forward, head_matrix, segment_mask, validate_tokens
 
 Params = Any
+DEFAULT_CHUNK = 1024  # tokens per head chunk: [1024, 49152] fp32 logits = 200 MB
 
 
 def token_logprobs(params: Params, model_config: ModelConfig, tokens: jax.Array,
                    positions: jax.Array, temperature: float, attn_impl: str | None = None
                    ) -> tuple[jax.Array, jax.Array]:
     """(logp [B, T-1], scaled logits [B, T-1, V]): logp[b, t] = log softmax(logits[b, t] / T)
-    at tokens[b, t + 1], i.e. the log-prob of token t+1 (the logit at t predicts t+1)."""
+    at tokens[b, t + 1], i.e. the log-prob of token t+1 (the logit at t predicts t+1).
+    The slow twin of `token_logprobs_fused` (materialises every logit)."""
     logits = forward(params, model_config, tokens, positions, attn_impl=attn_impl)
     z = logits[:, :-1].astype(jnp.float32) / temperature
     target = tokens[:, 1:]
     picked = jnp.take_along_axis(z, target[..., None], axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(z, axis=-1), z
+
+
+def _chunk_stats(h: jax.Array, head: jax.Array, targets: jax.Array, temperature: jax.Array,
+                 entropy: bool) -> tuple[jax.Array, jax.Array]:
+    """(logp [C], entropy [C] or zeros) of one chunk: h [C, E], head [E, V], targets [C]."""
+    z = jnp.einsum("ce,ev->cv", h, head, preferred_element_type=jnp.float32) / temperature
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, targets[:, None], axis=-1)[:, 0]
+    if not entropy:
+        return picked - lse, jnp.zeros_like(lse)
+    p = jnp.exp(z - lse[:, None])
+    return picked - lse, lse - jnp.sum(p * z, axis=-1)
+
+
+def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
+                     temperature: float | jax.Array, *, chunk: int = DEFAULT_CHUNK,
+                     entropy: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropies of softmax(hidden @ head / temperature), C tokens at a time.
+
+    Args:
+      hidden: [..., E] final-normed hidden states; head: [E, V]; targets: [...] int token
+        ids (the ones whose log-prob is wanted); chunk: C, tokens per head application.
+      entropy: compute the entropy too (else zeros; saves a pass over each chunk's logits).
+    Returns:
+      (logp [...], entropy [...]) float32. Differentiable in hidden and head; each chunk's
+      [C, V] logits are recomputed in the backward, never stored.
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1 (tokens per head chunk), got {chunk!r}")
+    lead, e = hidden.shape[:-1], hidden.shape[-1]
+    if tuple(targets.shape) != tuple(lead):
+        raise ValueError(f"targets have shape {tuple(targets.shape)}, expected hidden's leading "
+                         f"shape {tuple(lead)}")
+    h = hidden.reshape(-1, e)
+    t = targets.reshape(-1).astype(jnp.int32)
+    n = h.shape[0]
+    c = max(1, min(chunk, n))
+    pad = (-n) % c
+    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, c, e)
+    t = jnp.pad(t, (0, pad)).reshape(-1, c)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    one = jax.checkpoint(partial(_chunk_stats, entropy=entropy))
+    logp, ent = jax.lax.map(lambda xs: one(xs[0], head, xs[1], temperature), (h, t))
+    return logp.reshape(-1)[:n].reshape(lead), ent.reshape(-1)[:n].reshape(lead)
+
+
+@partial(jax.jit, static_argnames=("config", "attn_impl"))
+def _hidden_jit(params, tokens, positions, *, config, attn_impl):
+    seg = jnp.ones(tokens.shape, jnp.int32)
+    hidden, _ = Decoder(config, "forward", attn_impl, return_hidden=True).apply(
+        {"params": params}, tokens, positions, segment_mask(seg))
+    return hidden
+
+
+def token_logprobs_fused(params: Params, model_config: ModelConfig, tokens: jax.Array,
+                         positions: jax.Array, temperature: float,
+                         attn_impl: str | None = None, *, chunk: int = DEFAULT_CHUNK,
+                         entropy: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(logp [B, T-1], entropy [B, T-1]) of the same rows as `token_logprobs`, through the
+    chunked head: never more than [chunk, V] logits at once (see the module docstring).
+    entropy=False skips the entropy (zeros)."""
+    validate_tokens(tokens, model_config)
+    hidden = _hidden_jit(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
+                         config=model_config, attn_impl=attn_impl)
+    return chunked_logprobs(hidden[:, :-1], head_matrix(params, model_config), tokens[:, 1:],
+                            temperature, chunk=chunk, entropy=entropy)

@@ -15,7 +15,10 @@ Entry points:
                             every response of a group shares its prompt).
   groups_share_prompts      host side: whether pack_groups applies (no exception).
   packed_token_logprobs     the same log-probs scattered back into the naive [B, T-1] row
-                            layout that rl.learner uses (logit at t predicts token t+1).
+                            layout that rl.learner uses (logit at t predicts token t+1),
+                            with the scaled logits [B, T-1, V] (the slow twin);
+  packed_token_logprobs_fused  log-probs and entropies in that layout through the chunked
+                            head (models.logprobs.chunked_logprobs): no [B, T-1, V] array.
 """
 from __future__ import annotations
 
@@ -29,7 +32,15 @@ import numpy as np
 
 from kernels.dispatch import resolve_impl
 from models.config import ModelConfig
-from models.decoder import Decoder, Params, _is_concrete, init_params, validate_tokens
+from models.decoder import (
+    Decoder,
+    Params,
+    _is_concrete,
+    head_matrix,
+    init_params,
+    validate_tokens,
+)
+from models.logprobs import DEFAULT_CHUNK, chunked_logprobs
 from models.packed_layout import PackedGroups, packed_tokens_and_positions
 
 
@@ -113,11 +124,11 @@ def _validate(params, config, prompt_tokens, prompt_lengths, response_tokens, re
 
 # ----------------------------------------------------------------------------- forward
 def _run(params, config, attn_impl, prompt_tokens, prompt_lengths, response_tokens,
-         response_lengths, logits_at=None):
+         response_lengths, logits_at=None, return_hidden=False):
     n, r = response_tokens.shape[1:]
     tokens, positions = packed_tokens_and_positions(prompt_tokens, prompt_lengths,
                                                     response_tokens)
-    logits, _ = Decoder(config, "packed", attn_impl, (n, r)).apply(
+    logits, _ = Decoder(config, "packed", attn_impl, (n, r), return_hidden=return_hidden).apply(
         {"params": params}, tokens, positions, (prompt_lengths, response_lengths),
         logits_at=logits_at)
     return logits
@@ -162,8 +173,9 @@ def packed_forward(
 
 
 def _target_logits(params, config, attn_impl, prompt_tokens, prompt_lengths, response_tokens,
-                   response_lengths):
-    """Logits [G, N, R, V] float32 whose [g, n, t] row predicts response token t.
+                   response_lengths, return_hidden=False):
+    """Logits [G, N, R, V] float32 whose [g, n, t] row predicts response token t (with
+    return_hidden: the final-normed hidden states [G, N, R, E] there instead).
 
     The vocabulary head runs only at the 1 + N*(R-1) predicting positions: the last valid
     prompt token (shared by all N responses) and response tokens 0..R-2."""
@@ -173,7 +185,7 @@ def _target_logits(params, config, attn_impl, prompt_tokens, prompt_lengths, res
     logits_at = jnp.concatenate(
         [(prompt_lengths - 1)[:, None], jnp.broadcast_to(resp_idx, (g, n * (r - 1)))], axis=1)
     logits = _run(params, config, attn_impl, prompt_tokens, prompt_lengths, response_tokens,
-                  response_lengths, logits_at.astype(jnp.int32))
+                  response_lengths, logits_at.astype(jnp.int32), return_hidden)
     first = jnp.broadcast_to(logits[:, None, :1], (g, n, 1, logits.shape[-1]))
     return jnp.concatenate([first, logits[:, 1:].reshape(g, n, r - 1, -1)], axis=2)
 
@@ -246,6 +258,43 @@ def _token_logprobs_jit(params, packed, temperature, *, config, attn_impl, width
                                    packed.response_tokens, packed.response_lengths, temperature,
                                    config=config, attn_impl=attn_impl)
     return to_rows(logp, packed, width), to_rows(z, packed, width)
+
+
+@partial(jax.jit, static_argnames=("config", "attn_impl", "width", "chunk", "entropy"))
+def _token_logprobs_fused_jit(params, packed, temperature, *, config, attn_impl, width, chunk,
+                              entropy):
+    hidden = _target_logits(params, config, attn_impl, packed.prompt_tokens,
+                            packed.prompt_lengths, packed.response_tokens,
+                            packed.response_lengths, return_hidden=True)
+    logp, ent = chunked_logprobs(hidden, head_matrix(params, config), packed.response_tokens,
+                                 temperature, chunk=chunk, entropy=entropy)
+    valid = jnp.arange(packed.response_tokens.shape[2]) < packed.response_lengths[..., None]
+    logp, ent = jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
+    return to_rows(logp, packed, width), to_rows(ent, packed, width)
+
+
+def packed_token_logprobs_fused(
+    params: Params,
+    config: ModelConfig,
+    packed: PackedGroups,
+    *,
+    width: int,
+    temperature: float = 1.0,
+    attn_impl: str | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    entropy: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """(logp [B, T-1], entropy [B, T-1]) in the naive row layout, like
+    `packed_token_logprobs`, but through the chunked head (models.logprobs.chunked_logprobs):
+    the logits exist only per chunk of `chunk` response tokens, never as [B, T-1, V].
+    Entries at columns that predict no response token are 0; entropy=False gives zeros."""
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 2:
+        raise ValueError(f"width must be the naive row width T >= 2 (an int), got {width!r}")
+    _validate(params, config, packed.prompt_tokens, packed.prompt_lengths,
+              packed.response_tokens, packed.response_lengths, attn_impl)
+    return _token_logprobs_fused_jit(params, packed, _check_temperature(temperature),
+                                     config=config, attn_impl=attn_impl, width=int(width),
+                                     chunk=chunk, entropy=entropy)
 
 
 def packed_token_logprobs(

@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
+from models.logprobs import DEFAULT_CHUNK
 from rl.objectives.advantages import AdvantageConfig
 from rl.objectives.losses import LossConfig
 from rl.objectives.vcpo import VCPOConfig, scale_by_ess
@@ -168,6 +169,9 @@ class TrainConfig:
         carries one (`batch_from_trajectory(..., packed=True)` attaches it when every group
         shares its prompt); batches without it use the naive rows. Same results up to
         float rounding; needs the groups to split evenly into micro_batches.
+    logprob_chunk: tokens per chunk of the vocabulary head in the learner's log-probs
+        (models.logprobs.chunked_logprobs: the [tokens, vocab] logits exist one chunk at a
+        time and are recomputed in the backward); 0 = the slow twin, full logits at once.
     vcpo: VCPO (rl.objectives.vcpo.VCPOConfig; default disabled, and then the step is unchanged).
         Enabled, the step computes each row's log w = Σ_t (log π_θ - log μ) with the
         step's starting params before the micro-batches (plus exact per-row gradient norms
@@ -189,8 +193,13 @@ class TrainConfig:
     attn_impl: str | None = None
     packed: bool = False
     vcpo: VCPOConfig = VCPOConfig()
+    logprob_chunk: int = DEFAULT_CHUNK
 
     def __post_init__(self):
+        if isinstance(self.logprob_chunk, bool) or not isinstance(self.logprob_chunk, int) \
+                or self.logprob_chunk < 0:
+            raise ValueError("TrainConfig.logprob_chunk must be an int >= 0 (tokens per head "
+                             f"chunk; 0 = full logits), got {self.logprob_chunk!r}")
         if not isinstance(self.packed, bool):
             raise ValueError(f"TrainConfig.packed must be True or False, got {self.packed!r}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import optax
 
 from models.config import ModelConfig
-from models.logprobs import token_logprobs
-from models.packed import PackedGroups, packed_token_logprobs
+from models.logprobs import token_logprobs, token_logprobs_fused
+from models.packed import PackedGroups, packed_token_logprobs, packed_token_logprobs_fused
 from rl.learner.batch import TrainBatch, TrainState
 from rl.learner.config import OffPolicyConfig, TrainConfig, make_optimizer, make_schedule, scales_lr
 from rl.learner.rewards import reward_advantages, scalar_rewards
@@ -148,13 +148,13 @@ def micro_loss(params: Params, mb: MicroBatch, ref_params: Params | None, norm: 
                version: jax.Array, *, config: TrainConfig, model_config: ModelConfig):
     """Loss of one micro-batch scaled to its share of the full batch's normaliser `norm`,
     and (metrics, share, tokens). version: the state's policy version (old_logp="versions")."""
-    logp, z = row_logprobs(config, model_config, params, mb)
+    logp, entropy = row_logprobs(config, model_config, params, mb)
     old = proximal_logprobs(config, logp, mb, version)
     ref = None
     if ref_params is not None:  # the frozen reference of the KL term: no gradient
-        ref = sg(row_logprobs(config, model_config, ref_params, mb)[0])
+        ref = sg(row_logprobs(config, model_config, ref_params, mb, entropy=False)[0])
     # the entropy's gradient is only needed when it is a bonus in the loss
-    entropy = token_entropy(z if config.loss.entropy_coef else sg(z), mb.mask)
+    entropy = jnp.where(mb.mask, entropy if config.loss.entropy_coef else sg(entropy), 0.0)
     weights, extra = offpolicy_token_weights(config.offpolicy, old, mb.behaviour, mb.mask)
     if mb.loss_weights is not None:  # a factor on top of any off-policy weights
         weights = mb.loss_weights if weights is None else weights * mb.loss_weights
@@ -171,15 +171,30 @@ def micro_loss(params: Params, mb: MicroBatch, ref_params: Params | None, norm: 
 
 # ----------------------------------------------------------------------------- the variants
 def row_logprobs(config: TrainConfig, model_config: ModelConfig, params: Params,
-                 mb: MicroBatch) -> tuple[jax.Array, jax.Array]:
-    """(logp [b, T-1], z [b, T-1, V]) of the micro-batch's rows under `params`, in the naive
-    row layout either way: the packed shared-prefix forward when the micro-batch carries
-    groups (each prompt runs once per group), else one forward over the rows."""
+                 mb: MicroBatch, entropy: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(logp [b, T-1], entropy [b, T-1]) of the micro-batch's rows under `params`, in the
+    naive row layout either way: the packed shared-prefix forward when the micro-batch
+    carries groups (each prompt runs once per group), else one forward over the rows.
+    Entries off the loss mask are meaningless (the caller masks them).
+
+    TrainConfig.logprob_chunk > 0 runs the vocabulary head chunk by chunk
+    (models.logprobs.chunked_logprobs: no [b, T-1, V] logits in memory); 0 is the slow
+    twin that materialises every logit. entropy=False: zeros instead (the reference)."""
+    chunk, temp, impl = config.logprob_chunk, config.temperature, config.attn_impl
     if mb.packed is None:
-        return token_logprobs(params, model_config, mb.tokens, mb.positions, config.temperature,
-                              config.attn_impl)
-    return packed_token_logprobs(params, model_config, mb.packed, width=mb.tokens.shape[1],
-                                 temperature=config.temperature, attn_impl=config.attn_impl)
+        if chunk:
+            return token_logprobs_fused(params, model_config, mb.tokens, mb.positions, temp,
+                                        impl, chunk=chunk, entropy=entropy)
+        logp, z = token_logprobs(params, model_config, mb.tokens, mb.positions, temp, impl)
+    else:
+        width = mb.tokens.shape[1]
+        if chunk:
+            return packed_token_logprobs_fused(params, model_config, mb.packed, width=width,
+                                               temperature=temp, attn_impl=impl, chunk=chunk,
+                                               entropy=entropy)
+        logp, z = packed_token_logprobs(params, model_config, mb.packed, width=width,
+                                        temperature=temp, attn_impl=impl)
+    return logp, (token_entropy(z) if entropy else jnp.zeros_like(logp))
 
 
 def proximal_logprobs(config: TrainConfig, logp: jax.Array, mb: MicroBatch,
