@@ -1,0 +1,542 @@
+"""Learner throughput: one full training step of SmolLM2-135M-Instruct, Tandem vs plain JAX vs
+transformers + torch, on CPU.
+
+    python -m experiments.bench_learner [--shapes 16x128,32x256] [--repeats 3]
+        [--breakdown 16x128] [--variants eigen] [--merge] [--out PATH]
+
+One step = forward, backward and one AdamW update (with global-norm clipping at 1.0,
+weight decay 0, lr 1e-6) on the same batch of B rows x T tokens (float32 everywhere):
+
+  tandem  the library's jitted step (rl.learner.make_train_step): GRPO advantages from
+          per-row rewards (groups of 8), PPO-clip token-mean loss, old_logp="current"
+          (ratio 1), no KL, unpacked rows;
+  jax     the floor the library should approach: jax.jit of jax.value_and_grad of
+          -mean(A * logp) over the masked tokens through models.decoder.forward, then an
+          optax clip + adamw update (same FLOPs: PPO-clip at ratio 1 has this gradient);
+  torch   transformers' LlamaForCausalLM loaded from the same GGUF file, the same loss,
+          torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW (foreach), 2 threads
+          (torch.set_num_threads(cores)); OMP_WAIT_POLICY is left to libgomp's default
+          unless --omp-wait-policy is given (it must be set before torch starts: the
+          script sets it in os.environ before importing torch).
+
+Rows: a prompt of T/4 tokens shared by each group of 8 rows, then a response of random
+length in [T/2, 3T/4], right padding; random token ids (seeded). Every side computes
+full-vocabulary logits for all B x T positions (no packing), so the FLOPs are the same.
+
+The sides are timed round-robin (each gets a warm-up call first: XLA compiles there) and
+the median of the repeats is reported (all kept in the JSON). FLOPs per step:
+6 x (matmul params) x B x T + 12 x B x T^2 x (heads x head_dim) x layers, i.e. forward +
+backward (x3) of every projection and of the vocabulary head (tied: 576 x 49152), plus
+QK^T and PV over the full T x T square (what the masked XLA attention computes). The
+matmul peak is measured in the same run: the best median rate of float32 matmuls in JAX
+(XLA's default dot library and Eigen, `xla_cpu_experimental_ynn_fusion_type=""`) and in
+torch, on a 2048^3 square and the model's own shapes ([B*T, 576] x [576, 1536] and the
+head [B*T, 576] x [576, 49152]).
+
+--breakdown SHAPE also times, for that shape, each side's forward only (jax / torch:
+loss without gradient), forward + backward (no update), the optimizer update alone, the
+vocabulary head's forward + backward alone (from a fixed final hidden state, incl. the
+log-softmax-gather loss), and the library's log-prob forward (models.logprobs) — so that
+the gap is located (layers vs head vs optimizer vs library overhead).
+--variants eigen adds sides "tandem[eigen]" and "jax[eigen]" compiled with
+compiler_options {"xla_cpu_experimental_ynn_fusion_type": ""} (dots by Eigen instead of
+YNNPACK: see the README/JSON for why). Writes experiments/results/bench_learner.json
+(headline: train-step tokens/s ratio tandem/torch at 32x256 (or the last shape), target 1.0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULT = Path(__file__).parent / "results" / "bench_learner.json"
+GROUP = 8
+EIGEN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def micro_batches(b: int, t: int, micro_tokens: int) -> int:
+    """Number of micro-batches: whole groups of GROUP rows, about micro_tokens tokens each."""
+    if micro_tokens <= 0:
+        return 1
+    m = max(1, min(b // GROUP, (b * t) // micro_tokens))
+    while (b // GROUP) % m:
+        m -= 1
+    return m
+
+
+def parse_shape(s: str) -> tuple[int, int]:
+    b, t = s.lower().split("x")
+    return int(b), int(t)
+
+
+# ----------------------------------------------------------------------------- batch
+def make_batch(b: int, t: int, vocab: int, seed: int = 0) -> dict[str, Any]:
+    """Host arrays: tokens [B, T] int32, loss_mask [B, T] bool (True at response tokens),
+    rewards [B] float32 and GRPO advantages [B] (group-normalised rewards)."""
+    import numpy as np
+
+    if b % GROUP:
+        raise ValueError(f"batch {b} must be a multiple of the group size {GROUP}")
+    rng = np.random.default_rng(seed)
+    p = t // 4
+    tokens = rng.integers(0, vocab, (b, t), dtype=np.int32)
+    mask = np.zeros((b, t), bool)
+    for g in range(b // GROUP):
+        rows = slice(g * GROUP, (g + 1) * GROUP)
+        tokens[rows, :p] = tokens[g * GROUP, :p]  # the group's shared prompt
+    for i in range(b):
+        r = int(rng.integers(t // 2, t - p + 1))
+        mask[i, p:p + r] = True
+        tokens[i, p + r:] = 0  # right padding
+    rewards = rng.standard_normal(b).astype(np.float32)
+    grp = rewards.reshape(-1, GROUP)
+    adv = ((grp - grp.mean(1, keepdims=True)) / (grp.std(1, keepdims=True) + 1e-6)).reshape(-1)
+    return {"tokens": tokens, "mask": mask, "rewards": rewards, "adv": adv.astype(np.float32)}
+
+
+def flop_count(cfg, b: int, t: int) -> dict[str, float]:
+    """Training FLOPs of one step (see the module docstring)."""
+    e, h, k, d, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f
+    matmul_params = cfg.num_layers * layer + e * cfg.vocab_size
+    tokens = b * t
+    dense = 6 * matmul_params * tokens
+    attn = 12 * b * t * t * h * d * cfg.num_layers
+    head = 6 * e * cfg.vocab_size * tokens
+    return {"matmul_params": matmul_params, "dense": dense, "attention": attn, "head": head,
+            "total": dense + attn}
+
+
+# ----------------------------------------------------------------------------- timing
+def round_robin(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Wall seconds of `repeats` calls of each, alternating (load hits all alike)."""
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def matmul_rates(tokens_list: list[int], seconds: float = 1.0) -> dict[str, dict[str, float]]:
+    """GFLOP/s (median) of float32 matmuls in JAX (default dot library and Eigen) and torch."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    shapes = {"square 2048^3": ((2048, 2048), (2048, 2048))}
+    for n in tokens_list:
+        shapes[f"mlp [{n},576]x[576,1536]"] = ((n, 576), (576, 1536))
+        shapes[f"head [{n},576]x[576,49152]"] = ((n, 576), (576, 49152))
+    rng = np.random.default_rng(0)
+    out: dict[str, dict[str, float]] = {}
+    for name, (sa, sb) in shapes.items():
+        a = rng.standard_normal(sa, dtype=np.float32)
+        w = rng.standard_normal(sb, dtype=np.float32) / 24.0
+        flops = 2 * sa[0] * sa[1] * sb[1]
+        ja, jw = jnp.asarray(a), jnp.asarray(w)
+        ta, tw = torch.from_numpy(a), torch.from_numpy(w)
+        calls = {}
+        for label, opts in (("jax", None), ("jax[eigen]", EIGEN)):
+            c = jax.jit(jnp.dot, compiler_options=opts).lower(ja, jw).compile()
+            calls[label] = (lambda c=c, ja=ja, jw=jw: c(ja, jw).block_until_ready())
+        calls["torch"] = lambda ta=ta, tw=tw: torch.matmul(ta, tw)
+        for fn in calls.values():
+            fn()
+        times = {k: [] for k in calls}
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds * len(calls) or len(times["torch"]) < 3:
+            for k, fn in calls.items():
+                t = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t)
+        out[name] = {k: round(flops / statistics.median(v) / 1e9, 1) for k, v in times.items()}
+        print(f"  matmul {name:32s} " + "  ".join(f"{k} {v:6.1f}" for k, v in out[name].items()),
+              flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- sides
+class JaxSides:
+    """The Tandem step, the plain-JAX step and their breakdown pieces for one batch."""
+
+    def __init__(self, config, params, batch: dict[str, Any], options: dict | None,
+                 micro_batches: int = 1):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        import optax
+
+        from models.decoder import forward
+        from models.logprobs import token_logprobs
+        from rl.learner import (
+            OptimizerConfig,
+            TrainBatch,
+            TrainConfig,
+            init_train_state,
+            make_train_step,
+        )
+        from rl.objectives.losses import LossConfig
+
+        self.jax = jax
+        b, t = batch["tokens"].shape
+        self.config = config
+        self.train_config = TrainConfig(
+            loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
+            optimizer=OptimizerConfig(name="adamw", learning_rate=1e-6, weight_decay=0.0,
+                                      max_grad_norm=1.0),
+            old_logp="current", micro_batches=micro_batches)
+        self.tandem_step = make_train_step(self.train_config, config, compiler_options=options)
+        self.tandem_batch = TrainBatch(
+            tokens=jnp.asarray(batch["tokens"]),
+            positions=jnp.asarray(np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()),
+            loss_mask=jnp.asarray(batch["mask"]),
+            behaviour_logprobs=jnp.zeros((b, t), jnp.float32),
+            versions=jnp.zeros((b, t), jnp.int32),
+            rewards=jnp.asarray(batch["rewards"][:, None]),
+            group_size=GROUP, reward_names=("reward",))
+        # the library's state is donated: keep it alive across calls
+        self.params = params
+        self.tandem_state = self.tandem_step.place_state(
+            init_train_state(jax.tree.map(jnp.copy, params), self.train_config))
+
+        tokens = jnp.asarray(batch["tokens"])
+        mask = jnp.asarray(batch["mask"][:, 1:]).astype(jnp.float32)
+        adv = jnp.asarray(batch["adv"])
+        self.data = (tokens, mask, adv)
+        m = micro_batches
+        split = lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:])
+        self.micro_data = tuple(split(x) for x in self.data)
+
+        def loss_fn(p, tokens, mask, adv, norm=None):
+            logits = forward(p, config, tokens)
+            z = logits[:, :-1]
+            picked = jnp.take_along_axis(z, tokens[:, 1:, None], axis=-1)[..., 0]
+            logp = picked - jax.nn.logsumexp(z, axis=-1)
+            norm = jnp.maximum(jnp.sum(mask), 1.0) if norm is None else norm
+            return -jnp.sum(adv[:, None] * logp * mask) / norm
+
+        def micro_value_and_grad(p, tokens, mask, adv):
+            """Gradient accumulation over the leading micro-batch axis (exact: each
+            micro-batch's loss is divided by the whole batch's token count)."""
+            if tokens.shape[0] == 1:
+                return jax.value_and_grad(loss_fn)(p, tokens[0], mask[0], adv[0])
+            norm = jnp.maximum(jnp.sum(mask), 1.0)
+
+            def body(acc, mb):
+                l, g = jax.value_and_grad(loss_fn)(p, *mb, norm)
+                return jax.tree.map(jnp.add, acc, g), l
+
+            g, ls = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), (tokens, mask, adv))
+            return jnp.sum(ls), g
+
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6, weight_decay=0.0))
+        self.tx = tx
+
+        def plain_step(p, opt_state, tokens, mask, adv):
+            loss, g = micro_value_and_grad(p, tokens, mask, adv)
+            upd, opt_state = tx.update(g, opt_state, p)
+            return optax.apply_updates(p, upd), opt_state, loss
+
+        def opt_only(p, opt_state, g):
+            upd, opt_state = tx.update(g, opt_state, p)
+            return optax.apply_updates(p, upd), opt_state
+
+        def head_loss(h, emb, tokens, mask, adv):  # final hidden [B, T, E] -> loss
+            z = jnp.einsum("bse,ve->bsv", h, emb, preferred_element_type=jnp.float32)[:, :-1]
+            picked = jnp.take_along_axis(z, tokens[:, 1:, None], axis=-1)[..., 0]
+            logp = picked - jax.nn.logsumexp(z, axis=-1)
+            return -jnp.sum(adv[:, None] * logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+        jit = lambda f, **kw: jax.jit(f, compiler_options=options, **kw)
+        self.plain_step = jit(plain_step, donate_argnums=(0, 1))
+        self.plain_state = (jax.tree.map(jnp.copy, params), tx.init(params))
+        self.fwd = jit(loss_fn)
+        self.fwd_bwd = jit(jax.value_and_grad(loss_fn))
+        self.opt = jit(opt_only)
+        self.head = jit(jax.value_and_grad(head_loss, argnums=(0, 1)))
+        self.logprobs = jit(lambda p, tk: token_logprobs(p, config, tk, self.tandem_batch.positions, 1.0)[0])
+        self.hidden = jax.random.normal(jax.random.PRNGKey(0), (b, t, config.hidden_size), jnp.float32)
+        self._grads = None
+
+    def run_tandem(self):
+        self.tandem_state, metrics = self.tandem_step(self.tandem_state, self.tandem_batch)
+        self.jax.block_until_ready(metrics["loss"])
+
+    def run_plain(self):
+        p, o, loss = self.plain_step(*self.plain_state, *self.micro_data)
+        self.plain_state = (p, o)
+        loss.block_until_ready()
+
+    def run_fwd(self):
+        self.fwd(self.params, *self.data).block_until_ready()
+
+    def run_fwd_bwd(self):
+        self._grads = None  # never hold two gradients at once
+        _, g = self.fwd_bwd(self.params, *self.data)
+        self.jax.block_until_ready(g)
+        self._grads = g
+
+    def run_opt(self):
+        if self._grads is None:
+            self.run_fwd_bwd()
+        p, o = self.opt(self.params, self.plain_state[1], self._grads)
+        self.jax.block_until_ready((p, o))
+
+    def run_head(self):
+        emb = self.params["embed"]["embedding"]
+        self.jax.block_until_ready(self.head(self.hidden, emb, *self.data))
+
+    def run_logprobs(self):
+        self.logprobs(self.params, self.data[0]).block_until_ready()
+
+
+class TorchSide:
+    """transformers + torch: the same model, loss and AdamW."""
+
+    def __init__(self, hf, batch: dict[str, Any], micro_batches: int = 1):
+        import torch
+
+        self.micro_batches = micro_batches
+        self.torch = torch
+        self.model = hf.train()
+        self.tokens = torch.from_numpy(batch["tokens"]).long()
+        self.mask = torch.from_numpy(batch["mask"][:, 1:]).float()
+        self.adv = torch.from_numpy(batch["adv"])
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6, weight_decay=0.0,
+                                     foreach=True)
+        b, t = self.tokens.shape
+        self.hidden = torch.randn(b, t, hf.config.hidden_size, requires_grad=True)
+
+    def _loss(self, logits, rows=slice(None)):
+        z = logits[:, :-1].float()
+        logp = torch_logp(self.torch, z, self.tokens[rows, 1:])
+        norm = self.mask.sum().clamp(min=1.0)  # the whole batch's tokens: exact accumulation
+        return -(self.adv[rows, None] * logp * self.mask[rows]).sum() / norm
+
+    def run_step(self):
+        self.opt.zero_grad(set_to_none=True)
+        b = self.tokens.shape[0] // self.micro_batches
+        for i in range(self.micro_batches):  # gradient accumulation, like the JAX sides
+            rows = slice(i * b, (i + 1) * b)
+            self._loss(self.model(input_ids=self.tokens[rows]).logits, rows).backward()
+        self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+
+    def run_fwd(self):
+        with self.torch.no_grad():
+            self._loss(self.model(input_ids=self.tokens).logits)
+
+    def run_fwd_bwd(self):
+        self.opt.zero_grad(set_to_none=True)
+        self._loss(self.model(input_ids=self.tokens).logits).backward()
+
+    def run_opt(self):
+        if any(p.grad is None for p in self.model.parameters()):
+            self.run_fwd_bwd()
+        self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+
+    def run_head(self):
+        w = self.model.get_output_embeddings().weight
+        self.hidden.grad = None
+        w.grad = None
+        self._loss(self.torch.nn.functional.linear(self.hidden, w)).backward()
+
+
+def torch_logp(torch, z, target):
+    return torch.gather(z, -1, target[..., None])[..., 0] - torch.logsumexp(z, dim=-1)
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m experiments.bench_learner",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="16x128,32x256", help="comma list of BxT")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--breakdown", default="16x128", help="shape(s) to break down ('' = none)")
+    ap.add_argument("--variants", default="", help="'eigen': also time the JAX sides with "
+                    "compiler_options xla_cpu_experimental_ynn_fusion_type=''")
+    ap.add_argument("--sides", default="tandem,jax,torch")
+    ap.add_argument("--micro-tokens", type=int, default=2048,
+                    help="gradient accumulation: micro-batches of about this many tokens (whole "
+                         "groups of 8 rows) on every side, so 32x256 fits in memory; 0 = none")
+    ap.add_argument("--omp-wait-policy", default=None, help="PASSIVE | ACTIVE (torch's OpenMP)")
+    ap.add_argument("--model", default="smollm2-135m", help="a registered GGUF model name")
+    ap.add_argument("--matmul-seconds", type=float, default=1.0)
+    ap.add_argument("--merge", action="store_true",
+                    help="keep rows of other shapes already in the results file")
+    ap.add_argument("--out", default=str(RESULT))
+    args = ap.parse_args(argv)
+    if args.omp_wait_policy:
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
+
+    import jax
+    import torch
+
+    from experiments.benchmarking import load_average, machine
+
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(cores)
+    load_before = load_average()
+    shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
+    breakdown = {parse_shape(s) for s in args.breakdown.split(",") if s}
+    sides = args.sides.split(",")
+    variants = [v for v in args.variants.split(",") if v]
+
+    config, params, hf = load_models(args.model)
+    n_params = int(sum(x.size for x in jax.tree.leaves(params)))
+    print(f"model {args.model}: {n_params / 1e6:.1f}M params; load {load_before}", flush=True)
+
+    rows = []
+    for b, t in shapes:
+        batch = make_batch(b, t, config.vocab_size)
+        fl = flop_count(config, b, t)
+        m = micro_batches(b, t, args.micro_tokens)
+        js = JaxSides(config, params, batch, None, m)
+        jvar = {v: JaxSides(config, params, batch, EIGEN, m) for v in variants if v == "eigen"}
+        ts = TorchSide(hf, batch, m)
+        calls: dict[str, Callable[[], Any]] = {}
+        if "tandem" in sides:
+            calls["tandem"] = js.run_tandem
+        if "jax" in sides:
+            calls["jax"] = js.run_plain
+        if "torch" in sides:
+            calls["torch"] = ts.run_step
+        for v, s in jvar.items():
+            if "tandem" in sides:
+                calls[f"tandem[{v}]"] = s.run_tandem
+            if "jax" in sides:
+                calls[f"jax[{v}]"] = s.run_plain
+        first = {}
+        for name, fn in calls.items():  # warm-up: compiles the JAX sides
+            t0 = time.perf_counter()
+            fn()
+            first[name] = round(time.perf_counter() - t0, 2)
+            print(f"  {b}x{t} warm-up {name}: {first[name]:.1f} s", flush=True)
+        times = round_robin(calls, args.repeats)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row = {"shape": f"{b}x{t}", "batch": b, "seq": t, "tokens": b * t, "micro_batches": m,
+               "loss_tokens": int(batch["mask"][:, 1:].sum()), "flops": fl,
+               "step_s": {k: round(v, 3) for k, v in med.items()},
+               "times_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
+               "first_call_s": first,
+               "tokens_per_s": {k: round(b * t / v, 1) for k, v in med.items()},
+               "gflops": {k: round(fl["total"] / v / 1e9, 1) for k, v in med.items()}}
+        if "torch" in med:
+            row["ratio_vs_torch"] = {k: round(med["torch"] / v, 3) for k, v in med.items()
+                                     if k != "torch"}
+        print(f"  {b}x{t}: " + "  ".join(f"{k} {v:.2f}s ({row['tokens_per_s'][k]:.0f} tok/s, "
+                                         f"{row['gflops'][k]:.0f} GF/s)" for k, v in med.items()),
+              flush=True)
+        if (b, t) in breakdown and m == 1:  # the pieces run on the whole batch at once
+            row["breakdown_s"] = run_breakdown(js, ts, jvar, args.repeats)
+        row["load_average"] = load_average()
+        row["max_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+        rows.append(row)
+        del js, jvar, ts
+
+    print("measuring the matmul peak ...", flush=True)
+    mm = matmul_rates(sorted({b * t for b, t in shapes}), args.matmul_seconds)
+    peak = max(v for r in mm.values() for v in r.values())
+    for row in rows:
+        row["fraction_of_peak"] = {k: round(v / peak, 3) for k, v in row["gflops"].items()}
+
+    print_table(rows, peak)
+    last = next((r for r in rows if r["shape"] == "32x256"), rows[-1])
+    result: dict[str, Any] = {
+        "headline": {"metric": f"train-step tokens/s ratio tandem/torch at {last['shape']}",
+                     "value": last.get("ratio_vs_torch", {}).get("tandem", float("nan")),
+                     "target": 1.0, "machine": machine(),
+                     "load": {"before": load_before, "after": load_average()}},
+        "targets": {"tandem_vs_torch": 1.0, "fraction_of_peak": 0.6},
+        "rows": rows,
+        "matmul_gflops": mm, "peak_gflops": peak,
+        "peak_definition": "best median GFLOP/s over the matmuls measured in this run "
+                           "(JAX default / JAX Eigen / torch; square and model shapes)",
+        "flop_formula": "6 x matmul_params x B x T + 12 x B x T^2 x heads x head_dim x layers "
+                        "(matmul_params = layers x (E*H*D + 2*E*K*D + H*D*E + 3*E*F) + E*V, head "
+                        "included; attention over the full T x T square)",
+        "params": n_params, "model": args.model, "dtype": "float32",
+        "threads": {"torch": torch.get_num_threads(),
+                    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "default (unset)"),
+                    "xla": f"default CPU pool ({cores} cores)"},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "variants": {"eigen": EIGEN} if variants else {},
+        "timing": "median of --repeats calls per side, round-robin after one warm-up call each",
+        "load_average_before": load_before, "load_average_after": load_average(),
+        "versions": {"jax": jax.__version__, "torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__},
+    }
+    out = Path(args.out)
+    if args.merge and out.exists():
+        old = json.loads(out.read_text())
+        mine = {r["shape"] for r in rows}
+        result["rows"] = [r for r in old.get("rows", []) if r["shape"] not in mine] + rows
+        result["rows"].sort(key=lambda r: r["tokens"])
+        last = next((r for r in result["rows"] if r["shape"] == "32x256"), result["rows"][-1])
+        result["headline"]["metric"] = f"train-step tokens/s ratio tandem/torch at {last['shape']}"
+        result["headline"]["value"] = last.get("ratio_vs_torch", {}).get("tandem", float("nan"))
+    from experiments.benchmarking import write_results
+    write_results(out, result)
+    print(f"wrote {out}")
+    return result
+
+
+def run_breakdown(js: JaxSides, ts: TorchSide, jvar: dict, repeats: int) -> dict:
+    calls = {"jax fwd": js.run_fwd, "torch fwd": ts.run_fwd,
+             "jax fwd+bwd": js.run_fwd_bwd, "torch fwd+bwd": ts.run_fwd_bwd,
+             "jax opt": js.run_opt, "torch opt": ts.run_opt,
+             "jax head fwd+bwd": js.run_head, "torch head fwd+bwd": ts.run_head,
+             "tandem logprobs fwd": js.run_logprobs}
+    for v, s in jvar.items():
+        calls.update({f"jax[{v}] fwd": s.run_fwd, f"jax[{v}] fwd+bwd": s.run_fwd_bwd,
+                      f"jax[{v}] head fwd+bwd": s.run_head})
+    for fn in calls.values():
+        fn()
+    times = round_robin(calls, repeats)
+    out = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    for side in ["jax", "torch"] + [f"jax[{v}]" for v in jvar]:
+        if f"{side} fwd+bwd" in out and f"{side} head fwd+bwd" in out:
+            out[f"{side} layers fwd+bwd (derived)"] = round(
+                out[f"{side} fwd+bwd"] - out[f"{side} head fwd+bwd"], 3)
+    for k, v in out.items():
+        print(f"    breakdown {k:32s} {v:7.3f} s", flush=True)
+    return out
+
+
+def load_models(name: str):
+    """(ModelConfig, JAX params, transformers model) with the same float32 weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.assets import load_model, smollm2_gguf_path
+
+    config, params, _ = load_model(name)
+    path = smollm2_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=torch.float32)
+    return config, params, hf
+
+
+def print_table(rows: list[dict], peak: float) -> None:
+    print(f"\nmeasured matmul peak {peak:.1f} GFLOP/s")
+    print(f"{'shape':>7} | {'side':>14} | {'step s':>7} | {'tok/s':>7} | {'GFLOP/s':>7} | "
+          f"{'of peak':>7} | {'vs torch':>8}")
+    for r in rows:
+        for k in r["step_s"]:
+            ratio = r.get("ratio_vs_torch", {}).get(k, 1.0 if k == "torch" else float("nan"))
+            print(f"{r['shape']:>7} | {k:>14} | {r['step_s'][k]:7.2f} | {r['tokens_per_s'][k]:7.0f} | "
+                  f"{r['gflops'][k]:7.1f} | {100 * r['fraction_of_peak'][k]:6.1f}% | {ratio:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
