@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.logprobs import token_logprobs
+from models.logprobs import token_logprobs_fused
 from rl.learner.batch import TrainBatch
 
 Params = Any
@@ -35,7 +35,8 @@ Params = Any
 def _aligned_logprobs(params, tokens, positions, mask, *, model_config, temperature, attn_impl):
     """[B, T] float32: log softmax(logits / T) at token t in column t, 0 off `mask`.
     Only the picked log-probs leave the jit (never the [B, T, V] logits)."""
-    logp, _ = token_logprobs(params, model_config, tokens, positions, temperature, attn_impl)
+    logp, _ = token_logprobs_fused(params, model_config, tokens, positions, temperature, attn_impl,
+                                   entropy=False)
     out = jnp.pad(logp, ((0, 0), (1, 0)))
     return jnp.where(mask, out, 0.0)
 

@@ -33,11 +33,10 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.logprobs import token_logprobs
+from models.logprobs import token_logprobs_fused
 from rl.learner.batch import TrainBatch
 from rl.learner.config import OffPolicyConfig, TrainConfig
 from rl.learner.proximal import check_temperature, check_train_batch
-from rl.objectives.losses import token_entropy
 
 RATIO_MODES = ("pois", "sais")
 
@@ -78,9 +77,10 @@ def apply_ratio_mode(config: TrainConfig, batch: TrainBatch, mode: str,
 
 @partial(jax.jit, static_argnames=("model_config", "temperature", "attn_impl"))
 def _token_stats(params, tokens, positions, mask, *, model_config, temperature, attn_impl):
-    logp, z = token_logprobs(params, model_config, tokens, positions, temperature, attn_impl)
+    logp, ent = token_logprobs_fused(params, model_config, tokens, positions, temperature,
+                                     attn_impl)
     m = mask[:, 1:]
-    ent = token_entropy(z, m)
+    ent = jnp.where(m, ent, 0.0)
     pad = lambda x: jnp.pad(jnp.where(m, x, 0.0), ((0, 0), (1, 0)))  # noqa: E731
     return pad(jnp.exp(logp)), pad(ent)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from models.config import ModelConfig
-from models.logprobs import token_logprobs
+from models.logprobs import token_logprobs, token_logprobs_fused
 from rl.learner.batch import TrainBatch
 from rl.learner.config import TrainConfig
 from rl.learner.rewards import scalar_rewards
@@ -67,7 +67,8 @@ def vcpo_terms(config: TrainConfig, model_config: ModelConfig, params: Any, batc
         m = config.micro_batches
 
         def fwd(xs):
-            return token_logprobs(params, model_config, *xs, config.temperature, config.attn_impl)[0]
+            return token_logprobs_fused(params, model_config, *xs, config.temperature,
+                                        config.attn_impl, entropy=False)[0]
 
         split = lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:])  # noqa: E731
         logp = jax.lax.map(fwd, (split(tokens), split(positions))).reshape(mask.shape)

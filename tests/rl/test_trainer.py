@@ -299,6 +299,8 @@ def test_step_needs_reference_exactly_with_kl(params, pg_step):
         TrainConfig(micro_batches=0)
     with pytest.raises(ValueError, match="old_logp"):
         TrainConfig(old_logp="stale")
+    with pytest.raises(ValueError, match="logprob_chunk must be an int >= 0"):
+        TrainConfig(logprob_chunk=-1)
 
 
 # ----------------------------------------------------------------------------- optimizer

@@ -4,7 +4,8 @@ KL to a reference and an entropy bonus on, so every log-prob call goes packed); 
 whose groups do not share their prompt fall back to the naive rows; bad layouts raise.
 
 The naive step (tested against hand-written per-sequence gradients in test_trainer.py) is
-the reference. One geometry (B=8 rows in 4 groups of 2, T=9, vocab 16): four compilations."""
+the reference; the chunked vocabulary head (TrainConfig.logprob_chunk, the default) is
+checked against its full-logits twin on both layouts. One geometry (B=8 rows in 4 groups of 2, T=9, vocab 16): four compilations."""
 from dataclasses import replace
 
 import jax
@@ -131,6 +132,20 @@ def test_packed_step_equals_naive(params, ref_params, naive_result):
 def test_packed_two_micro_batches_equal_naive(params, ref_params, naive_result):
     batch = batch_from_trajectory(make_traj(0), group_size=GROUP, model_config=CFG, packed=True)
     assert_same_step(run(PACKED_MB, params, ref_params, batch), naive_result, params)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_chunked_head_step_equals_full_logits_twin(params, ref_params, naive_result, packed):
+    """TrainConfig.logprob_chunk: the chunked head (3 tokens per chunk, so chunks straddle
+    rows) gives the same step as the slow twin with full [B, T-1, V] logits (chunk 0),
+    entropy bonus and KL reference included."""
+    batch = batch_from_trajectory(make_traj(0), group_size=GROUP, model_config=CFG,
+                                  packed=packed)
+    config = PACKED if packed else NAIVE
+    slow = run(replace(config, logprob_chunk=0), params, ref_params, batch)
+    assert_same_step(run(replace(config, logprob_chunk=3), params, ref_params, batch), slow,
+                     params)
+    assert_same_step(slow, naive_result, params)
 
 
 def test_unshared_prompts_fall_back_to_naive(params, ref_params):
