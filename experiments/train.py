@@ -13,7 +13,10 @@ Each iteration: task prompts -> sampler (rl.rollout) -> task rewards -> advantag
 one train_step. Prints a tqdm bar (reward, tokens/s) and eval lines; writes into the
 run dir: model.json (model, ModelConfig, task: what experiments.export reads),
 metrics.jsonl, checkpoints/ (orbax; --resume continues from the latest),
-wandb/ (offline unless --wandb online), summary.json and reward_curve.png.
+wandb/ (offline unless --wandb online), summary.json and reward_curve.png. At the end it
+prints the step profile (mean seconds and share of the step per phase, steps/hour without
+the first, compiling step, peak resident memory; rl.runtime.logging.profile_summary), also
+under "step_profile" in summary.json.
 `--results-json PATH` also writes the headline summary there (and the PNG beside it).
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ from rl.objectives.advantages import ADVANTAGE_PRESETS
 from rl.objectives.losses import LOSS_PRESETS
 from rl.runtime.checkpoint import CheckpointError
 from rl.runtime.distributed import add_distributed_flags, initialize_distributed, is_main_process
-from rl.runtime.logging import WANDB_MODES, atomic_write_json
+from rl.runtime.logging import WANDB_MODES, atomic_write_json, format_profile, profile_summary
 from rl.runtime.mesh import MESH_PRESETS, make_mesh_preset, validate_mesh
 from rl.tasks import make_task
 
@@ -372,6 +375,7 @@ def summarize(result: RunResult, preset: Preset, train: TrainConfig, loop: LoopC
         if hasattr(task, "random_baseline") else None,
         "steps": int(result.state.step),
         "wall_time_s": round(wall_s, 1),
+        "step_profile": profile_summary(result.train),
         "load_average_1_5_15min": {"before": load_before, "after": load_average()},
         "config": {"train": repr(train), "loop": dataclasses.asdict(loop),
                    "task": dict(preset.task_options), "model": preset.model},
@@ -484,7 +488,10 @@ def main(argv: list[str] | None = None) -> dict:
         path = Path(args.results_json)
         atomic_write_json(path, summary)
         plot_reward_curve(result.train, result.eval, path.with_suffix(".png"), **plot)
-    print(f"{format_summary(summary)}\nrun dir {run_dir}")
+    print(format_summary(summary))
+    if summary["step_profile"] is not None:
+        print(format_profile(summary["step_profile"]))
+    print(f"run dir {run_dir}")
     return summary
 
 
