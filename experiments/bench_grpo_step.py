@@ -192,14 +192,18 @@ def side_table(runs: list[dict]) -> dict[str, Any]:
 
 
 def compare(new: dict, old: dict | None) -> dict[str, Any]:
-    """new/old steps per hour and the reward curves' agreement."""
+    """new/old steps per hour and the reward curves' agreement. first_step_reward_equal:
+    step 1 samples from the same initial params on both sides, so equal rewards there mean
+    the two samplers draw the same tokens; if not, the curves can agree only statistically
+    (within the sampling noise of one batch)."""
     if old is None:
         return {}
     a, b = new["reward_mean_per_step"], old["reward_mean_per_step"]
     diffs = [abs(x - y) for x, y in zip(a, b)]
     return {"steps_per_hour_ratio": new["steps_per_hour"] / old["steps_per_hour"],
             "reward_mean_abs_diff": statistics.fmean(diffs) if diffs else None,
-            "reward_max_abs_diff": max(diffs) if diffs else None}
+            "reward_max_abs_diff": max(diffs) if diffs else None,
+            "first_step_reward_equal": bool(diffs) and diffs[0] == 0.0}
 
 
 def format_table(result: dict) -> str:

@@ -64,7 +64,7 @@ def test_step_walls_and_the_comparison():
     c = bench.compare(new, old)
     assert c["steps_per_hour_ratio"] == 2.0
     assert c["reward_mean_abs_diff"] == pytest.approx(0.1 / 3)
-    assert c["reward_max_abs_diff"] == pytest.approx(0.1)
+    assert c["reward_max_abs_diff"] == pytest.approx(0.1) and c["first_step_reward_equal"]
     with pytest.raises(ValueError, match="single step"):
         bench.side_table([run([30.0], [0.1])])
 
