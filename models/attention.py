@@ -106,3 +106,56 @@ def attention(
     if mask is not None:
         mask = jnp.broadcast_to(mask.astype(bool), (q.shape[0], q.shape[1], k.shape[1]))
     return _reference(q, k, v, mask) if impl == "reference" else _xla(q, k, v, mask)
+
+
+def decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    *,
+    impl: str | None = None,
+) -> jax.Array:
+    """One decode step's attention without writing the new token into the cache first.
+
+    q [batch, 1, heads, head_dim]; k, v [batch, L, kv_heads, head_dim] the cached keys
+    (any prefix of the cache that covers every row's valid entries), of which the first
+    lengths [batch] are valid; k_new, v_new [batch, kv_heads, head_dim] the new token's own
+    key/value, which every query also attends to. Same result as writing the new token at
+    index lengths[b] and calling `attention` with mask < lengths[b] + 1. Returns
+    [batch, 1, heads, head_dim] in q.dtype; softmax in float32.
+    """
+    impl = "xla" if impl is None else resolve_impl(impl)
+    if impl == "pallas":
+        raise ValueError("no pallas kernel for dense attention; use impl='xla'")
+    _check(q, k, v, None)
+    b, q_len, heads, d = q.shape
+    kv_heads, length = k.shape[2], k.shape[1]
+    if q_len != 1 or k_new.shape != (b, kv_heads, d) or v_new.shape != k_new.shape:
+        raise ValueError(f"decode_attention: q must be [batch, 1, heads, d] and k_new, v_new "
+                         f"[batch, kv_heads, d] = {(b, kv_heads, d)}; got {q.shape}, "
+                         f"{k_new.shape}, {v_new.shape}")
+    valid = jnp.arange(length)[None, :] < lengths[:, None]  # [batch, L]
+    if impl == "reference":  # the readable twin: append the new key, mask, softmax
+        k_all = jnp.concatenate([k, k_new[:, None].astype(k.dtype)], axis=1)
+        v_all = jnp.concatenate([v, v_new[:, None].astype(v.dtype)], axis=1)
+        mask = jnp.concatenate([valid, jnp.ones((b, 1), bool)], axis=1)[:, None, :]
+        return _reference(q, k_all, v_all, mask)
+    g = heads // kv_heads
+    qg = q.reshape(b, kv_heads, g, d)
+    scale = 1.0 / math.sqrt(d)
+    s_cache = jnp.einsum("bhgd,bkhd->bhgk", qg, k, preferred_element_type=jnp.float32) * scale
+    s_new = jnp.einsum("bhgd,bhd->bhg", qg, k_new.astype(q.dtype),
+                       preferred_element_type=jnp.float32) * scale
+    keep = valid[:, None, None, :]
+    s_cache = jnp.where(keep, s_cache, _MASKED)
+    m = jnp.maximum(s_cache.max(axis=-1), s_new)  # the new key is always valid: m is finite
+    p_cache = jnp.where(keep, jnp.exp(s_cache - m[..., None]), 0.0)
+    p_new = jnp.exp(s_new - m)
+    denom = p_cache.sum(axis=-1) + p_new
+    out = jnp.einsum("bhgk,bkhd->bhgd", p_cache.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    out = (out + p_new[..., None] * v_new.astype(jnp.float32)[:, :, None, :]) / denom[..., None]
+    return out.reshape(b, 1, heads, d).astype(q.dtype)

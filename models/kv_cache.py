@@ -5,15 +5,27 @@ per-layer writes, which cached keys a query may see) so the decoder only dispatc
   SegmentedKVCache  shared prompt: one prompt segment per group of N samples (stored once)
                     plus one response segment per sample; decode attention goes through
                     kernels.segment_decode (the group's N queries read the prompt once).
+
+Decode has two paths with the same result (tests/models/test_bounded_decode.py):
+  * masked (kv_bound=None, the exact slow twin): each layer writes the new token into a
+    copy of its row / response segment and attends, masked, to every allocated slot;
+  * bounded (kv_bound=int, what the sampler runs): each layer reads only the first
+    kv_bound slots of its rows / response segments, in place, and attends to the new
+    token's own key as one more key (no copy of the cache to write it); the new keys
+    are written once, after all layers (`after_decode`). kv_bound is static (the caller
+    picks it from a few buckets of the longest live row), so cost follows the tokens
+    present instead of the allocated cache.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from kernels.segment_decode import segment_decode_attention
-from models.attention import attention
+from models.attention import attention, decode_attention
 from models.config import ModelConfig
 
 
@@ -168,17 +180,79 @@ def cache_bytes(cache: KVCache | SegmentedKVCache) -> dict[str, int]:
     return {"total": cache.k.nbytes + cache.v.nbytes}
 
 
-def decode_inputs(cache: KVCache | SegmentedKVCache):
+@struct.dataclass
+class BoundedDecode:
+    """The decode `mask` of the bounded path: lengths (dense: lengths [batch]; segmented:
+    (prompt_lengths [groups], resp_lengths [groups, N])) before this step, and the static
+    bound: attend to the first `bound` slots of each row / response segment (plus the new
+    token). Every live row must have length < bound."""
+
+    lengths: Any
+    bound: int = struct.field(pytree_node=False)
+
+
+def check_kv_bound(kv_bound: int | None, limit: int) -> int | None:
+    """kv_bound as an int in [1, limit] (larger values are capped at limit), or None."""
+    if kv_bound is None:
+        return None
+    if isinstance(kv_bound, bool) or not isinstance(kv_bound, int) or kv_bound < 1:
+        raise ValueError(f"kv_bound must be an int >= 1 or None, got {kv_bound!r}")
+    return min(kv_bound, limit)
+
+
+def decode_inputs(cache: KVCache | SegmentedKVCache, kv_bound: int | None = None):
     """What the decoder's decode mode scans over and broadcasts, for either layout:
-    (positions [batch, 1], mask, start, per-layer kv arrays). Dense: mask = decode_mask,
-    start = lengths, kv = (k, v). Segmented: mask = (prompt_lengths, resp_lengths), start
-    = None, kv = (k_prompt, v_prompt, k_resp, v_resp)."""
+    (positions [batch, 1], mask, start, per-layer kv arrays). kv_bound None (the masked
+    path): dense mask = decode_mask, start = lengths, kv = (k, v); segmented mask =
+    (prompt_lengths, resp_lengths), start = None, kv = (k_prompt, v_prompt, k_resp,
+    v_resp). kv_bound int: mask = BoundedDecode(lengths, bound) (capped at the cache's
+    max_len / resp_len), the rest as above."""
     if isinstance(cache, SegmentedKVCache):
+        if kv_bound is not None:
+            bounded = BoundedDecode((cache.prompt_lengths, cache.resp_lengths),
+                                    check_kv_bound(kv_bound, cache.resp_len))
+            pos = (cache.prompt_lengths[:, None] + cache.resp_lengths).reshape(-1, 1)
+            return pos, bounded, None, (cache.k_prompt, cache.v_prompt, cache.k_resp,
+                                        cache.v_resp)
         pos = (cache.prompt_lengths[:, None] + cache.resp_lengths).reshape(-1, 1)
         return (pos, (cache.prompt_lengths, cache.resp_lengths), None,
                 (cache.k_prompt, cache.v_prompt, cache.k_resp, cache.v_resp))
+    if kv_bound is not None:
+        bounded = BoundedDecode(cache.lengths, check_kv_bound(kv_bound, cache.max_len))
+        return cache.lengths[:, None], bounded, cache.lengths, (cache.k, cache.v)
     return (cache.lengths[:, None], decode_mask(cache.lengths, cache.max_len), cache.lengths,
             (cache.k, cache.v))
+
+
+def _layer_prefix(x: jax.Array, layer: jax.Array, axis: int, bound: int) -> jax.Array:
+    """x[layer] cut to its first `bound` entries along `axis` (of x[layer]), read in place
+    (one dynamic slice, which XLA fuses into its consumer)."""
+    sizes = (1,) + tuple(bound if i == axis else n for i, n in enumerate(x.shape[1:]))
+    return jax.lax.dynamic_slice(x, (layer,) + (0,) * (x.ndim - 1), sizes)[0]
+
+
+def _decode_layer_bounded(q, k, v, kv, layer, mask: BoundedDecode, impl):
+    """The bounded path of `decode_layer`: nothing is written here; the layer reads the
+    first mask.bound slots of its cache (lengths before this step are valid there) and
+    attends to the new token's (k, v) as one more key."""
+    k_new, v_new = k[:, 0], v[:, 0]
+    bound, dt = mask.bound, q.dtype
+    if len(kv) == 4:  # segmented
+        prompt_lengths, resp_lengths = mask.lengths
+        g, n = resp_lengths.shape
+        b, _, heads, d = q.shape
+        k_resp, v_resp = (_layer_prefix(x, layer, 2, bound) for x in kv[2:])
+        out = segment_decode_attention(
+            q.reshape(g, n, heads, d), kv[0][layer].astype(dt), kv[1][layer].astype(dt),
+            k_resp.astype(dt), v_resp.astype(dt), prompt_lengths=prompt_lengths,
+            resp_lengths=jnp.minimum(resp_lengths, bound),
+            k_new=k_new.reshape(g, n, *k_new.shape[1:]),
+            v_new=v_new.reshape(g, n, *v_new.shape[1:]), impl=impl)
+        return out.reshape(b, 1, heads, d), (k_new, v_new)
+    k_cache, v_cache = (_layer_prefix(x, layer, 1, bound).astype(dt) for x in kv)
+    out = decode_attention(q, k_cache, v_cache, jnp.minimum(mask.lengths, bound), k_new, v_new,
+                           impl=impl)
+    return out, (k_new, v_new)
 
 
 def decode_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, layer: jax.Array, mask,
@@ -190,7 +264,10 @@ def decode_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, layer: jax
     Attends to every valid cached key of the layer plus the new token, which is written
     into a copy of this layer's row/response segment only (the prompt segment is never
     copied). Returns (out [batch, 1, heads, head_dim], the new token's (k, v) [batch,
-    kv_heads, head_dim]) for `after_decode` to write into the cache once for all layers."""
+    kv_heads, head_dim]) for `after_decode` to write into the cache once for all layers.
+    A BoundedDecode mask takes the bounded path (see the module docstring)."""
+    if isinstance(mask, BoundedDecode):
+        return _decode_layer_bounded(q, k, v, kv, layer, mask, impl)
     new = (k[:, 0], v[:, 0])
     if len(kv) == 4:  # segmented
         k_prompt, v_prompt, k_resp, v_resp = (x[layer] for x in kv)

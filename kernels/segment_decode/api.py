@@ -72,6 +72,8 @@ def segment_decode_attention(
     *,
     prompt_lengths: jax.Array,
     resp_lengths: jax.Array,
+    k_new: jax.Array | None = None,
+    v_new: jax.Array | None = None,
     sm_scale: float | None = None,
     impl: str | None = None,
     block_k: int = 128,
@@ -83,7 +85,9 @@ def segment_decode_attention(
     prompt_lengths[g] keys of its group's prompt segment (stored once per group) and to
     the first resp_lengths[g, n] keys of its own response segment. No causal mask: the
     query is the newest token, whose K/V the caller has already written into the
-    response segment. Softmax in float32; a query with no valid key outputs zeros.
+    response segment -- or passes it as k_new / v_new instead, which saves writing it into
+    a copy of the segment (decode then writes it into the cache once, after all layers).
+    Softmax in float32; a query with no valid key outputs zeros.
 
     Args:
       q: [groups, N, heads, head_dim].
@@ -92,6 +96,8 @@ def segment_decode_attention(
       prompt_lengths: [groups] int, in [0, P] (may be 0).
       resp_lengths: [groups, N] int, in [0, R_max] (may be 0). Under jit, values outside
         the range cannot be checked and are clipped.
+      k_new, v_new: [groups, N, kv_heads, head_dim] (optional, together): one more key /
+        value per sample, outside the segments, always valid (the query's own token).
       sm_scale: score scale; None means 1 / sqrt(head_dim).
       impl: "reference" | "xla" | "pallas" | None (Pallas on GPU/TPU, XLA on CPU).
       block_k: Pallas key tile (power of two >= 16); the response segment is split-K in
@@ -115,7 +121,15 @@ def segment_decode_attention(
     sm_scale = float(sm_scale)
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale must be finite, got {sm_scale}")
-    args = (q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, resp_lengths)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if k_new is not None:
+        want = (g, n, k_prompt.shape[2], q.shape[3])
+        if k_new.shape != want or v_new.shape != want:
+            raise ValueError(f"k_new and v_new must be [groups, N, kv_heads, head_dim] = {want}, "
+                             f"got {k_new.shape} and {v_new.shape}")
+        k_new, v_new = k_new.astype(q.dtype), v_new.astype(q.dtype)
+    args = (q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, resp_lengths, k_new, v_new)
     if impl == "reference":
         return segment_decode_attention_reference(*args, sm_scale=sm_scale)
     if impl == "xla":

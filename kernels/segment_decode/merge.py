@@ -90,3 +90,25 @@ def reduce_attention_states(
     inv = jnp.where(l_new > 0, 1.0 / jnp.where(l_new > 0, l_new, 1.0), 0.0)
     o_new = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * o, 0.0), axis=axis)
     return o_new * inv[..., None], m_new, l_new
+
+
+def new_token_state(q: jax.Array, k_new: jax.Array, v_new: jax.Array, sm_scale: float
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The partial state over ONE key per sample that is not in any stored segment (the
+    decoding token's own key): its softmax over a single key is 1, so o = v_new, m = the
+    scaled score, l = 1. Lets decode attend to the new token without first writing it
+    into a copy of the cache.
+
+    Args:
+      q: [groups, N, heads, head_dim]; k_new, v_new: [groups, N, kv_heads, head_dim]
+        (query head h uses kv head h // (heads // kv_heads)).
+    Returns:
+      (o [groups, N, kv_heads, heads_per_kv, head_dim], m, l [groups, N, kv_heads,
+      heads_per_kv]) in float32.
+    """
+    g, n, h, d = q.shape
+    kvh = k_new.shape[2]
+    q5 = q.reshape(g, n, kvh, h // kvh, d).astype(jnp.float32)
+    s = jnp.einsum("gnkhd,gnkd->gnkh", q5, k_new.astype(jnp.float32)) * sm_scale
+    o = jnp.broadcast_to(v_new.astype(jnp.float32)[:, :, :, None, :], q5.shape)
+    return o, s, jnp.ones_like(s)

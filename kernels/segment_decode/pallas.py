@@ -26,7 +26,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels.segment_decode.layout import fold_for_prompt, split_heads, unfold_from_prompt
-from kernels.segment_decode.merge import merge_attention_states, reduce_attention_states
+from kernels.segment_decode.merge import (
+    merge_attention_states,
+    new_token_state,
+    reduce_attention_states,
+)
 
 MIN_ROWS = 16  # Triton's tl.dot needs at least 16 rows; query rows are zero-padded up to it.
 
@@ -212,7 +216,8 @@ def _empty_state(g: int, n: int, kvh: int, hpk: int, d: int):
                                    "block_q"))
 def segment_decode_attention_pallas(
     q: jax.Array, k_prompt: jax.Array, v_prompt: jax.Array, k_resp: jax.Array,
-    v_resp: jax.Array, prompt_lengths: jax.Array, resp_lengths: jax.Array, *,
+    v_resp: jax.Array, prompt_lengths: jax.Array, resp_lengths: jax.Array,
+    k_new: jax.Array | None = None, v_new: jax.Array | None = None, *,
     sm_scale: float, block_k: int = 128, interpret: bool = False,
     blocks_per_split: int = 4, block_q: int = 64,
 ) -> jax.Array:
@@ -222,6 +227,8 @@ def segment_decode_attention_pallas(
     [groups, N, heads, head_dim] in q's dtype. `blocks_per_split` is the number of
     block_k tiles of the prompt one program handles (more splits = more parallelism for
     long prompts); `block_q` caps the folded query rows per program (power of two >= 16).
+    k_new, v_new [groups, N, kv_heads, d] (optional): one more key per sample, merged as a
+    third state (see merge.new_token_state).
     """
     g, n, h, d = q.shape
     p, kvh = k_prompt.shape[1], k_prompt.shape[2]
@@ -237,5 +244,7 @@ def segment_decode_attention_pallas(
     else:
         resp = response_state_pallas(q, k_resp, v_resp, resp_lengths, sm_scale=sm_scale,
                                      block_k=block_k, interpret=interpret)
-    o, _, _ = merge_attention_states(*prompt, *resp)
+    o, m, l = merge_attention_states(*prompt, *resp)
+    if k_new is not None:
+        o, _, _ = merge_attention_states(o, m, l, *new_token_state(q, k_new, v_new, sm_scale))
     return o.reshape(g, n, h, d).astype(q.dtype)

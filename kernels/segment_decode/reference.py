@@ -61,14 +61,20 @@ def replicate_segments(
 @partial(jax.jit, static_argnames=("sm_scale",))
 def segment_decode_attention_reference(
     q: jax.Array, k_prompt: jax.Array, v_prompt: jax.Array, k_resp: jax.Array,
-    v_resp: jax.Array, prompt_lengths: jax.Array, resp_lengths: jax.Array, *, sm_scale: float,
+    v_resp: jax.Array, prompt_lengths: jax.Array, resp_lengths: jax.Array,
+    k_new: jax.Array | None = None, v_new: jax.Array | None = None, *, sm_scale: float,
 ) -> jax.Array:
     """Reference segment decode attention (inputs already validated by the public entry).
 
     Shapes as in `kernels.segment_decode.segment_decode_attention`; returns
-    [groups, N, heads, head_dim] in q's dtype.
+    [groups, N, heads, head_dim] in q's dtype. k_new, v_new [groups, N, kv_heads, d]
+    (optional) are appended to every sample's key set as one more valid key.
     """
     k, v, valid = replicate_segments(
         k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, resp_lengths
     )
+    if k_new is not None:
+        k = jnp.concatenate([k, k_new[:, :, None].astype(k.dtype)], axis=2)
+        v = jnp.concatenate([v, v_new[:, :, None].astype(v.dtype)], axis=2)
+        valid = jnp.concatenate([valid, jnp.ones(valid.shape[:2] + (1,), bool)], axis=2)
     return masked_decode_attention(q, k, v, valid, sm_scale)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.segment_decode.layout import fold_for_prompt, split_heads, unfold_from_prompt
-from kernels.segment_decode.merge import merge_attention_states
+from kernels.segment_decode.merge import merge_attention_states, new_token_state
 
 
 def _partial_state(
@@ -74,16 +74,20 @@ def response_state_xla(q, k_resp, v_resp, resp_lengths, sm_scale):
 @partial(jax.jit, static_argnames=("sm_scale",))
 def segment_decode_attention_xla(
     q: jax.Array, k_prompt: jax.Array, v_prompt: jax.Array, k_resp: jax.Array,
-    v_resp: jax.Array, prompt_lengths: jax.Array, resp_lengths: jax.Array, *, sm_scale: float,
+    v_resp: jax.Array, prompt_lengths: jax.Array, resp_lengths: jax.Array,
+    k_new: jax.Array | None = None, v_new: jax.Array | None = None, *, sm_scale: float,
 ) -> jax.Array:
     """XLA segment decode attention (inputs already validated by the public entry).
 
     Shapes as in `kernels.segment_decode.segment_decode_attention`; returns
-    [groups, N, heads, head_dim] in q's dtype.
+    [groups, N, heads, head_dim] in q's dtype. k_new, v_new [groups, N, kv_heads, d]
+    (optional): one more key per sample, outside the segments, merged as a third state.
     """
     g, n, h, d = q.shape
-    o, _, _ = merge_attention_states(
+    o, m, l = merge_attention_states(
         *prompt_state_xla(q, k_prompt, v_prompt, prompt_lengths, sm_scale),
         *response_state_xla(q, k_resp, v_resp, resp_lengths, sm_scale),
     )
+    if k_new is not None:
+        o, _, _ = merge_attention_states(o, m, l, *new_token_state(q, k_new, v_new, sm_scale))
     return o.reshape(g, n, h, d).astype(q.dtype)

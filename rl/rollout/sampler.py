@@ -49,7 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from rl.rollout.sampler_core import ReplicatedFill, SegmentedFill, decode_segment_jit, fill_jit
+from rl.rollout.sampler_core import (
+    ReplicatedFill,
+    SegmentedFill,
+    decode_segment_donated_jit,
+    decode_segment_jit,
+    fill_jit,
+)
 from rl.rollout.sampler_state import (
     SamplerState,
     SamplingConfig,
@@ -343,15 +349,63 @@ def load_samples(params: Params, state: SamplerState, samples: Sequence[PartialS
                  logprobs, versions, done, stopped)
 
 
-def decode_segment(params: Params, state: SamplerState, num_tokens: int, version: int) -> SamplerState:
+def kv_bucket(n: int, limit: int) -> int:
+    """The bounded decode's static cache bound for a longest live length needing n slots:
+    n rounded up to a multiple of 16 up to 64, beyond that to 3/4 or all of the next
+    power of two (<= 50 % padding, ~2 compiled bounds per octave), capped at `limit`."""
+    if n <= 64:
+        return min(limit, max(16, -(-n // 16) * 16))
+    p = 1 << (n - 1).bit_length()
+    return min(limit, 3 * p // 4 if n <= 3 * p // 4 else p)
+
+
+def plan_bounded_decode(longest: int, num_tokens: int, limit: int) -> list[tuple[int, int]]:
+    """Split num_tokens decode steps into chunks (steps, kv_bound) so that during each
+    chunk every live slot's cache length (at most `longest` before the call, + 1 per step)
+    stays below the chunk's bound: a slot's new key goes to index length, the bounded
+    attention reads indices < kv_bound. limit: the cache's allocated slots per row."""
+    chunks, length, left = [], longest, num_tokens
+    while left > 0 and length < limit:
+        bound = kv_bucket(length + 1, limit)
+        steps = min(left, bound - length)
+        chunks.append((steps, bound))
+        length, left = length + steps, left - steps
+    return chunks
+
+
+def decode_segment(params: Params, state: SamplerState, num_tokens: int, version: int, *,
+                   bounded: bool = True) -> SamplerState:
     """Advance every live slot by at most num_tokens tokens (fewer if it hits a stop id or
     its budget), drawing from `params` and stamping `version` on each new token. Swapping
     params between calls is how new policy versions enter the rollout. num_tokens and
-    version are traced, so changing them does not recompile."""
+    version are traced, so changing them does not recompile.
+
+    bounded=True (default): decode cost follows the tokens present. The host reads the
+    longest live cache length (one small transfer) and runs the steps in chunks, each
+    compiled for a static bound from a few buckets (`kv_bucket`): attention reads only the
+    first bound slots of each cache row in place, and the new keys are written once per
+    step after all layers. bounded=False: the masked decode over every allocated slot (the
+    exact slow twin; same tokens and log-probs to float rounding, tested)."""
     num_tokens = positive_int("num_tokens", num_tokens)
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
         raise ValueError(f"version must be an int >= 0, got {version!r}")
-    return decode_segment_jit(params, state, jnp.int32(num_tokens), jnp.int32(version))
+    version = jnp.int32(version)
+    if not bounded:
+        return decode_segment_jit(params, state, jnp.int32(num_tokens), version)
+    cache = state.cache
+    if state.kv_layout == "segmented":
+        lengths, limit = cache.resp_lengths, cache.resp_len
+    else:
+        lengths, limit = cache.lengths, cache.max_len
+    lengths, done = jax.device_get((lengths, state.done))
+    live = np.asarray(lengths).reshape(-1)[~np.asarray(done)]
+    if live.size == 0:
+        return state
+    for i, (steps, bound) in enumerate(plan_bounded_decode(int(live.max()), num_tokens, limit)):
+        # The first chunk keeps the caller's state intact; later ones consume our own.
+        fn = decode_segment_jit if i == 0 else decode_segment_donated_jit
+        state = fn(params, state, jnp.int32(steps), version, kv_bound=bound)
+    return state
 
 
 # ----------------------------------------------------------------------------- convenience

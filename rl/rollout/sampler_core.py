@@ -226,9 +226,14 @@ def fill_impl(params: Params, state: SamplerState, fill: ReplicatedFill | Segmen
 
 
 def decode_segment_impl(params: Params, state: SamplerState, num_tokens: jax.Array,
-                        version: jax.Array) -> SamplerState:
+                        version: jax.Array, kv_bound: int | None = None) -> SamplerState:
     """Pure body of `decode_segment`: up to num_tokens decode steps in one while_loop;
-    stops early when all slots are done. num_tokens, version: int32 scalars. Not jitted."""
+    stops early when all slots are done. num_tokens, version: int32 scalars. kv_bound
+    (static): None runs the masked decode over every allocated cache slot (the exact
+    slow twin); an int runs the bounded decode, which reads only the first kv_bound slots
+    of each cache row / response segment, so the caller must keep every live slot's cache
+    length below kv_bound for all num_tokens steps (`rl.rollout.sampler.decode_segment`
+    plans that). Not jitted."""
     s, r_max = state.response_ids.shape
     rows = jnp.arange(s)
     stop = state.stop_ids
@@ -241,7 +246,7 @@ def decode_segment_impl(params: Params, state: SamplerState, num_tokens: jax.Arr
         i, st = carry
         live = ~st.done
         logits, cache = _decode_jit(params, st.pending, st.cache, config=st.config,
-                                    attn_impl=st.attn_impl)
+                                    attn_impl=st.attn_impl, kv_bound=kv_bound)
         # Done slots computed a throw-away step: keep their cache length (the write they
         # made lies past it, or is dropped, and is never read).
         cache = kvc.keep_lengths_where(cache, st.cache, live)
@@ -267,6 +272,10 @@ def decode_segment_impl(params: Params, state: SamplerState, num_tokens: jax.Arr
 
 
 fill_jit = jax.jit(fill_impl)
-decode_segment_jit = jax.jit(decode_segment_impl)
+decode_segment_jit = jax.jit(decode_segment_impl, static_argnames="kv_bound")
+# The same, consuming its input state (in place): for the later chunks of one
+# `decode_segment` call, whose input is an intermediate state nobody else holds.
+decode_segment_donated_jit = jax.jit(decode_segment_impl, static_argnames="kv_bound",
+                                     donate_argnums=1)
 
 
