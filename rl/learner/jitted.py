@@ -80,6 +80,26 @@ def _check_packed_rows(batch: TrainBatch) -> None:
                          "batch_from_trajectory(..., packed=True)")
 
 
+# XLA CPU: hand only the dots to YNNPACK. Its default also fuses reductions and
+# elementwise work (the vocabulary head's log-sum-exp and entropy sums), which ran several
+# times slower than XLA's own loops: the SmolLM2 packed GRPO step took 32.5 s with the
+# default and 26.8 s with dots only (experiments/bench_learner.py measures it).
+CPU_DEFAULT_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_DOT"),)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_default_options() -> tuple:
+    """CPU_DEFAULT_OPTIONS when the default backend is the CPU and this jaxlib knows them
+    (checked once by compiling a trivial function), else ()."""
+    if jax.default_backend() != "cpu":
+        return ()
+    try:
+        jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(dict(CPU_DEFAULT_OPTIONS))
+    except Exception:  # an older / newer jaxlib without the option: XLA's defaults
+        return ()
+    return CPU_DEFAULT_OPTIONS
+
+
 class JittedTrainStep:
     """`train_step` compiled for one (TrainConfig, ModelConfig[, mesh]); call it as
     `state, metrics = step(state, batch[, ref_params])`. The state is donated: do not
@@ -91,7 +111,9 @@ class JittedTrainStep:
                  mesh: jax.sharding.Mesh | None = None, rules: LogicalRules = DEFAULT_RULES,
                  compiler_options: Mapping[str, Any] | None = None):
         self.config, self.model_config, self.mesh, self.rules = config, model_config, mesh, rules
-        self._opts = None if compiler_options is None else tuple(sorted(compiler_options.items()))
+        # the CPU defaults, overridable key by key by the caller's options
+        opts = {**dict(cpu_default_options()), **dict(compiler_options or {})}
+        self._opts = tuple(sorted(opts.items())) or None
 
     def place_state(self, state: TrainState) -> TrainState:
         """Put `state` on the mesh with its shardings (without a mesh: commit it to the
@@ -141,7 +163,8 @@ def make_train_step(config: TrainConfig, model_config: ModelConfig,
     """The jitted step (see JittedTrainStep). Without a mesh: plain jit on the default
     device; with one: explicit in/out shardings from the logical rules. compiler_options
     are passed to XLA (e.g. {"xla_backend_optimization_level": 0} compiles about twice
-    as fast on CPU and runs slower: useful for short CPU runs and tests)."""
+    as fast on CPU and runs slower: useful for short CPU runs and tests), on top of
+    `cpu_default_options()` on CPU (a key given here wins)."""
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
     if not isinstance(model_config, ModelConfig):

@@ -317,3 +317,15 @@ def test_schedules_follow_their_formulas():
         OptimizerConfig(schedule="cosine")
     with pytest.raises(ValueError, match="learning_rate"):
         OptimizerConfig(learning_rate=float("nan"))
+
+
+def test_cpu_default_compiler_options_apply_and_yield_to_the_caller():
+    """On CPU the step hands only dots to YNNPACK (rl.learner.jitted.CPU_DEFAULT_OPTIONS),
+    and a caller's option with the same key wins; the option really compiles here."""
+    from rl.learner.jitted import CPU_DEFAULT_OPTIONS, cpu_default_options
+    assert jax.default_backend() == "cpu" and cpu_default_options() == CPU_DEFAULT_OPTIONS
+    key, value = CPU_DEFAULT_OPTIONS[0]
+    assert dict(make_train_step(PG_CONFIG, CFG)._opts)[key] == value
+    opts = dict(make_train_step(PG_CONFIG, CFG, compiler_options={key: "",
+                                                                  "xla_backend_optimization_level": 0})._opts)
+    assert opts == {key: "", "xla_backend_optimization_level": 0}
