@@ -42,8 +42,8 @@ def test_sync_run_logs_a_complete_step_profile(policy, tmp_path):
         assert r["learner_s"] <= r["train_s"] + 1e-6
         assert r["prefill_s"] + r["decode_s"] + r["reward_s"] <= r["rollout_s"] + 1e-6
         assert r["peak_rss_mb"] > 10.0
-    # the first step compiles the sampler and the train step: it is the slowest
-    assert res.train[0]["learner_s"] > max(r["learner_s"] for r in res.train[1:])
+    # (whether the first step compiles depends on what earlier tests in this process
+    # compiled: the jitted step is cached per config, so its time is not asserted here)
     summary = profile_summary(res.train)
     assert summary["steps_measured"] == 2 and not summary["compile_step_included"]
     assert summary["steps_per_hour"] == pytest.approx(
