@@ -306,15 +306,6 @@ class Decoder(nn.Module):
         return nn.with_logical_constraint(logits, ("batch", "seq", "vocab")), kv
 
 
-def head_matrix(params: Params, config: ModelConfig) -> jax.Array:
-    """The vocabulary head [embed, vocab] in the compute dtype: logits = hidden @ head
-    (the embedding's transpose when tied, else lm_head/kernel)."""
-    dt = jnp.dtype(config.dtype)
-    if config.tie_word_embeddings:
-        return params["embed"]["embedding"].astype(dt).T
-    return params["lm_head"]["kernel"].astype(dt)
-
-
 class _Head(nn.Module):
     """Untied output projection; holds lm_head/kernel [embed, vocab]."""
 

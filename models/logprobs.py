@@ -19,16 +19,23 @@ Two paths with the same results (to float rounding; tests/models/test_logprobs.p
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.decoder import Decoder, forward, head_matrix, segment_mask, validate_tokens
+from models.decoder import Decoder, Params, forward, segment_mask, validate_tokens
 
-Params = Any
 DEFAULT_CHUNK = 1024  # tokens per head chunk: [1024, 49152] fp32 logits = 200 MB
+
+
+def head_matrix(params: Params, config: ModelConfig) -> jax.Array:
+    """The vocabulary head [embed, vocab] in the compute dtype: logits = hidden @ head
+    (the embedding's transpose when tied, else lm_head/kernel)."""
+    dt = jnp.dtype(config.dtype)
+    if config.tie_word_embeddings:
+        return params["embed"]["embedding"].astype(dt).T
+    return params["lm_head"]["kernel"].astype(dt)
 
 
 def token_logprobs(params: Params, model_config: ModelConfig, tokens: jax.Array,

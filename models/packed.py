@@ -36,11 +36,10 @@ from models.decoder import (
     Decoder,
     Params,
     _is_concrete,
-    head_matrix,
     init_params,
     validate_tokens,
 )
-from models.logprobs import DEFAULT_CHUNK, chunked_logprobs
+from models.logprobs import DEFAULT_CHUNK, chunked_logprobs, head_matrix
 from models.packed_layout import PackedGroups, packed_tokens_and_positions
 
 
@@ -273,6 +272,15 @@ def _token_logprobs_fused_jit(params, packed, temperature, *, config, attn_impl,
     return to_rows(logp, packed, width), to_rows(ent, packed, width)
 
 
+def _check_rows_call(params, config, packed: PackedGroups, width, attn_impl) -> int:
+    """Boundary checks of the naive-row-layout entry points; returns the width as an int."""
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 2:
+        raise ValueError(f"width must be the naive row width T >= 2 (an int), got {width!r}")
+    _validate(params, config, packed.prompt_tokens, packed.prompt_lengths,
+              packed.response_tokens, packed.response_lengths, attn_impl)
+    return int(width)
+
+
 def packed_token_logprobs_fused(
     params: Params,
     config: ModelConfig,
@@ -288,12 +296,9 @@ def packed_token_logprobs_fused(
     `packed_token_logprobs`, but through the chunked head (models.logprobs.chunked_logprobs):
     the logits exist only per chunk of `chunk` response tokens, never as [B, T-1, V].
     Entries at columns that predict no response token are 0; entropy=False gives zeros."""
-    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 2:
-        raise ValueError(f"width must be the naive row width T >= 2 (an int), got {width!r}")
-    _validate(params, config, packed.prompt_tokens, packed.prompt_lengths,
-              packed.response_tokens, packed.response_lengths, attn_impl)
+    width = _check_rows_call(params, config, packed, width, attn_impl)
     return _token_logprobs_fused_jit(params, packed, _check_temperature(temperature),
-                                     config=config, attn_impl=attn_impl, width=int(width),
+                                     config=config, attn_impl=attn_impl, width=width,
                                      chunk=chunk, entropy=entropy)
 
 
@@ -316,12 +321,9 @@ def packed_token_logprobs(
       (column prompt_length - 1 + t) they equal the naive batch's log-probs and scaled
       logits (logits / temperature); every other entry is 0.
     """
-    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 2:
-        raise ValueError(f"width must be the naive row width T >= 2 (an int), got {width!r}")
-    _validate(params, config, packed.prompt_tokens, packed.prompt_lengths,
-              packed.response_tokens, packed.response_lengths, attn_impl)
+    width = _check_rows_call(params, config, packed, width, attn_impl)
     return _token_logprobs_jit(params, packed, _check_temperature(temperature), config=config,
-                               attn_impl=attn_impl, width=int(width))
+                               attn_impl=attn_impl, width=width)
 
 
 def _rows_by_group(group_ids: np.ndarray) -> np.ndarray | dict:

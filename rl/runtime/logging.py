@@ -183,13 +183,10 @@ def reset_peak_rss() -> bool:
 def peak_rss_mb() -> float | None:
     """The process's peak resident memory in MB (10^6 bytes): VmHWM from /proc/self/status,
     else getrusage's ru_maxrss; None if neither is available."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e6  # kB
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6  # kB
     try:
         import resource
         import sys
@@ -253,7 +250,7 @@ class NullProfile:
     """A StepProfile that records nothing (the default where no profile is asked for)."""
 
     def add(self, name: str, seconds: float) -> None:
-        pass
+        """Ignore the phase (nothing is recorded)."""
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from models.config import ModelConfig, get_config
-from models.decoder import forward, head_matrix, init_params
-from models.logprobs import chunked_logprobs, token_logprobs, token_logprobs_fused
+from models.decoder import forward, init_params
+from models.logprobs import chunked_logprobs, head_matrix, token_logprobs, token_logprobs_fused
 from models.packed import pack_groups, packed_token_logprobs, packed_token_logprobs_fused
 
 TINY = get_config("tiny")
