@@ -42,6 +42,7 @@ from rl.runtime.checkpoint import CheckpointError
 from rl.runtime.distributed import add_distributed_flags, initialize_distributed, is_main_process
 from rl.runtime.logging import WANDB_MODES, atomic_write_json, format_profile, profile_summary
 from rl.runtime.mesh import MESH_PRESETS, make_mesh_preset, validate_mesh
+from rl.runtime.runlock import RunLockError, check_run_dir_free
 from rl.tasks import make_task
 
 
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="init and rollout seed (default 0)")
     p.add_argument("--run-dir", help="output directory (default runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--resume-from-last-good", action="store_true",
+                   help="with --resume: if the latest checkpoint fails verification (or is "
+                        "incomplete), skip it for the previous good one")
     p.add_argument("--wandb", default="offline", choices=WANDB_MODES,
                    help="wandb mode: offline (default, files in the run dir), online, disabled")
     p.add_argument("--lr", type=float, help="learning rate")
@@ -425,6 +429,13 @@ def main(argv: list[str] | None = None) -> dict:
             (run_dir / "checkpoints").iterdir()) and not args.resume:
         build_parser().error(f"run dir {str(run_dir)!r} already holds checkpoints; pass --resume to "
                              "continue it or choose another --run-dir")
+    if args.resume_from_last_good and not args.resume:
+        build_parser().error("--resume-from-last-good goes with --resume")
+    try:  # fail before loading the model; the loop holds the lock while it trains
+        if is_main_process():
+            check_run_dir_free(run_dir)
+    except RunLockError as err:
+        sys.exit(f"error: {err}")
     command = "python -m experiments.train " + " ".join(sys.argv[1:] if argv is None else argv)
     load_before = load_average()
     t0 = time.perf_counter()
@@ -456,12 +467,14 @@ def main(argv: list[str] | None = None) -> dict:
         if acfg is None:
             result = run(config, params, task, train, loop, run_dir, resume=args.resume,
                          wandb_mode=args.wandb, run_config=run_config, mesh=mesh,
-                         progress=not args.no_progress and is_main_process())
+                         progress=not args.no_progress and is_main_process(),
+                         resume_from_last_good=args.resume_from_last_good)
         else:
             result = run_async(config, params, task, train, loop, acfg, run_dir,
                                resume=args.resume, wandb_mode=args.wandb, run_config=run_config,
-                               mesh=mesh, progress=not args.no_progress)
-    except CheckpointError as err:
+                               mesh=mesh, progress=not args.no_progress,
+                               resume_from_last_good=args.resume_from_last_good)
+    except (CheckpointError, RunLockError) as err:
         sys.exit(f"error: {err}")
     except KeyboardInterrupt:
         if acfg is None:

@@ -250,10 +250,12 @@ def run_async(
     on_eval: Callable[[dict], Any] | None = None,
     on_step: Callable[[dict], Any] | None = None,
     compiler_options: dict | None = None,
+    resume_from_last_good: bool = False,
 ) -> RunResult:
     """Train with the asynchronous loop (module doc) for loop.steps optimizer steps.
 
-    Same outputs as rl.loops.run (metrics.jsonl, checkpoints/, wandb, RunResult);
+    Same outputs as rl.loops.run (metrics.jsonl, checkpoints/, wandb, RunResult; the
+    same run-dir lock and resume_from_last_good);
     train records add buffer_* counters, behaviour_version_* / version_lag_*, and
     rollout_wait_s (time the learner waited for data), and the step profile
     (rl.runtime.logging.StepProfile, the learner thread's view: step_s, prefill_s /
@@ -277,7 +279,7 @@ def run_async(
     rollout_device, mesh = _split_devices(acfg, mesh)
     ctx = open_run(model_config, params, train_cfg, loop, run_dir, resume=resume,
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
-                   compiler_options=compiler_options)
+                   compiler_options=compiler_options, resume_from_last_good=resume_from_last_good)
     state, logger, ckpt = ctx.state, ctx.logger, ctx.ckpt
     b, k = loop.prompts_per_step, acfg.max_staleness
     v0 = int(state.version)

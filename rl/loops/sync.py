@@ -55,8 +55,9 @@ from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.engine import RolloutConfig, RolloutEngine
 from rl.rollout.sampler_state import SamplingConfig
 from rl.runtime.checkpoint import Checkpointer, CheckpointError
-from rl.runtime.distributed import process_local, process_shard
+from rl.runtime.distributed import is_main_process, process_local, process_shard
 from rl.runtime.logging import NULL_PROFILE, MetricsLogger, StepProfile
+from rl.runtime.runlock import RunLock
 from rl.tasks.base import Prompt, Task
 from rl.trajectory import Trajectory, concat_trajectories
 
@@ -442,22 +443,25 @@ class RunContext:
 
 def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: LoopConfig,
              run_dir: Path, *, resume: bool, wandb_mode: str, run_config: dict | None,
-             mesh: jax.sharding.Mesh | None, compiler_options: dict | None) -> RunContext:
-    """Run dir, own copy of the params (+ frozen reference with KL), fresh or restored
-    state placed for the jitted step, checkpointer and logger."""
+             mesh: jax.sharding.Mesh | None, compiler_options: dict | None,
+             resume_from_last_good: bool = False) -> RunContext:
+    """Run dir (process 0 holds its lock, rl.runtime.runlock, until ckpt.close()), own copy
+    of the params (+ frozen reference with KL), fresh or restored state placed for the
+    jitted step, checkpointer and logger."""
     if resume and not (run_dir / "checkpoints").is_dir():
         raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ directory "
                               "(run without resume first, or point at an existing run dir)")
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir, enabled=is_main_process())  # one writer; before anything compiles
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints, lock=lock)
     params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
     ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
     state = init_train_state(params, config, loop.seed)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints)
     data_position, meta = 0, {}
     if resume:
         try:  # straight onto the mesh (no one-device copy; needed across processes)
             shardings = None if mesh is None else state_shardings(model_config, config, mesh)
-            state, meta = ckpt.restore(state, shardings=shardings)
+            state, meta = ckpt.restore(state, shardings=shardings, fallback=resume_from_last_good)
         except BaseException:
             ckpt.close()
             raise
@@ -531,20 +535,23 @@ def run(
     progress: bool = True,
     on_eval: Callable[[dict], Any] | None = None,
     compiler_options: dict | None = None,
+    resume_from_last_good: bool = False,
 ) -> RunResult:
     """Train `params` on `task` with synchronous GRPO for loop.steps optimizer steps.
 
     Writes into run_dir: metrics.jsonl (train + eval records), checkpoints/ (orbax),
     wandb files (mode "offline"/"online"). resume=True restores the latest checkpoint
-    of run_dir (CheckpointError if there is none or it is damaged) and continues to
-    loop.steps. compiler_options go to XLA for the train step (see make_train_step).
+    of run_dir (CheckpointError if there is none or it is damaged; resume_from_last_good:
+    skip a damaged one for the one before) and continues to loop.steps. A second process
+    training in run_dir is a RunLockError (rl.runtime.runlock). compiler_options go to XLA
+    for the train step (see make_train_step).
     `params` are the initial weights (also the frozen KL reference when
     config.loss.kl_coef > 0); they are copied, never donated.
     """
     run_dir = Path(run_dir)
     ctx = open_run(model_config, params, config, loop, run_dir, resume=resume,
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
-                   compiler_options=compiler_options)
+                   compiler_options=compiler_options, resume_from_last_good=resume_from_last_good)
     state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn
     data_position, start = ctx.data_position, ctx.start
     try:
