@@ -135,12 +135,14 @@ def _read_model_json(run_dir: Path) -> tuple[dict, ModelConfig]:
 
 def _restore_params(ckpt_dir: Path, config: ModelConfig, step: int | None) -> tuple[Any, int]:
     """(params, step) of checkpoint `step` (default: latest), restoring only the params
-    subtree of the saved TrainState (no optimizer state is read or needed)."""
+    subtree of the saved TrainState (no optimizer state is read or needed), verified
+    against the checksums saved with it (rl.runtime.checkpoint; older checkpoints have
+    none and are read unverified)."""
     import jax
     import orbax.checkpoint as ocp
 
     from models.decoder import init_params
-    from rl.runtime.checkpoint import Checkpointer  # noqa: F401  (quiets orbax's logging)
+    from rl.runtime.checkpoint import CHECKSUM_KEY, CheckpointError, verify
 
     hint = "train with --save-every or let it finish"
     if not ckpt_dir.is_dir():
@@ -166,12 +168,20 @@ def _restore_params(ckpt_dir: Path, config: ModelConfig, step: int | None) -> tu
         try:
             out = manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args,
-                                             partial_restore=True)))
+                                             partial_restore=True),
+                meta=ocp.args.JsonRestore()))
         except Exception as err:  # orbax raises many types for damaged or mismatched files
             raise ExportError(
                 f"checkpoint step {step} in {str(ckpt_dir)!r} could not be read as this run's "
                 f"params ({type(err).__name__}: {str(err)[:300]}); it is incomplete, corrupted "
                 "or does not match model.json's model_config") from err
+        meta = dict(out["meta"]) if isinstance(out["meta"], dict) else {}
+        if CHECKSUM_KEY in meta:
+            try:
+                verify(f"checkpoint step {step} in {str(ckpt_dir)!r}", out["state"], meta,
+                       meta.pop(CHECKSUM_KEY), partial=True)
+            except CheckpointError as err:
+                raise ExportError(str(err)) from err
     finally:
         manager.close()
     return out["state"]["params"], int(step)

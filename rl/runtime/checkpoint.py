@@ -255,9 +255,10 @@ class Checkpointer:
         self.close()
 
 
-def verify(where: str, state: Any, meta: dict, sums: Any) -> None:
+def verify(where: str, state: Any, meta: dict, sums: Any, *, partial: bool = False) -> None:
     """Raise CheckpointError unless `meta` (without the checksums) and every leaf of
-    `state` match the checksums `sums` saved with them."""
+    `state` match the checksums `sums` saved with them. partial=True: `state` may be a
+    subtree restored alone (e.g. {"params": ...}); each of its leaves must be checksummed."""
     if not isinstance(sums, dict) or not isinstance(sums.get("arrays"), dict):
         raise CheckpointError(f"{where}: its checksum record is damaged ({str(sums)[:200]})")
     rest = {k: v for k, v in sums.items() if k != "record"}
@@ -267,7 +268,7 @@ def verify(where: str, state: Any, meta: dict, sums: Any) -> None:
     saved = sums["arrays"]
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
     paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in flat]
-    if sorted(paths) != sorted(saved):
+    if (set(paths) - set(saved)) if partial else (sorted(paths) != sorted(saved)):
         missing, extra = sorted(set(saved) - set(paths)), sorted(set(paths) - set(saved))
         raise CheckpointError(f"{where} holds other arrays than this run's state (saved only: "
                               f"{missing[:5]}, restored only: {extra[:5]}); it does not match "

@@ -60,26 +60,27 @@ def orbax_restore(directory, step, template):
             state=ocp.args.StandardRestore(abstract)))["state"]
 
 
-def flip_accepted_bit(directory, step, template):
-    """Flip one bit in the largest chunk file of checkpoint `step` at an offset orbax
-    still reads; returns the tree paths whose restored values changed."""
+def flip_accepted_bit(directory, step, template, want=lambda path: True):
+    """Flip one bit in a chunk file of checkpoint `step` (largest first) at an offset
+    orbax still reads and that changes a leaf whose path satisfies `want`; returns the
+    tree paths whose restored values changed."""
     original = host_leaves(template)
-    path = data_files(os.path.join(directory, str(step)))[0]
-    raw = open(path, "rb").read()
-    for frac in (0.5, 0.3, 0.7, 0.1, 0.9, 0.2, 0.8):
-        damaged = bytearray(raw)
-        damaged[int(len(raw) * frac)] ^= 0x04
+    for path in data_files(os.path.join(directory, str(step))):
+        raw = open(path, "rb").read()
+        for frac in (0.5, 0.3, 0.7, 0.1, 0.9, 0.2, 0.8):
+            damaged = bytearray(raw)
+            damaged[int(len(raw) * frac)] ^= 0x04
+            with open(path, "wb") as fh:
+                fh.write(bytes(damaged))
+            try:
+                restored = host_leaves(orbax_restore(directory, step, template))
+            except Exception:  # this offset broke the chunk's framing: orbax notices
+                continue
+            changed = [k for k, v in restored.items() if not np.array_equal(v, original[k])]
+            if changed and all(want(k) for k in changed):
+                return changed
         with open(path, "wb") as fh:
-            fh.write(bytes(damaged))
-        try:
-            restored = host_leaves(orbax_restore(directory, step, template))
-        except Exception:  # this offset broke the chunk's framing: orbax notices, try another
-            continue
-        changed = [k for k, v in restored.items() if not np.array_equal(v, original[k])]
-        if changed:
-            return changed
-    with open(path, "wb") as fh:
-        fh.write(raw)
+            fh.write(raw)
     raise AssertionError("no single-bit flip that orbax accepts was found")
 
 
@@ -200,3 +201,21 @@ def test_checkpoint_without_checksums_restores_with_a_warning(tmp_path):
 def test_reserved_meta_key_is_refused(tmp_path):
     with Checkpointer(tmp_path / "ck") as ck, pytest.raises(ValueError, match="reserved"):
         ck.save(1, random_state(6), {"_checksums": 1})
+
+
+def test_export_refuses_damaged_params(tmp_path):
+    from experiments.export import ExportError, load_run, model_record
+    from experiments.train import PRESETS
+    from rl.runtime.logging import atomic_write_json
+
+    preset = PRESETS["tiny-synthetic"]
+    state = random_state(7)
+    atomic_write_json(tmp_path / "run" / "model.json", model_record(preset, CFG, 0))
+    with Checkpointer(tmp_path / "run" / "checkpoints") as ck:
+        ck.save(1, state, {"data_position": 0})
+    policy = load_run(tmp_path / "run")  # intact: verified and exported
+    assert leaves_equal(policy.params, state.params)
+    changed = flip_accepted_bit(tmp_path / "run" / "checkpoints", 1, state,
+                                want=lambda path: path.startswith("params/"))
+    with pytest.raises(ExportError, match=f"array {changed[0]} fails its checksum"):
+        load_run(tmp_path / "run")
