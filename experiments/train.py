@@ -32,9 +32,10 @@ from typing import Any
 from experiments.benchmarking import load_average, machine
 from models.config import get_config
 from models.decoder import init_params
-from rl.learner import OptimizerConfig, TrainConfig
+from rl.learner import NonFiniteError, OptimizerConfig, TrainConfig
 from rl.loops import AsyncConfig, LoopConfig, RunResult, run, run_async
 from rl.loops.asynchronous import MODES, PROXIMAL, ROLLOUTS
+from rl.loops.validation import CHANGEABLE_ON_RESUME, ConfigError, validate_run
 from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
 from rl.objectives.advantages import ADVANTAGE_PRESETS
 from rl.objectives.losses import LOSS_PRESETS
@@ -139,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="init and rollout seed (default 0)")
     p.add_argument("--run-dir", help="output directory (default runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--allow-config-change", nargs="+", default=[], metavar="FIELD",
+                   choices=sorted(CHANGEABLE_ON_RESUME),
+                   help="--resume: let these fields differ from the checkpoint's recorded config "
+                        "(steps and the time limit always may; what is learned never may)")
+    p.add_argument("--unchecked", action="store_true",
+                   help="train without the checked step (rl.learner.checked: a non-finite "
+                        "reward, loss or gradient stops the run naming the step and group)")
     p.add_argument("--wandb", default="offline", choices=WANDB_MODES,
                    help="wandb mode: offline (default, files in the run dir), online, disabled")
     p.add_argument("--lr", type=float, help="learning rate")
@@ -277,7 +285,10 @@ def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig
         loop_kw["time_limit_s"] = 60.0 * args.time_limit
     if args.dynamic_sampling:
         loop_kw["dynamic_sampling"] = True
+    if args.unchecked:
+        loop_kw["checked"] = False
     loop = dataclasses.replace(loop, **loop_kw)
+    validate_run(train, loop)  # before any model is loaded or compiled
     return preset, train, loop
 
 
@@ -456,12 +467,14 @@ def main(argv: list[str] | None = None) -> dict:
         if acfg is None:
             result = run(config, params, task, train, loop, run_dir, resume=args.resume,
                          wandb_mode=args.wandb, run_config=run_config, mesh=mesh,
-                         progress=not args.no_progress and is_main_process())
+                         progress=not args.no_progress and is_main_process(),
+                         allow_config_changes=args.allow_config_change)
         else:
             result = run_async(config, params, task, train, loop, acfg, run_dir,
                                resume=args.resume, wandb_mode=args.wandb, run_config=run_config,
-                               mesh=mesh, progress=not args.no_progress)
-    except CheckpointError as err:
+                               mesh=mesh, progress=not args.no_progress,
+                               allow_config_changes=args.allow_config_change)
+    except (CheckpointError, ConfigError, NonFiniteError) as err:
         sys.exit(f"error: {err}")
     except KeyboardInterrupt:
         if acfg is None:
