@@ -32,9 +32,10 @@ from typing import Any
 from experiments.benchmarking import load_average, machine
 from models.config import get_config
 from models.decoder import init_params
-from rl.learner import OptimizerConfig, TrainConfig
+from rl.learner import NonFiniteError, OptimizerConfig, TrainConfig
 from rl.loops import AsyncConfig, LoopConfig, RunResult, run, run_async
 from rl.loops.asynchronous import MODES, PROXIMAL, ROLLOUTS
+from rl.loops.validation import CHANGEABLE_ON_RESUME, ConfigError, validate_run
 from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
 from rl.objectives.advantages import ADVANTAGE_PRESETS
 from rl.objectives.losses import LOSS_PRESETS
@@ -143,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-from-last-good", action="store_true",
                    help="with --resume: if the latest checkpoint fails verification (or is "
                         "incomplete), skip it for the previous good one")
+    p.add_argument("--allow-config-change", nargs="+", default=[], metavar="FIELD",
+                   choices=sorted(CHANGEABLE_ON_RESUME),
+                   help="--resume: let these fields differ from the checkpoint's recorded config "
+                        "(steps and the time limit always may; what is learned never may)")
+    p.add_argument("--unchecked", action="store_true",
+                   help="train without the checked step (rl.learner.checked: a non-finite "
+                        "reward, loss or gradient stops the run naming the step and group)")
     p.add_argument("--wandb", default="offline", choices=WANDB_MODES,
                    help="wandb mode: offline (default, files in the run dir), online, disabled")
     p.add_argument("--lr", type=float, help="learning rate")
@@ -281,7 +289,10 @@ def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig
         loop_kw["time_limit_s"] = 60.0 * args.time_limit
     if args.dynamic_sampling:
         loop_kw["dynamic_sampling"] = True
+    if args.unchecked:
+        loop_kw["checked"] = False
     loop = dataclasses.replace(loop, **loop_kw)
+    validate_run(train, loop)  # before any model is loaded or compiled
     return preset, train, loop
 
 
@@ -468,13 +479,15 @@ def main(argv: list[str] | None = None) -> dict:
             result = run(config, params, task, train, loop, run_dir, resume=args.resume,
                          wandb_mode=args.wandb, run_config=run_config, mesh=mesh,
                          progress=not args.no_progress and is_main_process(),
+                         allow_config_changes=args.allow_config_change,
                          resume_from_last_good=args.resume_from_last_good)
         else:
             result = run_async(config, params, task, train, loop, acfg, run_dir,
                                resume=args.resume, wandb_mode=args.wandb, run_config=run_config,
                                mesh=mesh, progress=not args.no_progress,
+                               allow_config_changes=args.allow_config_change,
                                resume_from_last_good=args.resume_from_last_good)
-    except (CheckpointError, RunLockError) as err:
+    except (CheckpointError, ConfigError, NonFiniteError, RunLockError) as err:
         sys.exit(f"error: {err}")
     except KeyboardInterrupt:
         if acfg is None:

@@ -40,6 +40,10 @@ def test_resume_is_exact_and_outputs_are_written(tmp_path):
 
     full_state, full_meta = restore(full_dir, 4)
     split_state, split_meta = restore(split_dir, 4)
+    # every checkpoint records the run's config (what a resume is checked against)
+    full_config, split_config = full_meta.pop("config"), split_meta.pop("config")
+    assert full_config == split_config and full_config["loop.steps"] == 4
+    assert full_config["loop.group_size"] == 4 and full_config["train.temperature"] == 1.0
     assert full_meta == split_meta == {"data_position": 8, "task": "synthetic", "step": 4}
     assert leaves_equal(full_state, split_state)
     assert int(split_state.step) == 4

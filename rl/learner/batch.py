@@ -83,7 +83,13 @@ class TrainBatch:
     loss_weights: jax.Array | None = None
 
 
-def _reward_columns(rewards: Any, batch: int) -> tuple[tuple[str, ...], np.ndarray]:
+class NonFiniteError(ValueError):
+    """A reward, log-prob, loss or gradient is NaN or inf (raised by the batch builders on
+    host data and by the checked step, rl.learner.checked, under jit)."""
+
+
+def _reward_columns(rewards: Any, batch: int, group_size: int | None = None
+                    ) -> tuple[tuple[str, ...], np.ndarray]:
     """{name: [B]} or [B] -> (names, [B, K] float32), with clear errors."""
     if rewards is None:
         raise ValueError("rewards are missing: attach them to the Trajectory (with_rewards) "
@@ -101,9 +107,12 @@ def _reward_columns(rewards: Any, batch: int) -> tuple[tuple[str, ...], np.ndarr
                              f"response), got shape {col.shape}")
         bad = ~np.isfinite(col)
         if bad.any():
-            raise ValueError(f"rewards[{name!r}] has non-finite values (NaN or inf) at rows "
-                             f"{np.flatnonzero(bad).tolist()[:8]}; the reward function must "
-                             "return finite numbers")
+            rows = np.flatnonzero(bad)
+            groups = "" if not group_size else (
+                f" (groups {sorted(set((rows // group_size).tolist()))[:8]})")
+            raise NonFiniteError(f"rewards[{name!r}] has non-finite values (NaN or inf) at rows "
+                                 f"{rows.tolist()[:8]}{groups}; the reward function must "
+                                 "return finite numbers")
         cols.append(col)
     return names, np.stack(cols, axis=1).astype(np.float32)
 
@@ -139,7 +148,8 @@ def batch_from_trajectory(
                          "one group (e.g. dynamic sampling dropped every group)")
     if b % group_size:
         raise ValueError(f"batch of {b} responses is not a whole number of groups of size {group_size}")
-    names, reward_cols = _reward_columns(traj.rewards if rewards is None else rewards, b)
+    names, reward_cols = _reward_columns(traj.rewards if rewards is None else rewards, b,
+                                         group_size)
     gids = np.asarray(traj.group_ids).reshape(-1, group_size)
     if not (gids == gids[:, :1]).all():
         raise ValueError(f"group_ids must be contiguous blocks of group_size={group_size} equal ids "

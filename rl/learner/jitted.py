@@ -20,6 +20,7 @@ from models.config import ModelConfig
 from models.decoder import init_params, param_logical_axes
 from models.sharding import DEFAULT_RULES, LogicalRules, logical_to_mesh_sharding, mesh_context
 from rl.learner.batch import TrainBatch, TrainState, init_train_state
+from rl.learner.checked import checked_train_step, checkified, throw
 from rl.learner.config import TrainConfig, make_optimizer
 from rl.learner.step import train_step
 from rl.runtime.mesh import batch_sharding
@@ -51,17 +52,23 @@ def state_shardings(model_config: ModelConfig, config: TrainConfig, mesh: jax.sh
 
 @functools.lru_cache(maxsize=64)
 def _jitted(config: TrainConfig, model_config: ModelConfig, mesh: jax.sharding.Mesh | None,
-            rules: LogicalRules, with_ref: bool, compiler_options: tuple | None):
+            rules: LogicalRules, with_ref: bool, compiler_options: tuple | None,
+            checked: bool = False):
     """One jax.jit object per (configs, mesh, ...): every JittedTrainStep with the same key
-    shares its compilations (e.g. a run resumed in the same process compiles nothing)."""
-    body = partial(train_step, config=config, model_config=model_config)
+    shares its compilations (e.g. a run resumed in the same process compiles nothing).
+    checked: the checkify'd rl.learner.checked step, returning (error, (state, metrics))."""
+    step = checked_train_step if checked else train_step
+    body = partial(step, config=config, model_config=model_config)
+    if checked:
+        body = checkified(body)
     opts = None if compiler_options is None else dict(compiler_options)
     if mesh is None:
         return jax.jit(body, donate_argnums=0, compiler_options=opts)
     st = state_shardings(model_config, config, mesh, rules)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     ins = (st, batch_sharding(mesh)) + ((st.params,) if with_ref else ())
-    return jax.jit(body, in_shardings=ins, out_shardings=(st, rep), donate_argnums=0,
+    outs = (rep, (st, rep)) if checked else (st, rep)  # the error's scalars: replicated
+    return jax.jit(body, in_shardings=ins, out_shardings=outs, donate_argnums=0,
                    compiler_options=opts)
 
 
@@ -105,12 +112,15 @@ class JittedTrainStep:
     `state, metrics = step(state, batch[, ref_params])`. The state is donated: do not
     use the state you passed in after the call. With a mesh, inputs are placed with
     explicit shardings (B must be divisible by data * fsdp * micro_batches) and the
-    model's activation annotations become sharding constraints."""
+    model's activation annotations become sharding constraints. checked: run the
+    rl.learner.checked step (checkify): a non-finite reward, behaviour log-prob, loss or
+    gradient norm raises rl.learner.checked.NonFiniteError naming the update and group."""
 
     def __init__(self, config: TrainConfig, model_config: ModelConfig,
                  mesh: jax.sharding.Mesh | None = None, rules: LogicalRules = DEFAULT_RULES,
-                 compiler_options: Mapping[str, Any] | None = None):
+                 compiler_options: Mapping[str, Any] | None = None, checked: bool = False):
         self.config, self.model_config, self.mesh, self.rules = config, model_config, mesh, rules
+        self.checked = bool(checked)
         # the CPU defaults, overridable key by key by the caller's options
         opts = {**dict(cpu_default_options()), **dict(compiler_options or {})}
         self._opts = tuple(sorted(opts.items())) or None
@@ -140,7 +150,12 @@ class JittedTrainStep:
                 raise ValueError(f"the packed batch has {g} groups; with TrainConfig.packed they "
                                  "must be divisible by data*fsdp*micro_batches = "
                                  f"{rows * self.config.micro_batches} on this mesh")
-        return self._apply(lambda fn, *args: fn(*args), state, batch, ref_params)
+        out = self._apply(lambda fn, *args: fn(*args), state, batch, ref_params)
+        if not self.checked:
+            return out
+        err, out = out
+        throw(err)
+        return out
 
     def lower(self, state: TrainState, batch: TrainBatch, ref_params: Params | None = None):
         """The step lowered for these arguments (`.compile().as_text()` gives the HLO, e.g.
@@ -149,7 +164,7 @@ class JittedTrainStep:
 
     def _apply(self, call, state, batch, ref_params):
         fn = _jitted(self.config, self.model_config, self.mesh, self.rules,
-                     ref_params is not None, self._opts)
+                     ref_params is not None, self._opts, self.checked)
         args = (state, batch) + ((ref_params,) if ref_params is not None else ())
         if self.mesh is None:
             return call(fn, *args)
@@ -159,12 +174,14 @@ class JittedTrainStep:
 
 def make_train_step(config: TrainConfig, model_config: ModelConfig,
                     mesh: jax.sharding.Mesh | None = None, rules: LogicalRules = DEFAULT_RULES,
-                    compiler_options: Mapping[str, Any] | None = None) -> JittedTrainStep:
+                    compiler_options: Mapping[str, Any] | None = None,
+                    checked: bool = False) -> JittedTrainStep:
     """The jitted step (see JittedTrainStep). Without a mesh: plain jit on the default
     device; with one: explicit in/out shardings from the logical rules. compiler_options
     are passed to XLA (e.g. {"xla_backend_optimization_level": 0} compiles about twice
     as fast on CPU and runs slower: useful for short CPU runs and tests), on top of
-    `cpu_default_options()` on CPU (a key given here wins)."""
+    `cpu_default_options()` on CPU (a key given here wins). checked: the checkify'd step
+    of rl.learner.checked (what the loops use by default)."""
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
     if not isinstance(model_config, ModelConfig):
@@ -172,4 +189,4 @@ def make_train_step(config: TrainConfig, model_config: ModelConfig,
     if mesh is not None:  # heads / kv_heads / mlp / vocab vs the mesh: a clear error, before compiling
         from rl.runtime.mesh import validate_mesh
         validate_mesh(mesh, model_config, rules=rules)
-    return JittedTrainStep(config, model_config, mesh, rules, compiler_options)
+    return JittedTrainStep(config, model_config, mesh, rules, compiler_options, checked)

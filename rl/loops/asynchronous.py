@@ -69,6 +69,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
@@ -78,7 +79,7 @@ from tqdm.auto import tqdm
 
 from models.config import ModelConfig
 from models.sharding import make_mesh
-from rl.learner.batch import TrainBatch, TrainState
+from rl.learner.batch import NonFiniteError, TrainBatch, TrainState
 from rl.learner.config import TrainConfig
 from rl.learner.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
 from rl.learner.snapshots import ParamSnapshots
@@ -251,6 +252,7 @@ def run_async(
     on_step: Callable[[dict], Any] | None = None,
     compiler_options: dict | None = None,
     resume_from_last_good: bool = False,
+    allow_config_changes: Sequence[str] = (),
 ) -> RunResult:
     """Train with the asynchronous loop (module doc) for loop.steps optimizer steps.
 
@@ -263,7 +265,8 @@ def run_async(
     on the producer thread, or a deterministic APRIL round), host_s, proximal_s (exact /
     EWMA proximal log-probs and the EWMA update), learner_s, transfer_s, other_s,
     peak_rss_mb; in threaded mode the producer's sampling overlaps these phases and is
-    not split). on_step(record) is called after
+    not split). resume / allow_config_changes: as rl.loops.run (the AsyncConfig is part
+    of the recorded config). on_step(record) is called after
     each train record (raise KeyboardInterrupt there to stop the run like Ctrl-C). In
     threaded mode with several devices and mesh=None, the training devices get a
     data-parallel mesh (the batch's rows must divide by their number)."""
@@ -279,7 +282,9 @@ def run_async(
     rollout_device, mesh = _split_devices(acfg, mesh)
     ctx = open_run(model_config, params, train_cfg, loop, run_dir, resume=resume,
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
-                   compiler_options=compiler_options, resume_from_last_good=resume_from_last_good)
+                   compiler_options=compiler_options, allow_config_changes=allow_config_changes,
+                   extra_config={"async": acfg, "task": task.name},
+                   resume_from_last_good=resume_from_last_good)
     state, logger, ckpt = ctx.state, ctx.logger, ctx.ckpt
     b, k = loop.prompts_per_step, acfg.max_staleness
     v0 = int(state.version)
@@ -306,8 +311,8 @@ def run_async(
         return published["latest"]
 
     def save(step: int, st: TrainState) -> None:
-        meta = {"task": task.name, "async": {"mode": acfg.mode, "max_staleness": k,
-                                             "buffer": buffer.stats()}}
+        meta = {"task": task.name, "config": ctx.config,
+                "async": {"mode": acfg.mode, "max_staleness": k, "buffer": buffer.stats()}}
         if april is not None:  # the FIFO of unfinished groups is restored on resume
             april_state = april.state() if producer is None else producer.april_snapshot[0]
             atomic_write_bytes(run_dir / "rollout_state" / f"{step}.npz",
@@ -387,8 +392,11 @@ def run_async(
                 while got is None:
                     if april is None:
                         sampler = st.replace(params=snaps[bv], version=jnp.asarray(bv, jnp.int32))
-                        groups, sampler, pos, stats = sample_batch_groups(
-                            sampler, model_config, task, config, loop, pos, prof)
+                        try:
+                            groups, sampler, pos, stats = sample_batch_groups(
+                                sampler, model_config, task, config, loop, pos, prof)
+                        except NonFiniteError as err:  # a task's reward: name the step too
+                            raise NonFiniteError(f"step {step + 1}: {err}") from None
                         st = st.replace(rng=sampler.rng)
                     else:
                         with prof.phase("wait_s"):  # a whole APRIL round
@@ -415,6 +423,8 @@ def run_async(
                 got, t_wait = None, time.perf_counter()
                 while got is None:
                     got = buffer.get_batch(b, v, timeout=0.1)
+                    if isinstance(producer.error, NonFiniteError):  # a task's reward
+                        raise NonFiniteError(f"step {step + 1}: {producer.error}")
                     if producer.error is not None:
                         raise RuntimeError(
                             f"the rollout thread failed: {type(producer.error).__name__}: "

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from models.config import ModelConfig
 from rl.learner.batch import (
+    NonFiniteError,
     TrainBatch,
     TrainState,
     batch_from_trajectory,
@@ -41,6 +42,7 @@ from rl.learner.batch import (
 from rl.learner.config import TrainConfig
 from rl.learner.jitted import make_train_step, state_shardings
 from rl.loops.buffer import ScoredGroup
+from rl.loops.validation import ConfigError, check_resume_config, config_record, validate_run
 from rl.loops.evaluation import (
     accuracy_name,
     batch_reward_metrics,
@@ -74,7 +76,9 @@ class LoopConfig:
     batches); seed: the run's seed (rollout rng, eval sampling); eval_sampled_prompts:
     how many of the eval prompts the sampled (train-temperature) eval pass uses (0 = all;
     the greedy pass always uses all); time_limit_s: wall-time budget of the run in
-    seconds (0 = none): the step that crosses it is the last (eval and save as usual)."""
+    seconds (0 = none): the step that crosses it is the last (eval and save as usual);
+    checked: run the checked train step (rl.learner.checked: a non-finite reward,
+    log-prob, loss or gradient stops the run naming the step and group)."""
 
     steps: int = 100
     prompts_per_step: int = 8
@@ -90,6 +94,7 @@ class LoopConfig:
     seed: int = 0
     eval_sampled_prompts: int = 0
     time_limit_s: float = 0.0
+    checked: bool = True
 
     def __post_init__(self):
         if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s >= 0):
@@ -102,6 +107,8 @@ class LoopConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {v!r}")
+        if not isinstance(self.checked, bool):
+            raise ValueError(f"LoopConfig.checked must be True or False, got {self.checked!r}")
 
 
 @dataclasses.dataclass
@@ -182,8 +189,9 @@ def score(task: Task, prompts: Sequence[Prompt], traj: Trajectory) -> dict[str, 
             except (TypeError, ValueError):
                 raise ValueError(f"reward {n!r} of row {i} is not a number: {v!r}") from None
             if not math.isfinite(f):
-                raise ValueError(f"reward {n!r} of row {i} is {f} (NaN/inf): the task's reward "
-                                 "function must return finite numbers")
+                raise NonFiniteError(f"reward {n!r} of row {i} (group {int(gids[i])}) is {f} "
+                                     "(NaN/inf): the task's reward function must return finite "
+                                     "numbers")
             out[n][i] = f
     return out
 
@@ -433,6 +441,7 @@ class RunContext:
     data_position: int
     start: int
     meta: dict
+    config: dict  # config_record of this run: every checkpoint's meta carries it
 
     def close(self) -> None:
         try:
@@ -444,10 +453,16 @@ class RunContext:
 def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: LoopConfig,
              run_dir: Path, *, resume: bool, wandb_mode: str, run_config: dict | None,
              mesh: jax.sharding.Mesh | None, compiler_options: dict | None,
+             allow_config_changes: Sequence[str] = (), extra_config: dict | None = None,
              resume_from_last_good: bool = False) -> RunContext:
     """Run dir (process 0 holds its lock, rl.runtime.runlock, until ckpt.close()), own copy
     of the params (+ frozen reference with KL), fresh or restored state placed for the
-    jitted step, checkpointer and logger."""
+    jitted step, checkpointer and logger. Validates the configs first
+    (rl.loops.validation); a resume must match the checkpoint's recorded config (but for
+    `allow_config_changes`) and have steps left to run."""
+    validate_run(config, loop)
+    record = config_record(config, loop, extra_config)
+    check_resume_config(None, record, allow_config_changes)  # the names are valid
     if resume and not (run_dir / "checkpoints").is_dir():
         raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ directory "
                               "(run without resume first, or point at an existing run dir)")
@@ -467,15 +482,25 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
             raise
         data_position = int(meta["data_position"])
     start = int(state.step)
+    if resume:
+        try:
+            check_resume_config(meta.get("config"), record, allow_config_changes)
+            if start >= loop.steps:
+                raise ConfigError(f"nothing to resume: the checkpoint is at step {start} and "
+                                 f"steps is {loop.steps}; pass a larger --steps to go on")
+        except ValueError:
+            ckpt.close()
+            raise
     logger = MetricsLogger(run_dir, wandb_mode=wandb_mode, config=run_config,
                            resume_step=start if resume else None, run_name=run_dir.name)
     if jax.process_count() > 1 and mesh is None:
         raise ValueError("a multi-process run needs a mesh over the devices of all processes "
                          "(e.g. rl.runtime.mesh.make_mesh_preset('dp'))")
-    step_fn = make_train_step(config, model_config, mesh, compiler_options=compiler_options)
+    step_fn = make_train_step(config, model_config, mesh, compiler_options=compiler_options,
+                              checked=loop.checked)
     state = step_fn.place_state(state)
     return RunContext(state=state, ref=ref, ckpt=ckpt, logger=logger, step_fn=step_fn,
-                      data_position=data_position, start=start, meta=meta)
+                      data_position=data_position, start=start, meta=meta, config=record)
 
 
 def run_clock(logger: MetricsLogger) -> Callable[[], float]:
@@ -536,22 +561,27 @@ def run(
     on_eval: Callable[[dict], Any] | None = None,
     compiler_options: dict | None = None,
     resume_from_last_good: bool = False,
+    allow_config_changes: Sequence[str] = (),
 ) -> RunResult:
     """Train `params` on `task` with synchronous GRPO for loop.steps optimizer steps.
 
     Writes into run_dir: metrics.jsonl (train + eval records), checkpoints/ (orbax),
     wandb files (mode "offline"/"online"). resume=True restores the latest checkpoint
     of run_dir (CheckpointError if there is none or it is damaged; resume_from_last_good:
-    skip a damaged one for the one before) and continues to loop.steps. A second process
-    training in run_dir is a RunLockError (rl.runtime.runlock). compiler_options go to XLA
-    for the train step (see make_train_step).
+    skip a damaged one for the one before) and continues to loop.steps; the checkpoint's
+    recorded config must equal this one but for steps, the time limit and the
+    `allow_config_changes` (rl.loops.validation). A second process training in run_dir is
+    a RunLockError (rl.runtime.runlock). compiler_options go to XLA for the train step
+    (see make_train_step).
     `params` are the initial weights (also the frozen KL reference when
     config.loss.kl_coef > 0); they are copied, never donated.
     """
     run_dir = Path(run_dir)
     ctx = open_run(model_config, params, config, loop, run_dir, resume=resume,
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
-                   compiler_options=compiler_options, resume_from_last_good=resume_from_last_good)
+                   compiler_options=compiler_options, allow_config_changes=allow_config_changes,
+                   extra_config={"task": task.name},
+                   resume_from_last_good=resume_from_last_good)
     state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn
     data_position, start = ctx.data_position, ctx.start
     try:
@@ -564,8 +594,11 @@ def run(
         for step in range(start, loop.steps):
             prof.start()
             t0 = time.perf_counter()
-            batch, state, data_position, stats = collect_batch(state, model_config, task, config,
-                                                               loop, data_position, prof)
+            try:
+                batch, state, data_position, stats = collect_batch(
+                    state, model_config, task, config, loop, data_position, prof)
+            except NonFiniteError as err:  # a task's reward: name the step too
+                raise NonFiniteError(f"step {step + 1}: {err}") from None
             t1 = time.perf_counter()
             with prof.phase("host_s"):
                 stats.update(batch_reward_metrics(batch.reward_names, batch.rewards,
@@ -598,7 +631,8 @@ def run(
                 if progress:
                     bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
             if is_last or (loop.save_every and done % loop.save_every == 0):
-                ckpt.save(done, state, {"data_position": data_position, "task": task.name})
+                ckpt.save(done, state, {"data_position": data_position, "task": task.name,
+                                        "config": ctx.config})
             if out_of_time:
                 bar.write(f"time limit {loop.time_limit_s:.0f} s reached after step {done}")
                 break

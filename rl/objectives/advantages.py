@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from rl.objectives.registry import (
     check_finite,
     check_float,
+    check_number,
     check_params,
     check_rank,
     check_same_shape,
@@ -64,9 +65,13 @@ class _Groups:
     back to the members of each group.
     """
 
-    def __init__(self, batch: int, size: int | None = None, ids: Array | None = None):
+    def __init__(self, batch: int, size: int | None = None, ids: Array | None = None,
+                 dtype: Any = jnp.float32):
         self.batch = batch
         self.size = size
+        # Counts and the factors built from them (RLOO's n/(n-1), MC-GRPO's n/#nonzero)
+        # take the rewards' dtype, so float64 rewards get float64 factors.
+        self.dtype = dtype
         # [batch, batch] membership: same[i, j] = samples i and j share a group.
         self.same = None if ids is None else ids[:, None] == ids[None, :]
 
@@ -78,8 +83,8 @@ class _Groups:
 
     def count(self) -> Array:
         if self.same is None:
-            return jnp.full((self.batch,), float(self.size), jnp.float32)
-        return jnp.sum(self.same, axis=1).astype(jnp.float32)
+            return jnp.full((self.batch,), float(self.size), self.dtype)
+        return jnp.sum(self.same, axis=1).astype(self.dtype)
 
     def sum(self, x: Array) -> Array:
         if self.same is None:
@@ -157,7 +162,7 @@ def _as_rewards(rewards: Any, name: str = "rewards") -> Array:
     return r
 
 
-def _groups(batch: int, group_size: Any, group_ids: Any) -> _Groups:
+def _groups(batch: int, group_size: Any, group_ids: Any, dtype: Any = jnp.float32) -> _Groups:
     if group_ids is None and group_size is None:
         raise ValueError("pass group_size (contiguous groups) or group_ids [batch]")
     if group_ids is not None and group_size is not None:
@@ -173,7 +178,7 @@ def _groups(batch: int, group_size: Any, group_ids: Any) -> _Groups:
             )
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"group_ids must be integers, got dtype {ids.dtype}")
-        return _Groups(batch, ids=ids)
+        return _Groups(batch, ids=ids, dtype=dtype)
     if isinstance(group_size, jax.core.Tracer) or isinstance(group_size, bool) or not isinstance(
         group_size, int
     ):
@@ -187,20 +192,19 @@ def _groups(batch: int, group_size: Any, group_ids: Any) -> _Groups:
             f"group_size {group_size} does not divide the batch of {batch} rewards; "
             f"the batch must hold whole groups"
         )
-    return _Groups(batch, size=group_size)
+    return _Groups(batch, size=group_size, dtype=dtype)
 
 
 def _prepare(rewards, group_size, group_ids) -> tuple[Array, _Groups]:
     r = _as_rewards(rewards)
-    return r, _groups(r.shape[0], group_size, group_ids)
+    return r, _groups(r.shape[0], group_size, group_ids, r.dtype)
 
 
 _SCALES = ("group", "batch", "none")
 
 
-def _check_eps(eps: float) -> None:
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+def _check_eps(eps: float, name: str = "eps") -> None:
+    check_number(name, eps, low=0.0)
 
 
 # ---------------------------------------------------------------------------
@@ -305,7 +309,7 @@ def mc_grpo_advantages(
     if scale not in ("std", "mad"):
         raise ValueError(f"scale must be 'std' or 'mad', got {scale!r}")
     _check_eps(eps)
-    _check_eps(mad_eps)
+    _check_eps(mad_eps, "mad_eps")
     med = groups.lower_median(r)
     n = groups.count()
     pivot = groups.rank(r) == (n.astype(jnp.int32) - 1) // 2
@@ -316,7 +320,7 @@ def mc_grpo_advantages(
         denom = groups.std(r, unbiased_std) + eps
     adv = diff / denom
     if rescale_nonzero:
-        nonzero = groups.sum((diff != 0).astype(jnp.float32))
+        nonzero = groups.sum((diff != 0).astype(r.dtype))
         adv = adv * jnp.where(nonzero > 0, n / jnp.maximum(nonzero, 1.0), 1.0)
     return AdvantageResult(adv, 1.0 - pivot.astype(jnp.float32))
 
@@ -377,7 +381,7 @@ def gdpo_advantages(
                 raise ValueError(
                     f"weights has {len(w)} entries but rewards has {len(cols)} columns"
                 )
-    groups = _groups(cols[0].shape[0], group_size, group_ids)
+    groups = _groups(cols[0].shape[0], group_size, group_ids, cols[0].dtype)
     pre = jnp.zeros_like(cols[0])
     for wk, rk in zip(w, cols):
         pre = pre + wk * groups.centered(rk) / (groups.std(rk, unbiased_std) + eps)

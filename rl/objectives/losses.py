@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from rl.objectives.registry import (
     check_finite,
     check_float,
+    check_number,
     check_params,
     check_rank,
     check_same_shape,
@@ -99,10 +100,9 @@ def _log_ratio(logp: Array, old_logp: Array) -> Array:
 
 
 def _check_clip(clip_low: float | None, clip_high: float, *, low_below_one: bool = True) -> None:
-    if clip_low is not None and not (0.0 <= clip_low and (clip_low < 1.0 or not low_below_one)):
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
-    if not clip_high >= 0.0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    check_number("clip_low", clip_low, low=0.0, high=1.0 if low_below_one else None,
+                 high_open=True, allow_none=True)
+    check_number("clip_high", clip_high, low=0.0)
 
 
 def masked_mean(x: Array, mask: Array) -> Array:
@@ -126,7 +126,8 @@ def aggregate(per_token_loss: Array, mask: Array, mode: str = "token-mean", *,
       * "seq-mean-token-sum":      (1/B) sum_i sum_t ℓM
       * "seq-mean-token-sum-norm": (1/B) sum_i sum_t ℓM / C        (Dr. GRPO), with the
         constant C = ``max_len`` (default: the padded length ``seq``).
-    Fully masked sequences are left out of B; an all-masked batch gives 0.
+    Fully masked sequences are left out of B; an all-masked batch gives 0. The result
+    is float32 for float32 / bf16 / fp16 inputs and float64 for float64 ones.
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"aggregation mode must be one of {AGGREGATIONS}, got {mode!r}")
@@ -134,7 +135,8 @@ def aggregate(per_token_loss: Array, mask: Array, mode: str = "token-mean", *,
     x = jnp.asarray(per_token_loss)
     check_rank("per_token_loss", x, 2, "a [batch, seq] array")
     check_same_shape(per_token_loss=x, mask=m)
-    x = jnp.where(m, x, 0.0)
+    # Sums over a batch of tokens lose too much in bf16: reduce in float32 (or wider).
+    x = jnp.where(m, _float32_up(x), 0.0)
     if mode == "token-mean":
         return jnp.sum(x) / jnp.maximum(jnp.sum(m), 1)
     lengths = jnp.sum(m, axis=1).astype(x.dtype)
@@ -146,8 +148,7 @@ def aggregate(per_token_loss: Array, mask: Array, mode: str = "token-mean", *,
         return jnp.sum(seq_sums) / n_seqs
     if max_len is None:
         max_len = x.shape[1]
-    if isinstance(max_len, bool) or not isinstance(max_len, (int, float)) or not max_len > 0:
-        raise ValueError(f"max_len must be a positive number, got {max_len!r}")
+    check_number("max_len", max_len, low=0.0, low_open=True)
     return jnp.sum(seq_sums) / (n_seqs * float(max_len))
 
 
@@ -204,7 +205,9 @@ def gspo_token_loss(
     carries the gradient is exp(sg[log s_i] + logp_t - sg[logp_t]) (its log
     clamped <= 10), whose value is s_i and whose gradient is s_i ∇logp_t;
     ℓ_t = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high)); no dual clip.
-    Use with "seq-mean-token-mean" aggregation (the paper's).
+    Use with "seq-mean-token-mean" aggregation (the paper's). The mean runs over
+    ``mask``; compute_loss passes the kept tokens, so tokens that an off-policy
+    correction rejected (mode="mask", weight 0) are not part of s_i.
 
     Returns:
         ℓ [batch, seq] and token stats (clip_frac_low / clip_frac_high / clip_frac,
@@ -329,18 +332,20 @@ def token_entropy(logits: Array, mask: Array | None = None) -> Array:
 
 def reduce_loss(per_token: Array, stats: dict[str, Array], logp: Array, old_logp: Array,
                 mask: Array, aggregation: str = "token-mean", max_len: int | None = None,
-                ) -> tuple[Array, dict[str, Array]]:
-    """Aggregate a per-token loss [batch, seq] and reduce its token stats to metrics.
+                stats_mask: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """Aggregate a per-token loss [batch, seq] over ``mask`` and reduce its token stats to
+    metrics over ``stats_mask`` (default ``mask``; compute_loss passes the trained tokens).
 
     Metrics: every stat's masked token mean, ratio_max, approx_kl (k3 estimate of
     KL(π_old || π_θ) on the sampled tokens) and pg_loss (the aggregated loss).
     """
     m = token_mask(mask)
     loss = aggregate(per_token, m, aggregation, max_len=max_len)
-    metrics = {k: masked_mean(v.astype(jnp.float32), m) for k, v in stats.items()}
-    lr = sg(_log_ratio(jnp.where(m, logp, 0.0), jnp.where(m, old_logp, 0.0)))
-    metrics["ratio_max"] = jnp.where(jnp.any(m), jnp.max(jnp.where(m, jnp.exp(lr), 0.0)), 0.0)
-    metrics["approx_kl"] = masked_mean(jnp.exp(lr) - lr - 1.0, m)
+    sm = m if stats_mask is None else token_mask(stats_mask, "stats_mask")
+    metrics = {k: masked_mean(v.astype(jnp.float32), sm) for k, v in stats.items()}
+    lr = sg(_log_ratio(jnp.where(sm, logp, 0.0), jnp.where(sm, old_logp, 0.0)))
+    metrics["ratio_max"] = jnp.where(jnp.any(sm), jnp.max(jnp.where(sm, jnp.exp(lr), 0.0)), 0.0)
+    metrics["approx_kl"] = masked_mean(jnp.exp(lr) - lr - 1.0, sm)
     metrics["pg_loss"] = loss
     return loss, metrics
 
@@ -419,10 +424,9 @@ class LossConfig:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.max_len is not None and (isinstance(self.max_len, bool) or not self.max_len > 0):
-            raise ValueError(f"max_len must be a positive int or None, got {self.max_len!r}")
+        check_number("kl_coef", self.kl_coef, low=0.0)
+        check_number("entropy_coef", self.entropy_coef)
+        check_number("max_len", self.max_len, low=0.0, low_open=True, allow_none=True)
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -480,7 +484,10 @@ def compute_loss(
     loss = aggregate(ℓ · sg[token_weights]) + kl_coef · aggregate(KL) - entropy_coef ·
     aggregate(entropy), every aggregate over the ORIGINAL ``mask`` — so zero weights
     (off-policy rejection, see rl.objectives.offpolicy) drop tokens while keeping the
-    denominator, as AReaL's decoupled objective requires.
+    denominator, as AReaL's decoupled objective requires. The per-token loss itself is
+    computed on the kept tokens (mask and weight > 0): GSPO's sequence ratio is the
+    geometric mean over kept tokens only, and the per-sequence advantage A_i multiplies
+    the kept tokens only; the clip / ratio metrics describe the kept tokens.
 
     Args:
         config: a :class:`LossConfig`.
@@ -494,12 +501,21 @@ def compute_loss(
         pg_loss, kl / entropy when present, and loss.
     """
     fn = get_loss(config.name)
-    per_token, stats = fn(logp, old_logp, advantages, mask, **config.kwargs)
     m = token_mask(mask)
+    keep = m
     if token_weights is not None:
-        per_token = per_token * sg(token_array("token_weights", token_weights, m))
+        w = sg(token_array("token_weights", token_weights, m))
+        keep = m & (w > 0)
+    # The per-token loss sees only the kept tokens: for token-level losses this changes
+    # nothing (a dropped token's ℓ is multiplied by 0 anyway), and GSPO's sequence ratio
+    # s_i = exp(mean over kept tokens of log π_θ - log π_old) leaves out tokens the
+    # off-policy correction rejected (or a 0 loss weight dropped), so one untrusted
+    # token can neither move s_i nor clip the whole sequence.
+    per_token, stats = fn(logp, old_logp, advantages, keep, **config.kwargs)
+    if token_weights is not None:
+        per_token = per_token * w
     total, metrics = reduce_loss(per_token, stats, jnp.asarray(logp), jnp.asarray(old_logp), m,
-                             config.aggregation, config.max_len)
+                                 config.aggregation, config.max_len, stats_mask=keep)
     if config.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("ref_logp is required when kl_coef > 0 (or set kl_coef=0)")

@@ -30,7 +30,7 @@ from rl.objectives.losses import (
     token_array,
     token_mask,
 )
-from rl.objectives.registry import check_rank
+from rl.objectives.registry import check_number, check_rank
 
 Array = jax.Array
 sg = jax.lax.stop_gradient
@@ -217,8 +217,7 @@ def m2po_mask(
     Returns:
         (keep [batch, seq] bool, metrics: m2po_masked_frac, m2po_m2_before, m2po_m2_after).
     """
-    if not threshold >= 0:
-        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    check_number("threshold", threshold, low=0.0)
     m = token_mask(mask)
     prox = sg(token_array("prox_logp", prox_logp, m))
     behav = sg(token_array("behaviour_logp", behaviour_logp, m))
@@ -311,8 +310,7 @@ def overlong_penalty(
         raise ValueError(f"buffer_len must be > 0, got {buffer_len!r}")
     if not (isinstance(max_len, (int, float)) and max_len >= buffer_len):
         raise ValueError(f"max_len ({max_len!r}) must be >= buffer_len ({buffer_len!r})")
-    if not factor >= 0:
-        raise ValueError(f"factor must be >= 0, got {factor}")
+    check_number("factor", factor, low=0.0)
     n = jnp.asarray(lengths)
     check_rank("lengths", n, 1, "a [batch] vector of response lengths")
     x = (n.astype(jnp.float32) - (max_len - buffer_len)) / buffer_len * factor

@@ -141,7 +141,7 @@ def check_params(kind: str, name: str, fn: Callable, params: tuple[tuple[str, An
     takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     accepted = [n for n, p in sig.parameters.items()
                 if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in reserved]
-    for key, _ in params:
+    for key, value in params:
         if key in reserved:
             raise ValueError(f"params: {key!r} is an input of the {kind}, not a hyper-parameter")
         if key not in accepted and not takes_any:
@@ -149,12 +149,51 @@ def check_params(kind: str, name: str, fn: Callable, params: tuple[tuple[str, An
                 f"params: {kind} {name!r} takes no hyper-parameter {key!r}; "
                 f"it takes: {', '.join(accepted) or '(none)'}"
             )
+        # A hyper-parameter whose default is a number must be given a number (None only
+        # where its annotation allows it): `clip_high=None` or `max_len="512"` is caught at
+        # config construction, not as a TypeError inside a jitted step.
+        p = sig.parameters.get(key)
+        if (p is not None and isinstance(p.default, (int, float))
+                and not isinstance(p.default, bool)):
+            check_number(f"{kind} {name!r} hyper-parameter {key}", value,
+                         allow_none="None" in str(p.annotation))
 
 
 # ---------------------------------------------------------------------------
 # Boundary checks shared by rl.objectives' advantages, losses and offpolicy.
 # Shape checks are static, so they also run under jit and vmap; value checks
 # (finiteness) need concrete data and are skipped for tracers.
+
+
+def check_number(name: str, value: Any, *, low: float | None = None, low_open: bool = False,
+                 high: float | None = None, high_open: bool = False, integer: bool = False,
+                 allow_none: bool = False) -> None:
+    """ValueError naming ``name`` unless ``value`` is a real Python / numpy number (an int
+    if ``integer``; None only if ``allow_none``) inside [low, high] (open ends with
+    ``low_open`` / ``high_open``). Hyper-parameters are static, so this also runs under jit;
+    a traced value is accepted as is."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, jax.core.Tracer):
+        return
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds):
+        what = "an int" if integer else "a number"
+        raise ValueError(f"{name} must be {what}{' or None' if allow_none else ''}, "
+                         f"got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if v != v:
+        raise ValueError(f"{name} must be a number, got NaN")
+    below = low is not None and (v <= low if low_open else v < low)
+    above = high is not None and (v >= high if high_open else v > high)
+    if below or above:
+        if low is not None and high is not None:
+            span = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        elif low is not None:
+            span = f"{'>' if low_open else '>='} {low}"
+        else:
+            span = f"{'<' if high_open else '<='} {high}"
+        raise ValueError(f"{name} must be {span}, got {value!r}")
 
 
 def is_concrete(x: Any) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from experiments.train import PRESETS, load_policy
-from rl.learner import init_train_state
+from rl.learner import NonFiniteError, init_train_state
 from rl.loops import LoopConfig, collect_batch, run, sample_groups, score
 from rl.rollout import SamplingConfig
 from rl.tasks import SyntheticTask
@@ -128,7 +128,9 @@ def test_non_finite_rewards_raise(policy, tmp_path, value):
         calls.append(1)
         return {"correct": value if len(calls) == 20 else base["correct"]}
 
-    with pytest.raises(ValueError, match="row 3 is .*NaN/inf"):
+    # the step, the row and its group are named (group_size 4: row 3 is in group 0)
+    with pytest.raises(NonFiniteError, match=r"^step 2: reward 'correct' of row 3 \(group 0\) "
+                                             r"is .*NaN/inf"):
         run(config, params, _Task(reward), PRESET.train, LOOP, tmp_path / "r", progress=False)
     # What was written before the error is whole: valid JSON lines, no temp files.
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,136 @@
+"""Checks of a run's configuration that need more than one config, made before anything
+compiles, with errors that say what to change; and the record of a run's configuration
+that a resume is compared against.
+
+    validate_run(train, loop)     ConfigError for a configuration that cannot learn or
+                                  cannot run: group_size 1 with a group-relative
+                                  advantage (every advantage is 0), a train temperature
+                                  so low that sampling is greedy, a batch that does not
+                                  split into the micro-batches (packed: whole groups)
+    config_record(train, loop)    {"train.loss.name": ..., "loop.group_size": ...}: the
+                                  flat, JSON-safe record every checkpoint carries
+    check_resume_config(saved, current, allow=())
+                                  ConfigError listing every field that differs between
+                                  the checkpoint's record and this run's, unless it is
+                                  free (steps, time limit) or allowed (`allow`, only for
+                                  the fields in CHANGEABLE_ON_RESUME)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rl.learner import TrainConfig
+
+# Estimators whose advantage is relative to the group (all built-ins): a group of one
+# response has advantage 0, so group_size 1 trains on nothing.
+GROUP_RELATIVE = frozenset({"grpo", "dr_grpo", "rloo", "mc_grpo", "gdpo"})
+
+# Below this train temperature sampling is greedy in effect (logits / T overflow the
+# float32 log-softmax's resolution at T ~ 1e-3 already) and the learner's log-probs at T
+# lose their meaning; GRPO needs samples that differ within a group.
+MIN_TRAIN_TEMPERATURE = 0.05
+
+# How far a resumed run goes: the resume itself says it may change.
+FREE_ON_RESUME = frozenset({"loop.steps", "loop.time_limit_s"})
+# Fields that change what is measured or saved, not what is learned: allowed on resume
+# when named explicitly (rl.loops.run(allow_config_changes=...), --allow-config-change).
+CHANGEABLE_ON_RESUME = frozenset({"eval_every", "eval_prompts", "eval_greedy",
+                                  "eval_sampled_prompts", "save_every", "keep_checkpoints",
+                                  "segment_len", "checked"})
+
+
+class ConfigError(ValueError):
+    """A run's configuration cannot learn, cannot run, or does not match its checkpoint."""
+
+
+def validate_run(train: TrainConfig, loop: Any) -> None:
+    """ConfigError (what to change) if `train` with `loop` (a LoopConfig) cannot learn or run."""
+    n, groups = loop.group_size, loop.prompts_per_step
+    adv = train.advantage.name
+    if n == 1 and (adv in GROUP_RELATIVE or train.vcpo.enabled):
+        which = "VCPO's advantage" if train.vcpo.enabled else f"the {adv!r} advantage"
+        raise ConfigError(f"group_size 1 with {which}: an advantage relative to the group is 0 "
+                         "for a group of one response, so every step would train on nothing; "
+                         "use --group-size >= 2 (4 to 16 is usual)")
+    if train.temperature < MIN_TRAIN_TEMPERATURE:
+        raise ConfigError(f"temperature {train.temperature:g} is so low that sampling is greedy: "
+                         "the responses of a group would be identical (zero advantage) and the "
+                         "log-probs at that temperature are not meaningful; train at a "
+                         f"temperature in [{MIN_TRAIN_TEMPERATURE}, 2] (0.6 to 1.0 is usual) and "
+                         "evaluate greedily with eval_greedy (experiments.evaluate --greedy)")
+    m = train.micro_batches
+    rows = n * groups
+    if rows % m:
+        raise ConfigError(f"micro_batches {m} does not divide the batch of {rows} rows "
+                         f"(prompts_per_step {groups} x group_size {n}); choose micro_batches "
+                         f"among {_divisors(rows)}")
+    if train.packed and groups % m:
+        raise ConfigError(f"with packed=True the micro-batches hold whole groups: micro_batches "
+                         f"{m} must divide prompts_per_step {groups}; choose among "
+                         f"{_divisors(groups)}")
+
+
+def _divisors(k: int) -> list[int]:
+    return [d for d in range(1, k + 1) if k % d == 0]
+
+
+def _flatten(prefix: str, value: Any, out: dict) -> None:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _flatten(f"{prefix}.{f.name}", getattr(value, f.name), out)
+    elif isinstance(value, Mapping):
+        for k in sorted(value):
+            _flatten(f"{prefix}.{k}", value[k], out)
+    else:  # JSON round trip: tuples become lists, anything else its repr
+        out[prefix] = json.loads(json.dumps(value, default=repr))
+
+
+def config_record(train: TrainConfig, loop: Any, extra: Mapping[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """Flat {dotted field: JSON value} of the train and loop configs (and `extra`, e.g.
+    {"async": AsyncConfig}) — what a checkpoint records and a resume compares."""
+    out: dict[str, Any] = {}
+    _flatten("train", train, out)
+    _flatten("loop", loop, out)
+    for key, value in (extra or {}).items():
+        _flatten(key, value, out)
+    return out
+
+
+def check_resume_config(saved: Mapping[str, Any] | None, current: Mapping[str, Any],
+                        allow: Iterable[str] = ()) -> None:
+    """ConfigError listing the fields where `current` differs from the checkpoint's
+    `saved` record, except FREE_ON_RESUME and the `allow`ed names (loop field names from
+    CHANGEABLE_ON_RESUME, e.g. "eval_every"). A checkpoint without a record (written
+    before records existed) is not checked."""
+    allow = set(allow)
+    unknown = allow - CHANGEABLE_ON_RESUME
+    if unknown:
+        raise ConfigError(f"allow_config_changes {sorted(unknown)}: only "
+                         f"{sorted(CHANGEABLE_ON_RESUME)} may change on resume")
+    if saved is None:
+        return
+    free = FREE_ON_RESUME | {f"loop.{name}" for name in allow}
+    keys = sorted(set(saved) | set(current))
+    diffs = [(k, saved.get(k, "<absent>"), current.get(k, "<absent>")) for k in keys
+             if k not in free and saved.get(k, "<absent>") != current.get(k, "<absent>")]
+    if not diffs:
+        return
+    lines = "\n".join(f"  {k}: checkpoint {a!r} -> now {b!r}" for k, a, b in diffs)
+    changeable = sorted(k.split(".", 1)[1] for k, _, _ in diffs
+                        if k.startswith("loop.") and k.split(".", 1)[1] in CHANGEABLE_ON_RESUME)
+    fixed = [k for k, _, _ in diffs
+             if not (k.startswith("loop.") and k.split(".", 1)[1] in CHANGEABLE_ON_RESUME)]
+    hint = []
+    if changeable:
+        hint.append(f"to change {', '.join(changeable)} on purpose, pass "
+                    f"--allow-config-change {' '.join(changeable)} "
+                    "(rl.loops.run(..., allow_config_changes=...))")
+    if fixed:
+        hint.append("the others define what is learned: resume with the checkpoint's values "
+                    "or start a new run dir")
+    raise ConfigError(f"the resumed run's config differs from the checkpoint's in "
+                     f"{len(diffs)} field(s):\n{lines}\n" + "; ".join(hint))
