@@ -29,7 +29,6 @@ from rl.learner.batch import NonFiniteError, TrainBatch, TrainState
 from rl.learner.config import TrainConfig
 from rl.learner.step import train_step
 
-
 __all__ = ["NonFiniteError", "checked_train_step", "checkified", "throw"]
 
 
