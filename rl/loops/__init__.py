@@ -10,6 +10,11 @@
     evaluation    the statistics of an evaluation report (accuracy ± stderr, pass@k,
                   lengths, truncation) and the train batch's zero-spread fraction;
                   sync.eval_report samples and builds the report
+    context       open_run / RunContext: what both loops set up (validated configs, the
+                  run dir's lock, state fresh or from the last good checkpoint, logger,
+                  the checked jitted step) and release
+    validation    configs that cannot learn or run (validate_run), the config record every
+                  checkpoint carries and the resume check against it
 
 May import anything in `rl` (the top of the import direction); nothing imports `rl.loops`
 except `experiments`.

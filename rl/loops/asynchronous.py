@@ -68,8 +68,8 @@ import io
 import threading
 import time
 import warnings
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -84,6 +84,7 @@ from rl.learner.config import TrainConfig
 from rl.learner.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
 from rl.learner.snapshots import ParamSnapshots
 from rl.loops.buffer import STALE_POLICIES, TrajectoryBuffer
+from rl.loops.context import open_run
 from rl.loops.evaluation import batch_reward_metrics
 from rl.loops.producer import (
     AprilSource,
@@ -97,7 +98,6 @@ from rl.loops.sync import (
     RunResult,
     build_batch,
     make_evaluator,
-    open_run,
     rollout_seed,
     sample_batch_groups,
 )

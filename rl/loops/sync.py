@@ -11,7 +11,7 @@ params, optimizer state, step, rng (the source of every rollout seed) and the da
 position, so 2 steps + resume + 2 steps == 4 steps, bit for bit on CPU.
 
 Its pieces are shared with the asynchronous loop (rl.loops.asynchronous): open_run (run dir, state,
-checkpointer, logger, jitted step), make_evaluator, sample_batch_groups (one batch of
+checkpointer, logger, jitted step: rl.loops.context), make_evaluator, sample_batch_groups (one batch of
 scored groups) and build_batch (groups -> TrainBatch, with optional per-token loss
 weights), score, evaluate / eval_report (the evaluation report; statistics in
 rl.loops.evaluation), rollout_seed, run_clock.
@@ -37,12 +37,10 @@ from rl.learner.batch import (
     TrainState,
     batch_from_trajectory,
     global_batch,
-    init_train_state,
 )
 from rl.learner.config import TrainConfig
-from rl.learner.jitted import make_train_step, state_shardings
 from rl.loops.buffer import ScoredGroup
-from rl.loops.validation import ConfigError, check_resume_config, config_record, validate_run
+from rl.loops.context import open_run, run_clock
 from rl.loops.evaluation import (
     accuracy_name,
     batch_reward_metrics,
@@ -56,10 +54,8 @@ from rl.loops.evaluation import (
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.engine import RolloutConfig, RolloutEngine
 from rl.rollout.sampler_state import SamplingConfig
-from rl.runtime.checkpoint import Checkpointer, CheckpointError
-from rl.runtime.distributed import is_main_process, process_local, process_shard
+from rl.runtime.distributed import process_local, process_shard
 from rl.runtime.logging import NULL_PROFILE, MetricsLogger, StepProfile
-from rl.runtime.runlock import RunLock
 from rl.tasks.base import Prompt, Task
 from rl.trajectory import Trajectory, concat_trajectories
 
@@ -425,90 +421,6 @@ def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, conf
         batch = build_batch(groups, model_config=model_config, task=task, config=config,
                             group_size=loop.group_size)
     return batch, state, data_position, stats
-
-
-@dataclasses.dataclass
-class RunContext:
-    """The pieces every loop sets up the same way (see open_run): the placed state, the
-    KL reference (or None), checkpointer, logger, jitted step, data position to start
-    from, the first step and the restored checkpoint's meta ({} for a fresh run)."""
-
-    state: TrainState
-    ref: Any
-    ckpt: Checkpointer
-    logger: MetricsLogger
-    step_fn: Any
-    data_position: int
-    start: int
-    meta: dict
-    config: dict  # config_record of this run: every checkpoint's meta carries it
-
-    def close(self) -> None:
-        try:
-            self.ckpt.close()
-        finally:
-            self.logger.close()
-
-
-def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: LoopConfig,
-             run_dir: Path, *, resume: bool, wandb_mode: str, run_config: dict | None,
-             mesh: jax.sharding.Mesh | None, compiler_options: dict | None,
-             allow_config_changes: Sequence[str] = (), extra_config: dict | None = None,
-             resume_from_last_good: bool = False) -> RunContext:
-    """Run dir (process 0 holds its lock, rl.runtime.runlock, until ckpt.close()), own copy
-    of the params (+ frozen reference with KL), fresh or restored state placed for the
-    jitted step, checkpointer and logger. Validates the configs first
-    (rl.loops.validation); a resume must match the checkpoint's recorded config (but for
-    `allow_config_changes`) and have steps left to run."""
-    validate_run(config, loop)
-    record = config_record(config, loop, extra_config)
-    check_resume_config(None, record, allow_config_changes)  # the names are valid
-    if resume and not (run_dir / "checkpoints").is_dir():
-        raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ directory "
-                              "(run without resume first, or point at an existing run dir)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(run_dir, enabled=is_main_process())  # one writer; before anything compiles
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints, lock=lock)
-    params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
-    ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
-    state = init_train_state(params, config, loop.seed)
-    data_position, meta = 0, {}
-    if resume:
-        try:  # straight onto the mesh (no one-device copy; needed across processes)
-            shardings = None if mesh is None else state_shardings(model_config, config, mesh)
-            state, meta = ckpt.restore(state, shardings=shardings, fallback=resume_from_last_good)
-        except BaseException:
-            ckpt.close()
-            raise
-        data_position = int(meta["data_position"])
-    start = int(state.step)
-    if resume:
-        try:
-            check_resume_config(meta.get("config"), record, allow_config_changes)
-            if start >= loop.steps:
-                raise ConfigError(f"nothing to resume: the checkpoint is at step {start} and "
-                                 f"steps is {loop.steps}; pass a larger --steps to go on")
-        except ValueError:
-            ckpt.close()
-            raise
-    logger = MetricsLogger(run_dir, wandb_mode=wandb_mode, config=run_config,
-                           resume_step=start if resume else None, run_name=run_dir.name)
-    if jax.process_count() > 1 and mesh is None:
-        raise ValueError("a multi-process run needs a mesh over the devices of all processes "
-                         "(e.g. rl.runtime.mesh.make_mesh_preset('dp'))")
-    step_fn = make_train_step(config, model_config, mesh, compiler_options=compiler_options,
-                              checked=loop.checked)
-    state = step_fn.place_state(state)
-    return RunContext(state=state, ref=ref, ckpt=ckpt, logger=logger, step_fn=step_fn,
-                      data_position=data_position, start=start, meta=meta, config=record)
-
-
-def run_clock(logger: MetricsLogger) -> Callable[[], float]:
-    """Wall seconds of the run: since this call, plus the last time_s the logger holds (a
-    resumed run continues its clock)."""
-    offset = max((float(r.get("time_s") or 0.0) for r in logger.records), default=0.0)
-    t0 = time.perf_counter()
-    return lambda: offset + time.perf_counter() - t0
 
 
 def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, loop: LoopConfig,
