@@ -58,7 +58,7 @@ def _params(interpret: bool, semantics: tuple[str, ...]):
 
 def _prompt_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, sm_scale, block_k,
                    blocks_per_split):
-    """q_ref [kvh, bq, d]; k_ref, v_ref [split, kvh, d]; o_ref [kvh, bq, d]; m/l [kvh, bq, 1]."""
+    """q_ref [kvh, bq, d]; k_ref, v_ref [split, kvh, d]; o_ref [kvh, bq, d]; m_ref, l_ref [kvh, bq, 1]."""
     length = len_ref[pl.program_id(0)]
     start = pl.program_id(2) * (blocks_per_split * block_k)
     n_tiles = jnp.clip(lax.div(length - start + block_k - 1, block_k), 0, blocks_per_split)
@@ -67,7 +67,7 @@ def _prompt_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, sm_scal
         q = q_ref[hi]
 
         def body(j, carry, hi=hi, q=q):
-            acc, m, l = carry
+            acc, m, den = carry
             off = pl.multiple_of(j * block_k, block_k)
             k = k_ref[pl.ds(off, block_k), hi, :]
             s = _nt(q, k) * sm_scale
@@ -79,14 +79,14 @@ def _prompt_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, sm_scal
             v = v_ref[pl.ds(off, block_k), hi, :]
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=_F32)
-            return alpha * acc + pv, m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True)
+            return alpha * acc + pv, m_new, alpha * den + jnp.sum(p, axis=1, keepdims=True)
 
         init = (jnp.zeros((rows, d), _F32), jnp.full((rows, 1), -jnp.inf, _F32),
                 jnp.zeros((rows, 1), _F32))
-        acc, m, l = lax.fori_loop(0, n_tiles, body, init)
-        o_ref[hi] = acc / jnp.where(l > 0, l, 1.0)
+        acc, m, den = lax.fori_loop(0, n_tiles, body, init)
+        o_ref[hi] = acc / jnp.where(den > 0, den, 1.0)
         m_ref[hi] = m
-        l_ref[hi] = l
+        l_ref[hi] = den
 
 
 def _response_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, sm_scale, block_k,
@@ -103,13 +103,13 @@ def _response_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, sm_sc
             s = jnp.where(valid, _nt(q_ref[hi], k_ref[:, hi, :]) * sm_scale, -jnp.inf)
             m = jnp.max(s, axis=1, keepdims=True)   # finite: the tile holds a valid key
             p = jnp.exp(s - m)
-            l = jnp.sum(p, axis=1, keepdims=True)
+            den = jnp.sum(p, axis=1, keepdims=True)
             v = v_ref[:, hi, :]
             o = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                 preferred_element_type=_F32)
-            o_ref[hi] = o / l
+            o_ref[hi] = o / den
             m_ref[hi] = m
-            l_ref[hi] = l
+            l_ref[hi] = den
 
     @pl.when(start >= length)
     def _empty():
@@ -135,7 +135,7 @@ def prompt_state_mosaic(q, k_prompt, v_prompt, prompt_lengths, *, sm_scale, bloc
     splits = p_pad // split
     kernel = partial(_prompt_kernel, sm_scale=sm_scale, block_k=block_k, blocks_per_split=bps)
     stat = pl.BlockSpec((None, kvh, None, bq, 1), lambda gi, qi, si: (gi, 0, si, qi, 0))
-    o, m, l = pl.pallas_call(
+    o, m, den = pl.pallas_call(
         kernel, grid=(g, m_pad // bq, splits),
         in_specs=[_SMEM,
                   pl.BlockSpec((None, kvh, bq, d), lambda gi, qi, si: (gi, 0, qi, 0)),
@@ -149,9 +149,9 @@ def prompt_state_mosaic(q, k_prompt, v_prompt, prompt_lengths, *, sm_scale, bloc
         name="segment_decode_prompt_mosaic",
         **_params(interpret, ("parallel", "parallel", "parallel")),
     )(prompt_lengths.astype(jnp.int32), qf, k_prompt, v_prompt)
-    o, m, l = reduce_attention_states(o, m[..., 0], l[..., 0], axis=2)
-    o, m, l = o[:, :, :m_rows], m[:, :, :m_rows], l[:, :, :m_rows]
-    return unfold_from_prompt(o, n), unfold_from_prompt(m, n), unfold_from_prompt(l, n)
+    o, m, den = reduce_attention_states(o, m[..., 0], den[..., 0], axis=2)
+    o, m, den = o[:, :, :m_rows], m[:, :, :m_rows], den[:, :, :m_rows]
+    return unfold_from_prompt(o, n), unfold_from_prompt(m, n), unfold_from_prompt(den, n)
 
 
 def response_state_mosaic(q, k_resp, v_resp, resp_lengths, *, sm_scale, block_k, interpret):
@@ -168,7 +168,7 @@ def response_state_mosaic(q, k_resp, v_resp, resp_lengths, *, sm_scale, block_k,
     kv = pl.BlockSpec((None, None, block_k, kvh, d), lambda gi, ni, si: (gi, ni, si, 0, 0))
     stat = pl.BlockSpec((None, None, kvh, None, rows, 1),
                         lambda gi, ni, si: (gi, ni, 0, si, 0, 0))
-    o, m, l = pl.pallas_call(
+    o, m, den = pl.pallas_call(
         kernel, grid=(g, n, splits),
         in_specs=[_SMEM,
                   pl.BlockSpec((None, None, kvh, rows, d), lambda gi, ni, si: (gi, ni, 0, 0, 0)),
@@ -181,8 +181,8 @@ def response_state_mosaic(q, k_resp, v_resp, resp_lengths, *, sm_scale, block_k,
         name="segment_decode_response_mosaic",
         **_params(interpret, ("parallel", "parallel", "parallel")),
     )(resp_lengths.reshape(g * n).astype(jnp.int32), q5, k_resp, v_resp)
-    o, m, l = reduce_attention_states(o, m[..., 0], l[..., 0], axis=3)
-    return o[:, :, :, :hpk], m[:, :, :, :hpk], l[:, :, :, :hpk]
+    o, m, den = reduce_attention_states(o, m[..., 0], den[..., 0], axis=3)
+    return o[:, :, :, :hpk], m[:, :, :, :hpk], den[:, :, :, :hpk]
 
 
 def _empty_state(g, n, kvh, hpk, d):
@@ -207,9 +207,9 @@ def _mosaic(q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, resp_lengths,
     else:
         resp = response_state_mosaic(q, k_resp, v_resp, resp_lengths, sm_scale=sm_scale,
                                      block_k=block_k, interpret=interpret)
-    o, m, l = merge_attention_states(*prompt, *resp)
+    o, m, den = merge_attention_states(*prompt, *resp)
     if k_new is not None:
-        o, _, _ = merge_attention_states(o, m, l, *new_token_state(q, k_new, v_new, sm_scale))
+        o, _, _ = merge_attention_states(o, m, den, *new_token_state(q, k_new, v_new, sm_scale))
     return o.reshape(g, n, h, d).astype(q.dtype)
 
 

@@ -5,7 +5,7 @@ The same six launches as `pallas.py` (the Triton kernels), written for the TPU t
     every block's last two dims are (rows, head_dim) with rows a multiple of 16 and
     head_dim the full array dim (no head-dim padding);
   * 2-D values only: row statistics are `[rows, 1]` columns (`lse`, `delta`), iotas are
-    2-D, and the online-softmax state is (acc `[bq, D]`, m `[bq, 1]`, l `[bq, 1]`);
+    2-D, and the online-softmax state is (acc `[bq, D]`, m `[bq, 1]`, den `[bq, 1]`);
   * sequence lengths live in SMEM (whole arrays) and are read with the program ids;
   * key/query tiles inside a resident block are sliced with `pl.ds(pl.multiple_of(...))`;
   * the prompt dk/dv launch iterates the group's N responses on the last grid axis
@@ -106,13 +106,13 @@ def _tile(ref, t, b):
 
 
 def _softmax_step(state, q, k, v, mask, scale):
-    acc, m, l = state
+    acc, m, den = state
     s = jnp.where(mask, _nt(q, k) * scale, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    return alpha * acc + _nn(p.astype(v.dtype), v), m_new, l
+    den = alpha * den + jnp.sum(p, axis=1, keepdims=True)
+    return alpha * acc + _nn(p.astype(v.dtype), v), m_new, den
 
 
 def _init_state(bq, d):
@@ -121,8 +121,8 @@ def _init_state(bq, d):
 
 
 def _store(o_ref, lse_ref, state, row_valid):
-    acc, m, l = state
-    l_safe = jnp.where(l == 0.0, 1.0, l)
+    acc, m, den = state
+    l_safe = jnp.where(den == 0.0, 1.0, den)
     o_ref[...] = jnp.where(row_valid, acc / l_safe, 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(row_valid, m + jnp.log(l_safe), 0.0)
 
