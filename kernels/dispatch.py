@@ -20,6 +20,7 @@ platform, interpreted elsewhere"; True forces interpret mode, False forces compi
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import partial
 
@@ -74,3 +75,17 @@ def dispatch(args: tuple, impl: str | None, interpret: bool | None, *,
     elif mosaic_only:
         gpu_kernel = elsewhere
     return by_platform(*args, gpu=gpu_kernel, tpu=tpu_kernel, default=elsewhere)
+
+
+def lowered_kernels(module_text: str) -> dict[str, list[str]]:
+    """Names of the compiled Pallas kernels in a lowered module's text, in order:
+    {"triton": [...], "mosaic": [...]} (Triton calls carry `name = "..."` in their backend
+    config, Mosaic calls `kernel_name = "..."`). For tests and benchmarks that check which
+    kernels a program lowered for a platform holds."""
+    found = {"triton": [], "mosaic": []}
+    for line in module_text.splitlines():
+        if TRITON_CUSTOM_CALL in line:
+            found["triton"] += re.findall(r'\bname = "([^"]+)"', line)[:1]
+        if MOSAIC_CUSTOM_CALL in line:
+            found["mosaic"] += re.findall(r'kernel_name = "([^"]+)"', line)[:1]
+    return found
