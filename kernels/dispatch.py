@@ -1,31 +1,91 @@
-"""Shared helpers for choosing a kernel implementation.
+"""Choosing a kernel implementation by the platform a program is LOWERED for.
 
-`impl` is one of "reference", "xla", "pallas" or None (= the platform default: Pallas
-on GPU, XLA on CPU and TPU). The Pallas kernels are written for the GPU (Triton)
-lowering; they run on CPU only in interpret mode, which is for testing, not speed, and
-have not been ported to Mosaic TPU, so TPU defaults to the XLA path.
+`impl` is one of:
+  None             the platform default: Pallas-Triton on GPU (cuda, rocm), Pallas-Mosaic on
+                   TPU, XLA elsewhere (CPU);
+  "reference"      the readable naive twin;
+  "xla"            the fast pure-JAX path (every platform);
+  "pallas"         the platform's Pallas kernel: Triton on GPU, Mosaic on TPU, and the Triton
+                   kernel in interpret mode elsewhere (CPU, for tests);
+  "pallas_triton"  the Triton-style kernel (compiled on GPU, interpreted elsewhere);
+  "pallas_mosaic"  the Mosaic-TPU kernel (compiled on TPU, interpreted elsewhere with
+                   `pltpu.InterpretParams()`).
+
+The choice is made with `jax.lax.platform_dependent`, so it follows the platform that
+`jax.jit(...).lower` / `jax.export.export(..., platforms=[...])` lowers for, not
+`jax.default_backend()` of the host that traces: a CPU host exporting for "cuda" gets the
+Triton kernels, for "tpu" the Mosaic ones. Every branch is traced; only the lowered
+platform's branch is compiled. `interpret=None` means "compiled on the kernel's own
+platform, interpreted elsewhere"; True forces interpret mode, False forces compilation.
 """
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from functools import partial
+
 import jax
 
-IMPLS = ("reference", "xla", "pallas")
+IMPLS = ("reference", "xla", "pallas", "pallas_triton", "pallas_mosaic")
+GPU_PLATFORMS = ("cuda", "rocm")
+
+# Custom-call targets of compiled Pallas kernels in lowered modules (for jax.export's
+# disabled_checks and for tests that inspect which kernel a program contains).
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_CUSTOM_CALL = "tpu_custom_call"
 
 
-def default_impl() -> str:
-    """The implementation used when a caller passes `impl=None`."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
-
-
-def resolve_impl(impl: str | None) -> str:
-    """Validate `impl` and replace None by the platform default."""
-    if impl is None:
-        return default_impl()
-    if impl not in IMPLS:
+def resolve_impl(impl: str | None) -> str | None:
+    """Validate `impl`; None stays None (= decided per lowering platform by `dispatch`)."""
+    if impl is not None and impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
     return impl
 
 
-def pallas_interpret_default() -> bool:
-    """Pallas kernels must run in interpret mode on CPU."""
-    return jax.default_backend() == "cpu"
+def by_platform(*args, gpu: Callable, tpu: Callable, default: Callable):
+    """`gpu(*args)` when lowered for cuda/rocm, `tpu(*args)` for tpu, else `default(*args)`."""
+    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=default)
+
+
+def dispatch(args: tuple, impl: str | None, interpret: bool | None, *,
+             reference: Callable, xla: Callable, triton: Callable, mosaic: Callable):
+    """Run one implementation of a kernel on `args`.
+
+    `reference(*args)`, `xla(*args)`; `triton(*args, interpret=bool)` and
+    `mosaic(*args, interpret=bool)` are the two Pallas kernels. See the module docstring
+    for the meaning of `impl` and `interpret`.
+    """
+    impl = resolve_impl(impl)
+    if interpret is not None and not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be None, True or False, got {interpret!r}")
+    if impl == "reference":
+        return reference(*args)
+    if impl == "xla":
+        return xla(*args)
+    mosaic_only = impl == "pallas_mosaic"
+    if interpret:   # interpret mode runs anywhere: no platform choice
+        return (mosaic if mosaic_only else triton)(*args, interpret=True)
+    gpu_kernel, tpu_kernel = partial(triton, interpret=False), partial(mosaic, interpret=False)
+    elsewhere_kernel = mosaic if mosaic_only else triton
+    elsewhere = partial(elsewhere_kernel, interpret=interpret is None)
+    if impl is None:
+        elsewhere = xla
+    elif impl == "pallas_triton":
+        tpu_kernel = elsewhere
+    elif mosaic_only:
+        gpu_kernel = elsewhere
+    return by_platform(*args, gpu=gpu_kernel, tpu=tpu_kernel, default=elsewhere)
+
+
+def lowered_kernels(module_text: str) -> dict[str, list[str]]:
+    """Names of the compiled Pallas kernels in a lowered module's text, in order:
+    {"triton": [...], "mosaic": [...]} (Triton calls carry `name = "..."` in their backend
+    config, Mosaic calls `kernel_name = "..."`). For tests and benchmarks that check which
+    kernels a program lowered for a platform holds."""
+    found = {"triton": [], "mosaic": []}
+    for line in module_text.splitlines():
+        if TRITON_CUSTOM_CALL in line:
+            found["triton"] += re.findall(r'\bname = "([^"]+)"', line)[:1]
+        if MOSAIC_CUSTOM_CALL in line:
+            found["mosaic"] += re.findall(r'kernel_name = "([^"]+)"', line)[:1]
+    return found

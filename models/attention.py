@@ -2,8 +2,9 @@
 
 `impl="reference"` is the readable twin (heads repeated explicitly); `impl="xla"` groups
 query heads per key/value head without materialising the repeat. There is no Pallas
-kernel for dense attention: `impl="pallas"` raises, and `impl=None` means "xla" here
-(unlike kernels.dispatch's platform default) so that the decoder runs on every backend.
+kernel for dense attention: `impl="pallas"` (or "pallas_triton" / "pallas_mosaic")
+raises, and `impl=None` means "xla" here (unlike kernels.dispatch's platform default) so
+that the decoder runs on every backend.
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def attention(
     softmax in float32; a query row with no allowed key returns zeros.
     """
     impl = "xla" if impl is None else resolve_impl(impl)
-    if impl == "pallas":
+    if impl.startswith("pallas"):
         raise ValueError("no pallas kernel for dense attention; use impl='xla'")
     _check(q, k, v, mask)
     if mask is not None:
@@ -128,7 +129,7 @@ def decode_attention(
     [batch, 1, heads, head_dim] in q.dtype; softmax in float32.
     """
     impl = "xla" if impl is None else resolve_impl(impl)
-    if impl == "pallas":
+    if impl.startswith("pallas"):
         raise ValueError("no pallas kernel for dense attention; use impl='xla'")
     _check(q, k, v, None)
     b, q_len, heads, d = q.shape

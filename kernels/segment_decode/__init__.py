@@ -5,7 +5,9 @@ and one response segment per sample ([groups, N, R_max, kv_heads, d], ragged len
 Each segment yields a partial softmax state (o, m, l); the states merge in float32.
   reference.py  replicate + concatenate + masked softmax (obviously correct, slow)
   xla.py        per-segment states, the group's N queries folded into one matrix (Hydragen)
-  pallas.py     the same as two Pallas kernels (prompt: folded queries; response: split-K)
+  pallas.py     the same as two Pallas kernels (prompt: folded queries; response: split-K),
+                written for Triton (GPU)
+  mosaic.py     the two kernels for Mosaic (TPU): whole (kv_heads, d) trailing blocks
   merge.py      merge_attention_states / reduce_attention_states
 """
 from kernels.segment_decode.api import segment_decode_attention

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.dispatch import pallas_interpret_default, resolve_impl
+from kernels.dispatch import dispatch
+from kernels.segment_decode.mosaic import segment_decode_attention_mosaic
 from kernels.segment_decode.pallas import segment_decode_attention_pallas
 from kernels.segment_decode.reference import segment_decode_attention_reference
 from kernels.segment_decode.xla import segment_decode_attention_xla
@@ -99,16 +100,16 @@ def segment_decode_attention(
       k_new, v_new: [groups, N, kv_heads, head_dim] (optional, together): one more key /
         value per sample, outside the segments, always valid (the query's own token).
       sm_scale: score scale; None means 1 / sqrt(head_dim).
-      impl: "reference" | "xla" | "pallas" | None (Pallas on GPU/TPU, XLA on CPU).
+      impl: "reference" | "xla" | "pallas" | "pallas_triton" | "pallas_mosaic" | None
+        (kernels.dispatch: None = Triton when lowered for GPU, Mosaic for TPU, XLA else).
       block_k: Pallas key tile (power of two >= 16); the response segment is split-K in
         tiles of block_k keys. Checked for every impl, used by "pallas" only.
-      interpret: run Pallas in interpret mode; None means True on CPU. Compiled (not
-        interpreted) Pallas targets Triton on GPU and needs head_dim a power of two >= 16.
+      interpret: Pallas interpret mode; None = compiled on the kernel's platform (Triton:
+        GPU, Mosaic: TPU) and interpreted elsewhere.
     Returns:
       [groups, N, heads, head_dim] in q's dtype. GQA: query head h uses kv head
       h // (heads // kv_heads).
     """
-    impl = resolve_impl(impl)
     _check_inputs(q, k_prompt, v_prompt, k_resp, v_resp)
     g, n = q.shape[:2]
     prompt_lengths = _check_lengths(prompt_lengths, "prompt_lengths", (g,), k_prompt.shape[1])
@@ -130,17 +131,11 @@ def segment_decode_attention(
                              f"got {k_new.shape} and {v_new.shape}")
         k_new, v_new = k_new.astype(q.dtype), v_new.astype(q.dtype)
     args = (q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, resp_lengths, k_new, v_new)
-    if impl == "reference":
-        return segment_decode_attention_reference(*args, sm_scale=sm_scale)
-    if impl == "xla":
-        return segment_decode_attention_xla(*args, sm_scale=sm_scale)
-    if interpret is None:
-        interpret = pallas_interpret_default()
-    d = q.shape[-1]
-    if not interpret and (d < 16 or d & (d - 1)):
-        # Triton tiles must be powers of two and tl.dot needs K >= 16.
-        raise ValueError(
-            f"impl='pallas' compiled for a GPU needs head_dim to be a power of two >= 16, "
-            f"got {d}; use impl='xla' (or interpret=True) for this head_dim")
-    return segment_decode_attention_pallas(
-        *args, sm_scale=sm_scale, block_k=block_k, interpret=bool(interpret))
+    return dispatch(
+        args, impl, interpret,
+        reference=lambda *a: segment_decode_attention_reference(*a, sm_scale=sm_scale),
+        xla=lambda *a: segment_decode_attention_xla(*a, sm_scale=sm_scale),
+        triton=lambda *a, interpret: segment_decode_attention_pallas(
+            *a, sm_scale=sm_scale, block_k=block_k, interpret=interpret),
+        mosaic=lambda *a, interpret: segment_decode_attention_mosaic(
+            *a, sm_scale=sm_scale, block_k=block_k, interpret=interpret))

@@ -12,6 +12,7 @@ Split states are reduced, and the two segments merged, in float32 by `merge.py`.
 
 Written for the Triton backend on GPU (power-of-two tiles, >= 16 rows per dot, scalar
 lengths read from a ref); on CPU it runs with interpret=True, which is how it is tested.
+The Mosaic-TPU twin is `mosaic.py`.
 P and R_max are zero-padded up to a multiple of block_k when needed (a copy): allocate
 caches in multiples of block_k to avoid it.
 """
@@ -228,9 +229,20 @@ def segment_decode_attention_pallas(
     block_k tiles of the prompt one program handles (more splits = more parallelism for
     long prompts); `block_q` caps the folded query rows per program (power of two >= 16).
     k_new, v_new [groups, N, kv_heads, d] (optional): one more key per sample, merged as a
-    third state (see merge.new_token_state).
+    third state (see merge.new_token_state). A head_dim that is not a power of two >= 16
+    is zero-padded to one (Triton's tile rule).
     """
     g, n, h, d = q.shape
+    dp = max(MIN_ROWS, _next_pow2(d))
+    if dp != d:  # Triton tiles: head_dim a power of two >= 16; zero columns change nothing
+        q, k_prompt, v_prompt, k_resp, v_resp, k_new, v_new = (
+            None if x is None else _pad_axis(x, x.ndim - 1, dp)
+            for x in (q, k_prompt, v_prompt, k_resp, v_resp, k_new, v_new))
+        out = segment_decode_attention_pallas(
+            q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, resp_lengths, k_new, v_new,
+            sm_scale=sm_scale, block_k=block_k, interpret=interpret,
+            blocks_per_split=blocks_per_split, block_q=block_q)
+        return out[..., :d]
     p, kvh = k_prompt.shape[1], k_prompt.shape[2]
     r_max = k_resp.shape[2]
     if p == 0:

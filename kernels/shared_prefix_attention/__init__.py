@@ -1,4 +1,5 @@
-"""Shared-prefix attention for training (DualKV): reference, XLA and Pallas kernels.
+"""Shared-prefix attention for training (DualKV): reference, XLA and Pallas kernels
+(`pallas.py` for Triton / GPU, `mosaic.py` for Mosaic / TPU).
 
 `shared_prefix_attention(q_prompt, k_prompt, v_prompt, q_resp, k_resp, v_resp, ...)`
 attends each group's prompt once and its N responses against [prompt, own response];
@@ -6,6 +7,7 @@ see `api.shared_prefix_attention` for the contract.
 """
 from kernels.shared_prefix_attention.api import shared_prefix_attention
 from kernels.shared_prefix_attention.config import BlockSizes
+from kernels.shared_prefix_attention.mosaic import shared_prefix_attention_mosaic
 from kernels.shared_prefix_attention.pallas import shared_prefix_attention_pallas
 from kernels.shared_prefix_attention.reference import shared_prefix_attention_reference
 from kernels.shared_prefix_attention.xla import shared_prefix_attention_xla
@@ -13,6 +15,7 @@ from kernels.shared_prefix_attention.xla import shared_prefix_attention_xla
 __all__ = [
     "BlockSizes",
     "shared_prefix_attention",
+    "shared_prefix_attention_mosaic",
     "shared_prefix_attention_pallas",
     "shared_prefix_attention_reference",
     "shared_prefix_attention_xla",

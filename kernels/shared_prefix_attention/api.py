@@ -1,10 +1,11 @@
 """The one public entry point: `shared_prefix_attention` (validates, then dispatches)."""
 from __future__ import annotations
 
-from kernels.dispatch import resolve_impl
+from kernels.dispatch import dispatch
 from kernels.shared_prefix_attention.config import BlockSizes
 from kernels.shared_prefix_attention.inputs import (
     check_dims, normalize_lengths, normalize_scale)
+from kernels.shared_prefix_attention.mosaic import shared_prefix_attention_mosaic
 from kernels.shared_prefix_attention.pallas import shared_prefix_attention_pallas
 from kernels.shared_prefix_attention.reference import shared_prefix_attention_reference
 from kernels.shared_prefix_attention.xla import shared_prefix_attention_xla
@@ -37,21 +38,34 @@ def shared_prefix_attention(
       resp_lengths: `[groups, N]` int, valid response tokens; None = R. Concrete lengths
         outside [0, P] / [0, R] raise; traced ones are clipped into range.
       sm_scale: logit scale, default 1/sqrt(head_dim).
-      impl: "reference" | "xla" | "pallas" | None (Pallas on GPU/TPU, XLA on CPU).
+      impl: "reference" | "xla" | "pallas" | "pallas_triton" | "pallas_mosaic" | None
+        (kernels.dispatch: None = Triton when lowered for GPU, Mosaic for TPU, XLA else).
       block_sizes: Pallas tile sizes (`BlockSizes`); ignored by the other impls.
-      interpret: Pallas interpret mode; default True on CPU. Ignored by the other impls.
+      interpret: Pallas interpret mode; None = compiled on the kernel's platform and
+        interpreted elsewhere. Ignored by the other impls.
 
     Returns:
       (o_prompt `[groups, P, heads, head_dim]`, o_resp `[groups, N, R, heads, head_dim]`).
     """
-    impl = resolve_impl(impl)
     dims = check_dims(q_prompt, k_prompt, v_prompt, q_resp, k_resp, v_resp)
     prompt_lengths, resp_lengths = normalize_lengths(prompt_lengths, resp_lengths, dims)
     scale = normalize_scale(sm_scale, dims.head_dim)
     args = (q_prompt, k_prompt, v_prompt, q_resp, k_resp, v_resp,
-            prompt_lengths, resp_lengths, scale)
-    if impl == "reference":
-        return shared_prefix_attention_reference(*args)
-    if impl == "xla":
-        return shared_prefix_attention_xla(*args)
-    return shared_prefix_attention_pallas(*args, block_sizes=block_sizes, interpret=interpret)
+            prompt_lengths, resp_lengths)
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(
+            f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+
+    def triton(*a, interpret):
+        return shared_prefix_attention_pallas(*a, scale, block_sizes=block_sizes,
+                                              interpret=interpret)
+
+    def mosaic(*a, interpret):
+        return shared_prefix_attention_mosaic(*a, scale, block_sizes=block_sizes,
+                                              interpret=interpret)
+
+    # the scale is a static float: it stays out of platform_dependent's operands
+    return dispatch(args, impl, interpret,
+                    reference=lambda *a: shared_prefix_attention_reference(*a, scale),
+                    xla=lambda *a: shared_prefix_attention_xla(*a, scale),
+                    triton=triton, mosaic=mosaic)

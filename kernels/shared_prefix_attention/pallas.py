@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels.dispatch import pallas_interpret_default
+from kernels.dispatch import by_platform
 from kernels.shared_prefix_attention.config import BlockSizes
 from kernels.shared_prefix_attention.inputs import MASK_VALUE
 
@@ -318,7 +318,7 @@ def _dkdv_prompt_kernel(plen_ref, rlen_ref, k_ref, v_ref,
 
 def _call(kernel, plan: _Plan, grid, in_specs, out_specs, out_shape, name):
     kwargs = {}
-    if not plan.interpret and jax.default_backend() == "gpu":
+    if not plan.interpret:  # compiled: this kernel is lowered for GPU (Triton) only
         from jax.experimental.pallas import triton as plgpu
         big = plan.bq_r * plan.bk_r >= 64 * 64
         kwargs["compiler_params"] = plgpu.CompilerParams(
@@ -464,13 +464,21 @@ def shared_prefix_attention_pallas(
     Args: q_prompt `[G, P, H, D]`, k_prompt/v_prompt `[G, P, KH, D]`, q_resp
       `[G, N, R, H, D]`, k_resp/v_resp `[G, N, R, KH, D]`, prompt_lengths `[G]` int32,
       resp_lengths `[G, N]` int32 (validated), sm_scale float, block_sizes (default
-      `BlockSizes()`), interpret (default: True on CPU).
+      `BlockSizes()`), interpret (None: compiled when lowered for GPU, else interpreted).
     Returns: (o_prompt `[G, P, H, D]`, o_resp `[G, N, R, H, D]`) in the input dtype.
     """
     bs = BlockSizes() if block_sizes is None else block_sizes
     if not isinstance(bs, BlockSizes):
         raise ValueError(f"block_sizes must be a BlockSizes or None, got {type(bs).__name__}")
-    interpret = pallas_interpret_default() if interpret is None else bool(interpret)
+    if interpret is None:
+        args = (q_prompt, k_prompt, v_prompt, q_resp, k_resp, v_resp, prompt_lengths,
+                resp_lengths)
+
+        def run(interp):
+            return lambda *a: shared_prefix_attention_pallas(
+                *a, sm_scale, block_sizes=bs, interpret=interp)
+        return by_platform(*args, gpu=run(False), tpu=run(True), default=run(True))
+    interpret = bool(interpret)
     g, p, h, d = q_prompt.shape
     n, r = q_resp.shape[1], q_resp.shape[2]
     kvh = k_prompt.shape[2]
