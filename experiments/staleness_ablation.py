@@ -58,9 +58,20 @@ TRAIN_KEYS = ("reward_mean", "vcpo_ess", "vcpo_lr_scale", "vcpo_logw_max", "vcpo
               "rollout_wait_s")
 
 
+def ablation_train() -> TrainConfig:
+    """The preset's TrainConfig as the committed results were measured with it: no entropy
+    bonus, constant lr (the preset later gained both; this ablation's per-run JSONs are
+    resumed, so a changed config would mix into them)."""
+    t = PRESETS[PRESET].train
+    return dataclasses.replace(
+        t, loss=dataclasses.replace(t.loss, entropy_coef=0.0),
+        optimizer=dataclasses.replace(t.optimizer, schedule="constant", decay_steps=None,
+                                      min_lr_ratio=0.0))
+
+
 def method_config(method: str) -> TrainConfig:
-    """The preset's TrainConfig with the method's correction; every method logs ρ."""
-    base = PRESETS[PRESET].train
+    """The ablation's TrainConfig with the method's correction; every method logs ρ."""
+    base = ablation_train()
     monitor = VCPOConfig(monitor=True)
     if method == "grpo":
         return dataclasses.replace(base, vcpo=monitor)

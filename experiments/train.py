@@ -74,10 +74,18 @@ PRESETS: dict[str, Preset] = {
         task="synthetic",
         task_options=(("kind", "reverse"), ("length", 4), ("alphabet", 4)),
         train=TrainConfig(
-            loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
+            # entropy bonus 0.1: without it the policy's entropy collapses (2.0 -> 0.3 nats
+            # by step 150) while only 1-2 of the 4 positions are right, the others copying
+            # the wrong input symbol with near certainty; then 70-90% of groups have equal
+            # rewards (no GRPO signal) and 10 runs (5 seeds x 2 floating-point variants)
+            # ended at 0.64-0.79. With it runs reach 3 of 4 positions (~0.8) by step ~300.
+            # Cosine decay to 0.1x: at a constant lr the plateau drifts (one run fell from
+            # 0.80 to 0.70 in its last 100 steps, where ~85% of groups carry no signal).
+            loss=LossConfig(name="ppo_clip", aggregation="token-mean", entropy_coef=0.1),
             advantage=AdvantageConfig("grpo"),
             optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3, warmup_steps=10, b2=0.99,
-                                      max_grad_norm=1.0),
+                                      max_grad_norm=1.0, schedule="cosine", decay_steps=790,
+                                      min_lr_ratio=0.1),
             temperature=1.0,
         ),
         loop=LoopConfig(steps=800, prompts_per_step=8, group_size=8, segment_len=4,
