@@ -21,8 +21,9 @@ chunk_size >= T means one shot: `chunked_prefill` then calls models.decoder.pref
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
