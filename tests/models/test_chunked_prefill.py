@@ -172,8 +172,8 @@ def test_chunk_step_temporaries_do_not_grow_with_the_square_of_the_prompt(params
     when T doubles); a chunk step's stay O(C^2) per block plus O(T) for the cache."""
     cfg = get_config("tiny", max_position_embeddings=1024)
 
-    def temp_bytes(fn, *args):
-        return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    def temp_bytes(fn, *args, **static):
+        return fn.lower(*args, **static).compile().memory_analysis().temp_size_in_bytes
 
     def one_shot(t):
         tok = jnp.zeros((1, t), jnp.int32)
