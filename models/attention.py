@@ -4,6 +4,8 @@
 query heads per key/value head without materialising the repeat. There is no Pallas
 kernel for dense attention: `impl="pallas"` raises, and `impl=None` means "xla" here
 (unlike kernels.dispatch's platform default) so that the decoder runs on every backend.
+`chunk_attention` (XLA only) is the chunked prefill's: a chunk of queries over a cached
+prefix, block by block with an online softmax.
 """
 from __future__ import annotations
 
