@@ -1,8 +1,9 @@
 """The sharded sampler (rl.rollout.sharded_sampler) on 8 forced CPU devices, in a subprocess:
 on every mesh preset it draws the same tokens as the one-device sampler (rl.rollout.sampler)
-with the same keys (also with the chunked prefill), its cache keeps its shardings, the decode program gathers neither
-the KV cache nor (without fsdp) a whole parameter; a mesh that does not divide the
-kv heads or the groups is a clear error before compiling."""
+with the same keys (also with the chunked prefill, on one mesh), its cache keeps its
+shardings, the decode program gathers neither the KV cache nor (without fsdp) a whole
+parameter; a mesh that does not divide the kv heads or the groups is a clear error before
+compiling."""
 import json
 import os
 import subprocess
