@@ -4,13 +4,16 @@
 
 The prompt goes through the model's chat template; the completion is printed on stdout,
 timings (compile separately from generation) on stderr. Sampling is the default, at
-temperature 0.7 (a common chat default; use --greedy for argmax decoding).
+temperature 0.7 (a common chat default; use --greedy for argmax decoding). Prompts longer
+than --prefill-chunk tokens (default 512) prefill in chunks of that many (bounded memory,
+models/chunked_prefill.py) behind a progress bar; --prefill-chunk 0 prefills in one shot.
 
 Decoding is the rollout sampler's (rl.rollout.sampler): one decode loop in the codebase.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -21,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from models.assets import MODEL_REGISTRY, load_model
+from models.chunked_prefill import DEFAULT_CHUNK, check_chunk_size
 from rl import rollout
 
 PROGRESS_BAR_MIN_TOKENS = 64  # show a tqdm bar only for generations longer than this
@@ -37,6 +41,7 @@ class GenerateOptions:
     greedy: bool = False
     temperature: float = 0.7
     seed: int = 0
+    prefill_chunk: int | None = DEFAULT_CHUNK  # None: one-shot prefill
 
     def __post_init__(self):
         if not isinstance(self.prompt, str) or not self.prompt.strip():
@@ -45,6 +50,7 @@ class GenerateOptions:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.greedy and not (self.temperature > 0 and np.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number > 0 (or use --greedy), got {self.temperature}")
+        check_chunk_size(self.prefill_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,50 @@ class GenerationResult:
         return len(self.new_ids) / self.decode_s if self.new_ids and self.decode_s > 0 else float("nan")
 
 
+_COMPILE_EVENTS = frozenset({  # jax.monitoring duration events that make up a compilation
+    "/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration"})
+
+
+@contextlib.contextmanager
+def compile_seconds():
+    """Yield a one-element list that accumulates the seconds jax spends tracing, lowering
+    and compiling inside the block (its compile events; they run on the calling thread,
+    so wall time minus this is run time)."""
+    total = [0.0]
+
+    def listener(event, duration, **_):
+        if event in _COMPILE_EVENTS:
+            total[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield total
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+class PrefillBar:
+    """A tqdm bar over prefill chunks (created at the first chunk, so short prompts that
+    prefill in one shot show none) with the prompt tokens/s so far; a progress callback
+    for rl.rollout.prefill."""
+
+    def __init__(self):
+        self.bar, self.tokens, self.t0 = None, 0, time.perf_counter()
+
+    def __call__(self, i: int, n: int, tokens: int) -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=n, unit="chunk", desc="prefill", file=sys.stderr, leave=False)
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def generate_tokens(
     params,
     config,
@@ -76,13 +126,16 @@ def generate_tokens(
     temperature: float = 0.7,
     seed: int = 0,
     on_tokens: Callable[[int], None] | None = None,
+    prefill_chunk: int | None = DEFAULT_CHUNK,
+    on_prefill: Callable[[int, int, int], None] | None = None,
 ) -> tuple[list[int], bool, dict[str, float]]:
     """Generate up to max_new_tokens after prompt_ids (one sample) with the rollout
     sampler, stopping after any eos id. on_tokens(n) is called after each segment with the
-    number of new tokens. Returns (new token ids, stopped_on_eos, timings {"compile_s",
-    "prefill_s", "decode_s"}). A warm-up prefill and a 1-token warm-up segment (results
-    discarded: the sampler is pure) are timed as compile_s, so the other timings are
-    steady-state."""
+    number of new tokens. The prompt prefills once: in chunks of prefill_chunk tokens when
+    it is longer (None: one shot), calling on_prefill(i, n, tokens) after chunk i of n.
+    Returns (new token ids, stopped_on_eos, timings {"compile_s", "prefill_s",
+    "decode_s"}): the first calls compile as they go; the seconds jax spent compiling
+    (`compile_seconds`) are reported as compile_s and left out of the other two."""
     if len(prompt_ids) < 1:
         raise ValueError("prompt_ids is empty; the prompt must have at least one token")
     max_len = len(prompt_ids) + max_new_tokens
@@ -94,29 +147,25 @@ def generate_tokens(
     cfg = (rollout.SamplingConfig(greedy=True) if greedy
            else rollout.SamplingConfig(temperature=temperature))
     state = rollout.init_state(config, num_slots=1, max_prompt_len=len(prompt_ids),
-                                max_new_tokens=max_new_tokens, sampling=cfg, stop_ids=eos_ids)
+                                max_new_tokens=max_new_tokens, sampling=cfg, stop_ids=eos_ids,
+                                prefill_chunk=prefill_chunk)
     keys = rollout.sample_keys(seed, [0], 1)
-
-    def start():
-        return rollout.prefill(params, state, [list(prompt_ids)], [[0]], keys)
-
-    t0 = time.perf_counter()
-    jax.block_until_ready(rollout.decode_segment(params, start(), 1, 0).done)
-    compile_s = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    live = jax.block_until_ready(start())
-    prefill_s = time.perf_counter() - t0
-    t0, produced = time.perf_counter(), 0
-    while not bool(live.done[0]):
-        live = rollout.decode_segment(params, live, SEGMENT_TOKENS, 0)
-        n = int(live.num_generated[0])
-        if on_tokens is not None:
-            on_tokens(n - produced)
-        produced = n
-    decode_s = time.perf_counter() - t0
+    with compile_seconds() as compiled:
+        t0 = time.perf_counter()
+        live = jax.block_until_ready(
+            rollout.prefill(params, state, [list(prompt_ids)], [[0]], keys, progress=on_prefill))
+        prefill_wall, prefill_compile = time.perf_counter() - t0, compiled[0]
+        t0, produced = time.perf_counter(), 0
+        while not bool(live.done[0]):
+            live = rollout.decode_segment(params, live, SEGMENT_TOKENS, 0)
+            n = int(live.num_generated[0])
+            if on_tokens is not None:
+                on_tokens(n - produced)
+            produced = n
+        decode_wall = time.perf_counter() - t0
     sample = rollout.read_slots(live, [0])[0]
-    timings = {"compile_s": compile_s, "prefill_s": prefill_s, "decode_s": decode_s}
+    timings = {"compile_s": compiled[0], "prefill_s": prefill_wall - prefill_compile,
+               "decode_s": decode_wall - (compiled[0] - prefill_compile)}
     return sample.response_ids.tolist(), sample.stopped, timings
 
 
@@ -132,14 +181,17 @@ def run(options: GenerateOptions, model=None) -> GenerationResult:
     bar = None
     if options.max_new_tokens > PROGRESS_BAR_MIN_TOKENS:
         bar = tqdm(total=options.max_new_tokens, unit="tok", desc="generating", file=sys.stderr, leave=False)
+    prefill_bar = PrefillBar()
     try:
         new_ids, stopped, timings = generate_tokens(
             params, config, prompt_ids,
             max_new_tokens=options.max_new_tokens, eos_ids=eos_ids, greedy=options.greedy,
             temperature=options.temperature, seed=options.seed,
             on_tokens=None if bar is None else bar.update,
+            prefill_chunk=options.prefill_chunk, on_prefill=prefill_bar,
         )
     finally:
+        prefill_bar.close()
         if bar is not None:
             bar.close()
     return GenerationResult(
@@ -157,10 +209,14 @@ def parse_args(argv: Sequence[str] | None = None) -> GenerateOptions:
     parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_CHUNK,
+                        help=f"prefill prompts in chunks of this many tokens (default {DEFAULT_CHUNK}; "
+                             "bounded memory, a progress bar); 0 = one shot")
     args = parser.parse_args(argv)
     try:
         return GenerateOptions(prompt=args.prompt, model=args.model, max_new_tokens=args.max_new_tokens,
-                               greedy=args.greedy, temperature=args.temperature, seed=args.seed)
+                               greedy=args.greedy, temperature=args.temperature, seed=args.seed,
+                               prefill_chunk=args.prefill_chunk or None)
     except ValueError as e:
         parser.error(str(e))
 

@@ -6,7 +6,9 @@ Import the submodule you need (nothing heavy is imported here):
                     prefill_segments
   models.kv_cache   KVCache, init_cache (dense); SegmentedKVCache, init_segmented_cache
                     (a group's prompt once + per-sample response segments), cache_bytes
-  models.attention  attention (the one dense attention entry point)
+  models.attention  attention (the one dense attention entry point), chunk_attention
+  models.chunked_prefill  chunked_prefill (prefill C tokens at a time, bounded memory),
+                    prefill_chunks (its lax.scan twin), DEFAULT_CHUNK
   models.sharding   logical axis rules, make_mesh, logical_to_mesh_sharding, mesh_context
   models.convert    params_from_hf, hf_from_params (HF tensor names <-> our pytree)
   models.hf_loader  load_hf_checkpoint, save_hf_checkpoint

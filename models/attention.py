@@ -4,7 +4,8 @@
 query heads per key/value head without materialising the repeat. There is no Pallas
 kernel for dense attention: `impl="pallas"` (or "pallas_triton" / "pallas_mosaic")
 raises, and `impl=None` means "xla" here (unlike kernels.dispatch's platform default) so
-that the decoder runs on every backend.
+that the decoder runs on every backend. `chunk_attention` (XLA only) is the chunked
+prefill's: a chunk of queries over a cached prefix, block by block with an online softmax.
 """
 from __future__ import annotations
 
@@ -160,3 +161,89 @@ def decode_attention(
                      preferred_element_type=jnp.float32)
     out = (out + p_new[..., None] * v_new.astype(jnp.float32)[:, :, None, :]) / denom[..., None]
     return out.reshape(b, 1, heads, d).astype(q.dtype)
+
+
+def chunk_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    cache_lengths: jax.Array,
+    num_blocks: jax.Array,
+    block: int,
+    own_lengths: jax.Array,
+) -> jax.Array:
+    """Attention of a chunk of C queries to a cached prefix plus the chunk itself, in
+    blocks of keys with an online softmax, so memory is O(C * block) scores, never the
+    full [q_len, kv_len] matrix (chunked prefill, models/chunked_prefill.py).
+
+    q [B, C, heads, head_dim]; k, v [B, C, kv_heads, head_dim]: the chunk's own keys.
+    k_cache, v_cache [G, W, kv_heads, head_dim] with B = G * N: the N query rows
+    g*N .. g*N+N-1 share cache row g (N = 1: one cache row per query row; N > 1: the
+    segmented layout, N samples behind one prompt). Cache entries [0, num_blocks * block)
+    are read, `block` at a time (num_blocks: traced int32 scalar; block <= W, entries past
+    W do not exist);
+    entry j of row g is visible iff j < cache_lengths[g]. Own keys: query i of row b sees
+    own key j iff j <= i < own_lengths[b]; a query row i >= own_lengths[b] sees nothing and
+    returns zeros. Same result as `attention` over the visible keys (tested against it
+    and a float64 loop). Returns q's shape and dtype; softmax statistics in float32."""
+    b, c, heads, d = q.shape
+    g, w, kvh, _ = k_cache.shape
+    n, hg = b // g, heads // kvh
+    if w < block:
+        raise ValueError(f"chunk_attention: the cache holds W={w} entries per row, fewer than "
+                         f"one block of {block}; use a block <= W")
+    if (b != g * n or k.shape != (b, c, kvh, d) or v.shape != k.shape
+            or v_cache.shape != k_cache.shape):
+        raise ValueError(f"chunk_attention: q {q.shape}, k {k.shape}, v {v.shape} and caches "
+                         f"{k_cache.shape}, {v_cache.shape} do not fit [G*N, C, ...], [G, W, ...]")
+    scale = 1.0 / math.sqrt(d)
+    q_ok = jnp.arange(c)[None, :] < own_lengths[:, None]  # [B, C]
+    qg = q.reshape(g, n * c, kvh, hg, d)
+    q_ok_g = q_ok.reshape(g, 1, 1, n * c, 1)
+
+    def step(j, carry):  # one block of cached keys for all N * C queries of a cache row
+        m, den, acc = carry  # m, den [G, kvh, hg, N*C]; acc [G, kvh, hg, N*C, d]
+        # A last block past W is read from W - block on; keys before j * block, which an
+        # earlier block already counted, are masked out.
+        lo = jnp.minimum(j * block, w - block)
+        kb, vb = (jax.lax.dynamic_slice_in_dim(x, lo, block, axis=1).astype(q.dtype)
+                  for x in (k_cache, v_cache))
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kb, preferred_element_type=jnp.float32) * scale
+        pos = lo + jnp.arange(block)
+        ok = q_ok_g & ((pos >= j * block)[None, :] & (pos[None, :] < cache_lengths[:, None])
+                       )[:, None, None, None, :]
+        s = jnp.where(ok, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), vb,
+                                                 preferred_element_type=jnp.float32)
+        return m_new, den * corr + p.sum(axis=-1), acc
+
+    stats = (g, kvh, hg, n * c)
+    m, den, acc = jax.lax.fori_loop(
+        0, num_blocks, step, (jnp.full(stats, _MASKED, jnp.float32),
+                              jnp.zeros(stats, jnp.float32), jnp.zeros(stats + (d,), jnp.float32)))
+
+    def per_row(x):  # [G, kvh, hg, N*C, ...] -> [B, kvh, hg, C, ...]
+        x = x.reshape((g, kvh, hg, n, c) + x.shape[4:])
+        return jnp.moveaxis(x, 3, 1).reshape((b, kvh, hg, c) + x.shape[5:])
+
+    m, den, acc = per_row(m), per_row(den), per_row(acc)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q.reshape(b, c, kvh, hg, d), k,
+                   preferred_element_type=jnp.float32) * scale
+    idx = jnp.arange(c)
+    ok = ((idx[None, :, None] >= idx[None, None, :]) & q_ok[:, :, None]
+          & q_ok[:, None, :])[:, None, None]  # own key j visible to query i: j <= i, both valid
+    s = jnp.where(ok, s, _MASKED)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    den = den * corr + p.sum(axis=-1)
+    acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v,
+                                             preferred_element_type=jnp.float32)
+    out = acc / jnp.where(den == 0, 1.0, den)[..., None]  # [B, kvh, hg, C, d]
+    return jnp.moveaxis(out, 3, 1).reshape(b, c, heads, d).astype(q.dtype)

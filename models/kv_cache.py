@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kernels.segment_decode import segment_decode_attention
-from models.attention import attention, decode_attention
+from models.attention import attention, chunk_attention, decode_attention
 from models.config import ModelConfig
 
 
@@ -255,6 +255,21 @@ def _decode_layer_bounded(q, k, v, kv, layer, mask: BoundedDecode, impl):
     return out, (k_new, v_new)
 
 
+@struct.dataclass
+class ChunkAttend:
+    """The decode `mask` of a chunked-prefill step (models/chunked_prefill.py): the decoder
+    runs C tokens per row in decode mode over a read-only cache kv (k, v) [layers, G, W,
+    kv_heads, head_dim] and returns their fresh (k, v) per layer instead of a new cache.
+    Query rows g*N .. g*N+N-1 attend to cache row g's entries < cache_lengths[g] among the
+    first num_blocks * block (see models.attention.chunk_attention), and causally to the
+    own_lengths[b] valid tokens of their own chunk."""
+
+    cache_lengths: jax.Array
+    num_blocks: jax.Array
+    own_lengths: jax.Array
+    block: int = struct.field(pytree_node=False)
+
+
 def decode_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, layer: jax.Array, mask,
                  start, impl: str | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One layer's decode attention for either layout (see `decode_inputs`).
@@ -265,7 +280,14 @@ def decode_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, layer: jax
     into a copy of this layer's row/response segment only (the prompt segment is never
     copied). Returns (out [batch, 1, heads, head_dim], the new token's (k, v) [batch,
     kv_heads, head_dim]) for `after_decode` to write into the cache once for all layers.
-    A BoundedDecode mask takes the bounded path (see the module docstring)."""
+    A BoundedDecode mask takes the bounded path (see the module docstring); a ChunkAttend
+    mask runs a chunk of tokens (chunked prefill) and returns the chunk's whole (k, v)
+    [batch, C, kv_heads, head_dim]."""
+    if isinstance(mask, ChunkAttend):
+        out = chunk_attention(q, k, v, kv[0][layer], kv[1][layer],
+                              cache_lengths=mask.cache_lengths, num_blocks=mask.num_blocks,
+                              block=mask.block, own_lengths=mask.own_lengths)
+        return out, (k, v)
     if isinstance(mask, BoundedDecode):
         return _decode_layer_bounded(q, k, v, kv, layer, mask, impl)
     new = (k[:, 0], v[:, 0])

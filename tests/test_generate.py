@@ -107,7 +107,49 @@ def test_loop_matches_naive_greedy_and_stops_on_eos(tiny):
     first = free.index(eos)
     new, stopped, timings = gen.generate_tokens(params, config, prompt, max_new_tokens=6, eos_ids=[eos], greedy=True)
     assert new == free[: first + 1] and stopped
-    assert timings["compile_s"] > 0 and timings["decode_s"] >= 0
+    # Same shapes as the first call: nothing left to compile; the timings stay apart.
+    assert timings["compile_s"] >= 0 and timings["prefill_s"] >= 0 and timings["decode_s"] >= 0
+
+
+def test_prefill_runs_once_and_compile_is_reported_apart(tiny, monkeypatch):
+    """No warm-up prefill: the prompt goes through the sampler's prefill exactly once, and
+    the compilation of a first call (a prompt width never seen before) is counted in
+    compile_s, not in prefill_s / decode_s."""
+    config, params, _ = tiny
+    calls = []
+    real = gen.rollout.prefill
+
+    def counting(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gen.rollout, "prefill", counting)
+    prompt = list(range(3, 3 + 97))  # a width no other test uses: its programs compile here
+    new, _, timings = gen.generate_tokens(params, config, prompt, max_new_tokens=3, eos_ids=[],
+                                          greedy=True, prefill_chunk=None)
+    assert calls == [[prompt]] and len(new) == 3
+    assert timings["compile_s"] > 0.1 and timings["prefill_s"] >= 0 and timings["decode_s"] >= 0
+
+
+def test_chunked_prefill_gives_the_naive_greedy_tokens(tiny):
+    config, params, _ = tiny
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, config.vocab_size, 41)]
+    seen = []
+    new, _, _ = gen.generate_tokens(params, config, prompt, max_new_tokens=5, eos_ids=[],
+                                    greedy=True, prefill_chunk=8,
+                                    on_prefill=lambda *a: seen.append(a))
+    assert new == naive_greedy(params, config, prompt, 5)
+    assert seen and [s[0] for s in seen] == list(range(1, seen[0][1] + 1))  # every chunk, in order
+
+
+def test_prefill_bar_and_the_flag(tiny, capsys):
+    result = gen.run(gen.GenerateOptions(prompt="x" * 60, max_new_tokens=2, greedy=True,
+                                         prefill_chunk=16), model=tiny)
+    assert len(result.new_ids) >= 1 and "prefill" in capsys.readouterr().err
+    assert gen.parse_args(["--prompt", "hi", "--prefill-chunk", "0"]).prefill_chunk is None
+    assert gen.parse_args(["--prompt", "hi"]).prefill_chunk == gen.DEFAULT_CHUNK
+    with pytest.raises(SystemExit):
+        gen.parse_args(["--prompt", "hi", "--prefill-chunk", "-2"])
 
 
 def test_progress_bar_for_long_generation(tiny, capsys):

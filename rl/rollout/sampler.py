@@ -48,12 +48,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.chunked_prefill import prefill_chunks_host
 from models.config import ModelConfig
 from rl.rollout.sampler_core import (
     ReplicatedFill,
     SegmentedFill,
+    chunks_prefill,
     decode_segment_donated_jit,
     decode_segment_jit,
+    fill_context,
     fill_jit,
 )
 from rl.rollout.sampler_state import (
@@ -116,16 +119,27 @@ def _budgets(max_new_tokens: int | None, n: int, state: SamplerState) -> np.ndar
 _FILL_SAMPLING = SamplingConfig()
 
 
-def _run_fill(params, state: SamplerState, fill: ReplicatedFill | SegmentedFill) -> SamplerState:
+def _run_fill(params, state: SamplerState, fill: ReplicatedFill | SegmentedFill,
+              progress: Callable[[int, int, int], Any] | None = None) -> SamplerState:
+    context_kv = None
+    tokens, lengths = fill_context(fill)
+    if progress is not None and chunks_prefill(state, tokens.shape[1]):
+        # The chunked prefill as a host loop (one jitted chunk step per chunk) so that
+        # progress can be reported; the jitted fill then loads its result.
+        c = state.config
+        shape = (c.num_layers,) + tokens.shape + (c.num_kv_heads, c.head_dim)
+        _, *context_kv = prefill_chunks_host(
+            params, c, tokens, lengths, jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype),
+            chunk=state.prefill_chunk, attn_impl=state.attn_impl, on_chunk=progress)
     # The fill does not depend on the sampling config: compile it once per geometry.
-    out = fill_jit(params, state.replace(sampling=_FILL_SAMPLING), fill)
+    out = fill_jit(params, state.replace(sampling=_FILL_SAMPLING), fill, context_kv)
     return out.replace(sampling=state.sampling)
 
 
 def _fill_groups(params, state: SamplerState, prompts: list[np.ndarray], group_slot: list[int],
                  responses: list[list[np.ndarray]], keys: np.ndarray, budget: np.ndarray,
                  logprobs: np.ndarray, versions: np.ndarray, done: np.ndarray,
-                 stopped: np.ndarray) -> SamplerState:
+                 stopped: np.ndarray, progress=None) -> SamplerState:
     """Segmented layout: pad G groups (responses[g][i] = partial response of the sample
     going to slot group_slot[g] * N + i; per-sample arrays [G, N, ...]) to buckets and
     call the jitted fill."""
@@ -154,7 +168,7 @@ def _fill_groups(params, state: SamplerState, prompts: list[np.ndarray], group_s
         num_generated=n_gen, group_slot=pad(np.asarray(group_slot, np.int32), n_groups),
         keys=pad(keys.astype(np.uint32), 0), budget=pad(budget.astype(np.int32), 1),
         logprobs=pad(logprobs.astype(np.float32), 0), versions=pad(versions.astype(np.int32), -1),
-        done=pad(done.astype(bool), True), stopped=pad(stopped.astype(bool), False)))
+        done=pad(done.astype(bool), True), stopped=pad(stopped.astype(bool), False)), progress)
 
 
 def _group_blocks(slots: np.ndarray, n: int, what: str) -> np.ndarray:
@@ -172,8 +186,8 @@ def _group_blocks(slots: np.ndarray, n: int, what: str) -> np.ndarray:
 
 def _fill(params, state: SamplerState, contexts: list[np.ndarray], prompt_lengths: np.ndarray,
           row: np.ndarray, slot: np.ndarray, keys: np.ndarray, budget: np.ndarray,
-          logprobs: np.ndarray, versions: np.ndarray, done: np.ndarray, stopped: np.ndarray
-          ) -> SamplerState:
+          logprobs: np.ndarray, versions: np.ndarray, done: np.ndarray, stopped: np.ndarray,
+          progress=None) -> SamplerState:
     """Replicated layout: pad rows / entries / context width to buckets and call the
     jitted fill."""
     s = state.num_slots
@@ -199,7 +213,7 @@ def _fill(params, state: SamplerState, contexts: list[np.ndarray], prompt_length
         row=pad(row.astype(np.int32), 0), keys=pad(keys.astype(np.uint32), 0),
         budget=pad(budget.astype(np.int32), 1), logprobs=pad(logprobs.astype(np.float32), 0),
         versions=pad(versions.astype(np.int32), -1), done=pad(done.astype(bool), True),
-        stopped=pad(stopped.astype(bool), False)))
+        stopped=pad(stopped.astype(bool), False)), progress)
 
 
 def prefill(
@@ -210,6 +224,7 @@ def prefill(
     keys: Any,
     *,
     max_new_tokens: int | None = None,
+    progress: Callable[[int, int, int], Any] | None = None,
 ) -> SamplerState:
     """Start G groups: prompts (G token lists) are prefilled once each. Segmented layout:
     the prompt KV is written once into the group's prompt segment, and slots[g] must be
@@ -217,7 +232,9 @@ def prefill(
     copied into the N slots of the group. slots [G, N] int (distinct); keys [G, N, 2]
     uint32 (see `sample_keys`; keys[g, i] goes with slot slots[g, i]); max_new_tokens
     (default: the state's) is each sample's budget. The slots' previous contents are
-    discarded."""
+    discarded. Prompts longer than the state's prefill_chunk prefill in chunks (bounded
+    memory); progress(i, n, tokens), if given, is then called after chunk i of n (1-based)
+    with the prompt positions it covered (e.g. a tqdm bar's update)."""
     config = state.config
     if len(prompts) == 0:
         return state
@@ -244,11 +261,11 @@ def prefill(
                             [[np.zeros((0,), np.int32)] * n] * g, member_keys,
                             _budgets(max_new_tokens, m, state).reshape(g, n),
                             np.zeros((g, n, r_max), np.float32), np.full((g, n, r_max), -1, np.int32),
-                            np.zeros((g, n), bool), np.zeros((g, n), bool))
+                            np.zeros((g, n), bool), np.zeros((g, n), bool), progress)
     return _fill(params, state, ctx, np.array([c.size for c in ctx]), np.repeat(np.arange(g), n),
                  slots.reshape(-1), keys.reshape(m, 2), _budgets(max_new_tokens, m, state),
                  np.zeros((m, r_max), np.float32), np.full((m, r_max), -1, np.int32),
-                 np.zeros((m,), bool), np.zeros((m,), bool))
+                 np.zeros((m,), bool), np.zeros((m,), bool), progress)
 
 
 @dataclasses.dataclass(frozen=True)

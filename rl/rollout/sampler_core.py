@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models import kv_cache as kvc
+from models.chunked_prefill import prefill_chunks, segments_from_prompt_kv
 from models.decoder import _decode_jit, _prefill_jit, prefill_segments
 from models.kv_cache import KVCache
 from rl.rollout.sampler_state import SamplerState, SamplingConfig
@@ -144,15 +145,38 @@ def _load_slots(state: SamplerState, cache, slot, prompt, plen, resp, n_gen, pen
         keys=put("keys", keys))
 
 
-def _fill_replicated(params, state: SamplerState, f: ReplicatedFill) -> SamplerState:
+def chunks_prefill(state: SamplerState, width: int) -> bool:
+    """Whether a fill of contexts `width` tokens wide (replicated: the context; segmented:
+    the prompt) runs the chunked prefill (models/chunked_prefill.py): the state's
+    prefill_chunk is set and smaller than the width. Otherwise it runs in one shot."""
+    return state.prefill_chunk is not None and width > state.prefill_chunk
+
+
+def fill_context(fill: ReplicatedFill | SegmentedFill) -> tuple[jax.Array, jax.Array]:
+    """The tokens [rows, T] and lengths [rows] a fill prefills (the part that gets chunked):
+    replicated, the contexts; segmented, the prompt segments (each prompt but its last
+    token)."""
+    if isinstance(fill, SegmentedFill):
+        return fill.prompt_ids, fill.prompt_lengths - 1
+    return fill.ctx_ids, fill.ctx_lengths
+
+
+def _fill_replicated(params, state: SamplerState, f: ReplicatedFill, context_kv) -> SamplerState:
     c = state.config
     r, t = f.ctx_ids.shape
-    kv_shape = (c.num_layers, r, t, c.num_kv_heads, c.head_dim)
     dt = state.cache.k.dtype
-    empty = KVCache(k=jnp.zeros(kv_shape, dt), v=jnp.zeros(kv_shape, dt),
-                    lengths=jnp.zeros((r,), jnp.int32))
-    _, pc = _prefill_jit(params, f.ctx_ids, f.ctx_lengths, empty, config=c,
-                         attn_impl=state.attn_impl)
+    if context_kv is None and chunks_prefill(state, t):
+        _, *context_kv = prefill_chunks(params, c, f.ctx_ids, f.ctx_lengths,
+                                        chunk=state.prefill_chunk, attn_impl=state.attn_impl)
+    if context_kv is None:
+        kv_shape = (c.num_layers, r, t, c.num_kv_heads, c.head_dim)
+        empty = KVCache(k=jnp.zeros(kv_shape, dt), v=jnp.zeros(kv_shape, dt),
+                        lengths=jnp.zeros((r,), jnp.int32))
+        _, pc = _prefill_jit(params, f.ctx_ids, f.ctx_lengths, empty, config=c,
+                             attn_impl=state.attn_impl)
+    else:
+        pc = KVCache(k=context_kv[0][:, :, :t].astype(dt), v=context_kv[1][:, :, :t].astype(dt),
+                     lengths=f.ctx_lengths)
     row, slot = f.row, f.slot
     clen, plen = f.ctx_lengths[row], f.prompt_lengths[row]
     rows_ctx = f.ctx_ids[row]  # [M, T]
@@ -173,7 +197,7 @@ def _fill_replicated(params, state: SamplerState, f: ReplicatedFill) -> SamplerS
                        f.done, f.stopped)
 
 
-def _fill_segmented(params, state: SamplerState, f: SegmentedFill) -> SamplerState:
+def _fill_segmented(params, state: SamplerState, f: SegmentedFill, context_kv) -> SamplerState:
     cache = state.cache
     gb, tp = f.prompt_ids.shape
     n, tr = f.resp_ids.shape[1:]
@@ -183,8 +207,18 @@ def _fill_segmented(params, state: SamplerState, f: SegmentedFill) -> SamplerSta
     ctx = jnp.concatenate([jnp.broadcast_to(last[:, None, None], (gb, n, 1)),
                            f.resp_ids[:, :, :tr - 1]], axis=2)
     seg_plen = f.prompt_lengths - 1
-    kp, vp, kr, vr = prefill_segments(params, state.config, f.prompt_ids, seg_plen, ctx,
-                                      f.num_generated, attn_impl=state.attn_impl)
+    chunk = state.prefill_chunk
+    if context_kv is None and chunks_prefill(state, tp):
+        _, *context_kv = prefill_chunks(params, state.config, f.prompt_ids, seg_plen,
+                                        chunk=chunk, attn_impl=state.attn_impl)
+    if context_kv is None:
+        kp, vp, kr, vr = prefill_segments(params, state.config, f.prompt_ids, seg_plen, ctx,
+                                          f.num_generated, attn_impl=state.attn_impl)
+    else:  # the prompt in chunks; the responses read its cache block by block
+        kp, vp = (x[:, :, :tp] for x in context_kv)
+        kr, vr = segments_from_prompt_kv(params, state.config, kp, vp, seg_plen, ctx,
+                                         f.num_generated, chunk=min(chunk, tp),
+                                         attn_impl=state.attn_impl)
     gs, dt = f.group_slot, cache.k_prompt.dtype
     cache = cache.replace(
         # The only place segments are replaced: [0, Tp) of the prompt, [0, Tr) of responses.
@@ -212,17 +246,21 @@ def _fill_segmented(params, state: SamplerState, f: SegmentedFill) -> SamplerSta
                        flat(f.logprobs), flat(f.versions), flat(f.done), flat(f.stopped))
 
 
-def fill_impl(params: Params, state: SamplerState, fill: ReplicatedFill | SegmentedFill
-              ) -> SamplerState:
+def fill_impl(params: Params, state: SamplerState, fill: ReplicatedFill | SegmentedFill,
+              context_kv: tuple[jax.Array, jax.Array] | None = None) -> SamplerState:
     """Pure body of a fill (prefill of new groups or reload of partial samples): run the
     contexts through the model and load them into their slots. `fill` must match the
-    state's layout (SegmentedFill for "segmented"). Not jitted: wrap it with jax.jit (and
-    shardings) as `prefill` / `load_samples` do."""
+    state's layout (SegmentedFill for "segmented"). Contexts wider than the state's
+    prefill_chunk run in chunks (`chunks_prefill`; a lax.scan, bounded memory), others in
+    one shot. context_kv (optional): the (k, v) [layers, rows, >= T, kv_heads, head_dim]
+    of `fill_context(fill)`, already prefilled (the host loop of `rl.rollout.sampler`,
+    which shows progress); they are then not recomputed. Not jitted: wrap it with jax.jit
+    (and shardings) as `prefill` / `load_samples` do."""
     if isinstance(fill, SegmentedFill) != (state.kv_layout == "segmented"):
         raise ValueError(f"a {type(fill).__name__} cannot fill a {state.kv_layout!r} state")
     if isinstance(fill, SegmentedFill):
-        return _fill_segmented(params, state, fill)
-    return _fill_replicated(params, state, fill)
+        return _fill_segmented(params, state, fill, context_kv)
+    return _fill_replicated(params, state, fill, context_kv)
 
 
 def decode_segment_impl(params: Params, state: SamplerState, num_tokens: jax.Array,

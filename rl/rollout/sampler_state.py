@@ -15,6 +15,7 @@ import numpy as np
 from flax import struct
 
 from models import kv_cache as kvc
+from models.chunked_prefill import DEFAULT_CHUNK, check_chunk_size
 from models.config import ModelConfig
 from models.kv_cache import KVCache, SegmentedKVCache, init_cache, init_segmented_cache
 
@@ -103,7 +104,9 @@ class SamplerState:
       segmented: SegmentedKVCache k/v_prompt [layers, groups, P_max, kv_heads, head_dim],
         k/v_resp [layers, groups, N, R_max, kv_heads, head_dim], prompt_lengths [groups],
         resp_lengths [groups, N]; slot s = (s // N, s % N).
-    config, sampling and attn_impl are static (part of the jit cache key)."""
+    config, sampling, attn_impl and prefill_chunk (fills wider than it prefill in chunks
+    of that many tokens, models/chunked_prefill.py; None: always one shot) are static
+    (part of the jit cache key)."""
 
     cache: KVCache | SegmentedKVCache
     pending: jax.Array
@@ -121,6 +124,7 @@ class SamplerState:
     config: ModelConfig = struct.field(pytree_node=False)
     sampling: SamplingConfig = struct.field(pytree_node=False)
     attn_impl: str | None = struct.field(pytree_node=False, default=None)
+    prefill_chunk: int | None = struct.field(pytree_node=False, default=DEFAULT_CHUNK)
 
     @property
     def num_slots(self) -> int:
@@ -191,6 +195,7 @@ def init_state(
     cache_dtype: str | None = None,
     group_size: int | None = None,
     kv_layout: str | None = None,
+    prefill_chunk: int | None = DEFAULT_CHUNK,
 ) -> SamplerState:
     """All slots empty (done). The cache holds max_prompt_len + max_new_tokens positions
     per sample, enough for any prompt plus a full response. kv_layout "segmented" (the
@@ -199,17 +204,21 @@ def init_state(
     (the default without group_size) copies it into every slot. attn_impl picks the
     attention kernels (segmented: kernels.segment_decode for decode and
     kernels.shared_prefix_attention for prefill; None = their platform default).
+    prefill_chunk: contexts (replicated) or prompts (segmented) longer than this many
+    tokens prefill in chunks of it, with memory O(chunk x T) instead of O(T^2) and the
+    same result (models/chunked_prefill.py, XLA attention); None: always one shot.
     Warns once if `sampling` is truncated (top-k/top-p), since this state's log-probs
     are meant for RL."""
     warn_if_truncated(sampling)
     return new_state(config, num_slots=num_slots, max_prompt_len=max_prompt_len,
                       max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
                       attn_impl=attn_impl, cache_dtype=cache_dtype, group_size=group_size,
-                      kv_layout=kv_layout)
+                      kv_layout=kv_layout, prefill_chunk=prefill_chunk)
 
 
 def new_state(config, *, num_slots, max_prompt_len, max_new_tokens, sampling, stop_ids,
-               attn_impl, cache_dtype, group_size=None, kv_layout=None) -> SamplerState:
+               attn_impl, cache_dtype, group_size=None, kv_layout=None,
+               prefill_chunk=DEFAULT_CHUNK) -> SamplerState:
     num_slots = positive_int("num_slots", num_slots)
     if group_size is not None:
         group_size = positive_int("group_size", group_size)
@@ -247,6 +256,7 @@ def new_state(config, *, num_slots, max_prompt_len, max_new_tokens, sampling, st
         keys=jnp.zeros((s, 2), jnp.uint32),
         stop_ids=jnp.asarray(_pad_stop_ids(stop_ids)),
         config=config, sampling=sampling, attn_impl=attn_impl,
+        prefill_chunk=check_chunk_size(prefill_chunk),
     )
 
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.chunked_prefill import DEFAULT_CHUNK
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, LogicalRules, logical_to_mesh_sharding, mesh_context
 from rl.rollout.sampler import check_prompt
@@ -74,14 +75,16 @@ class ShardedSampler:
     def init_state(self, *, num_slots: int, max_prompt_len: int, max_new_tokens: int,
                    group_size: int | None = None, sampling: SamplingConfig = SamplingConfig(),
                    stop_ids: Sequence[int] = (), attn_impl: str | None = None,
-                   kv_layout: str | None = None, cache_dtype: str | None = None) -> SamplerState:
+                   kv_layout: str | None = None, cache_dtype: str | None = None,
+                   prefill_chunk: int | None = DEFAULT_CHUNK) -> SamplerState:
         """rl.rollout.init_state, placed on the mesh. ValueError (before compiling) if the
         slots, or the groups of a segmented cache, do not divide by data*fsdp."""
         def build():
             return init_state(self.model_config, num_slots=num_slots,
                               max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
                               group_size=group_size, sampling=sampling, stop_ids=stop_ids,
-                              attn_impl=attn_impl, kv_layout=kv_layout, cache_dtype=cache_dtype)
+                              attn_impl=attn_impl, kv_layout=kv_layout, cache_dtype=cache_dtype,
+                              prefill_chunk=prefill_chunk)
 
         state = jax.eval_shape(build)  # validates the arguments, allocates nothing
         self._check_state(state)

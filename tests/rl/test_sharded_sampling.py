@@ -1,8 +1,9 @@
 """The sharded sampler (rl.rollout.sharded_sampler) on 8 forced CPU devices, in a subprocess:
 on every mesh preset it draws the same tokens as the one-device sampler (rl.rollout.sampler)
-with the same keys, its cache keeps its shardings, the decode program gathers neither
-the KV cache nor (without fsdp) a whole parameter; a mesh that does not divide the
-kv heads or the groups is a clear error before compiling."""
+with the same keys (also with the chunked prefill, on one mesh), its cache keeps its
+shardings, the decode program gathers neither the KV cache nor (without fsdp) a whole
+parameter; a mesh that does not divide the kv heads or the groups is a clear error before
+compiling."""
 import json
 import os
 import subprocess
@@ -55,6 +56,11 @@ _SCRIPT = textwrap.dedent("""
                       "k_resp layer": c.k_resp.shape[1:], "k_prompt layer": c.k_prompt.shape[1:]}
             rec["cache_gathers"] = full_array_gathers(hlo, shapes)
         out["presets"][name] = rec
+    # Chunked prefill (prompts wider than 3 tokens prefill 3 at a time) on a mesh.
+    s = ShardedSampler(cfg, make_mesh_preset("dp+tp", tensor=2))
+    p = s.place_params(params)
+    state = s.prefill(p, s.init_state(**kw, prefill_chunk=3), prompts, range(G), keys)
+    out["chunked"] = rows(s.decode_segment(p, s.decode_segment(p, state, 5, 0), 5, 1))
     # Bad meshes: clear errors before anything compiles.
     errors = {}
     try:
@@ -85,8 +91,8 @@ def test_sharded_sampler_matches_one_device_on_every_preset(tmp_path):
     lengths = [len(toks) for toks, _, _ in single]
     assert max(lengths) == 8 and sum(lengths) > 8  # real decoding happened
     assert sorted({v for _, _, vs in single for v in vs}) == [0, 1]  # both segments ran
-    for name in PRESETS:
-        got = out["presets"][name]["rows"]
+    for name in (*PRESETS, "chunked"):
+        got = out["chunked"] if name == "chunked" else out["presets"][name]["rows"]
         for (t1, l1, v1), (t2, l2, v2) in zip(single, got):
             assert t1 == t2 and v1 == v2, name  # token for token
             assert max((abs(a - b) for a, b in zip(l1, l2)), default=0.0) <= 1e-5, name
