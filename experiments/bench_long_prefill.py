@@ -89,14 +89,14 @@ def run_case(length: int, side: str, chunk: int) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- the parent
 def _child_rss_mb(pid: int) -> float:
+    """Resident MB of a running child; 0.0 once it has exited (its /proc entry is gone)."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024 / 1e6
+            lines = f.readlines()
     except OSError:
-        pass
-    return 0.0
+        return 0.0
+    rss = [int(line.split()[1]) for line in lines if line.startswith("VmRSS:")]
+    return rss[0] * 1024 / 1e6 if rss else 0.0
 
 
 def spawn_case(length: int, side: str, chunk: int, time_cap: float, mem_cap_gb: float
