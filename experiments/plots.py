@@ -12,6 +12,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from rl.runtime.logging import atomic_write_bytes  # noqa: E402
 
+
+def save_png(fig, path: str | os.PathLike) -> None:
+    """Lay out `fig`, write it to `path` as a PNG atomically (no half-written file) and
+    close it."""
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
 _COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
@@ -97,8 +108,4 @@ def plot_reward_curve(train: Sequence[dict], evals: Sequence[dict], path: str | 
               [r["time_s"] / 60 for r in evals], names, baseline, label, smooth)
         ax2.set_xlabel("wall-clock minutes (compilation and evals included)")
         ax2.set_title(f"{title} vs time")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_png(fig, path)

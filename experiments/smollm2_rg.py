@@ -117,15 +117,13 @@ def collect(root: Path, seeds: list[int]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import io
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.plots import _smooth
-    from rl.runtime.logging import atomic_write_bytes
+    from experiments.plots import _smooth, save_png
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=110)
     colors = ("tab:blue", "tab:red", "tab:green", "tab:purple")
@@ -158,11 +156,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"SmolLM2-135M-Instruct, GRPO on reasoning-gym chain_sum, 2-core CPU: "
                  f"greedy accuracy gain {h['value']:+.3f} (mean of {len(result['runs'])} seeds)",
                  fontsize=10)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

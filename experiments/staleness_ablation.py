@@ -221,14 +221,13 @@ def _smooth(x: np.ndarray, w: int) -> np.ndarray:
 def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
     """reward vs step and ESS vs step (one panel per k, methods overlaid: mean over seeds,
     band = min..max), and final eval reward vs k. Returns the PNG paths."""
-    import io
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rl.runtime.logging import atomic_write_bytes
+    from experiments.plots import save_png
 
     cells = _cells(runs)
     ks = sorted({k for k, _ in cells})
@@ -236,12 +235,8 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
     paths = []
 
     def save(fig, suffix):
-        buf = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
         path = out_prefix.with_name(out_prefix.name + suffix)
-        atomic_write_bytes(path, buf.getvalue())
+        save_png(fig, path)
         paths.append(path)
 
     def band(ax, steps, ys, m, n_seeds, marker=None):

@@ -22,7 +22,6 @@ its statistics under "perturbed_fp".
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -38,7 +37,7 @@ from tqdm import tqdm
 from experiments.benchmarking import load_average, machine
 from experiments.train import DEFAULT_PRESET, PRESETS
 from experiments.train import main as train_main
-from rl.runtime.logging import atomic_write_bytes, atomic_write_json
+from rl.runtime.logging import atomic_write_json
 
 PERTURB_FLAG = "--xla_cpu_max_isa=AVX2"
 DEFAULT_BAR = 0.7
@@ -176,7 +175,7 @@ def run_perturbed(args: argparse.Namespace) -> dict:
 def plot_seeds(res: dict, path: Path) -> None:
     """Every seed's eval curve (thin), their mean (thick), the bar and the random policy;
     the perturbed-fp variant dashed when present."""
-    from experiments.plots import plt
+    from experiments.plots import plt, save_png
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     variants = [("default fp", res, "tab:blue", "-")]
@@ -201,11 +200,7 @@ def plot_seeds(res: dict, path: Path) -> None:
     ax.set_ylim(0, 1)
     ax.set_title(f"{res['preset']}: GRPO eval reward over seeds")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
