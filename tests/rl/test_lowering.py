@@ -27,6 +27,7 @@ from rl.learner.step import train_step
 from rl.rollout.sampler_core import SegmentedFill, decode_segment_impl, fill_impl
 from rl.rollout.sampler_state import SamplingConfig, init_state
 from rl.trajectory import Trajectory
+from tests.kernels.test_lowering_kernels import DECODE, SPA_BWD, SPA_FWD
 
 MODELS = ("tiny", "smollm2-135m")
 PLATFORMS = ("cuda", "tpu")
@@ -99,14 +100,6 @@ def segmented_fill():
         stopped=jax.ShapeDtypeStruct((GROUPS, N), bool))
 
 
-SPA_FWD = {"cuda": ["spa_fwd_prompt", "spa_fwd_resp"],
-           "tpu": ["spa_mosaic_fwd_prompt", "spa_mosaic_fwd_resp"]}
-SPA_BWD = {"cuda": ["spa_bwd_dq_prompt", "spa_bwd_dq_resp", "spa_bwd_dkdv_resp",
-                    "spa_bwd_dkdv_prompt"],
-           "tpu": ["spa_mosaic_bwd_dq_prompt", "spa_mosaic_bwd_dq_resp",
-                   "spa_mosaic_bwd_dkdv_resp", "spa_mosaic_bwd_dkdv_prompt"]}
-DECODE = {"cuda": ["segment_decode_prompt", "segment_decode_response"],
-          "tpu": ["segment_decode_prompt_mosaic", "segment_decode_response_mosaic"]}
 EXPECTED = {"train_step": lambda p: SPA_FWD[p] + SPA_BWD[p], "fill": lambda p: SPA_FWD[p],
             "decode": lambda p: DECODE[p], "decode_bounded": lambda p: DECODE[p]}
 

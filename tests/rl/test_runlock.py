@@ -49,6 +49,15 @@ TRY_LOCK = """
 """
 
 
+HOLD_LOCK = """
+    import sys, time
+    from rl.runtime.runlock import RunLock
+    lock = RunLock(sys.argv[1])
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
 def test_second_process_gets_the_holders_pid(tmp_path):
     with RunLock(tmp_path / "run") as lock:
         assert lock.held and not lock_is_free(tmp_path / "run")
@@ -62,13 +71,7 @@ def test_second_process_gets_the_holders_pid(tmp_path):
 
 
 def test_lock_of_a_killed_holder_is_free(tmp_path):
-    holder = python("""
-        import sys, time
-        from rl.runtime.runlock import RunLock
-        lock = RunLock(sys.argv[1])
-        print("locked", flush=True)
-        time.sleep(600)
-    """, tmp_path / "run")
+    holder = python(HOLD_LOCK, tmp_path / "run")
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunLockError, match=f"pid {holder.pid} on host"):
@@ -107,13 +110,7 @@ def test_the_loop_holds_the_lock_and_refuses_a_second_writer(tmp_path):
     loop = dataclasses.replace(preset.loop, steps=1, prompts_per_step=2, group_size=4,
                                eval_prompts=8, eval_every=0, save_every=0, eval_greedy=False)
     config, params, task = load_policy(preset, 0)
-    holder = python("""
-        import sys, time
-        from rl.runtime.runlock import RunLock
-        lock = RunLock(sys.argv[1])
-        print("locked", flush=True)
-        time.sleep(600)
-    """, tmp_path / "run")
+    holder = python(HOLD_LOCK, tmp_path / "run")
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunLockError, match=f"pid {holder.pid}"):
