@@ -496,7 +496,8 @@ def run(
     `allow_config_changes` (rl.loops.validation). A second process training in run_dir is
     a RunLockError (rl.runtime.runlock). compiler_options go to XLA for the train step
     (see make_train_step). scheduler: the prompt scheduler (rl.loops.scheduling; default
-    uniform); its state goes into every checkpoint and comes back on resume.
+    uniform); its state (but uniform's, which keeps none) goes into every checkpoint and
+    comes back on resume.
     `params` are the initial weights (also the frozen KL reference when
     config.loss.kl_coef > 0); they are copied, never donated.
     """
@@ -561,9 +562,10 @@ def run(
                 if progress:
                     bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
             if is_last or (loop.save_every and done % loop.save_every == 0):
+                sched = {} if scheduler.name == "uniform" else {
+                    "scheduler": source.scheduler.state()}  # uniform keeps no state
                 ckpt.save(done, state, {"data_position": data_position, "task": task.name,
-                                        "config": ctx.config,
-                                        "scheduler": source.scheduler.state()})
+                                        "config": ctx.config, **sched})
             if out_of_time:
                 bar.write(f"time limit {loop.time_limit_s:.0f} s reached after step {done}")
                 break
