@@ -4,7 +4,7 @@ a step samples, and the rewards it learns from.
     options = SchedulerOptions("dps", pool_size=256)
     source = make_prompt_source(options, task, loop, params)
     prompts, data_position = source.next(step, data_position)   # the step's prompts
-    source.record(prompts, group_rewards)                         # their total rewards
+    source.record(prompts, group_rewards)   # their "correct" rewards (else weighted totals)
 
 "uniform" takes the next prompts_per_step prompts of the train stream from the data
 position, exactly as the loop always did (same prompts, same order: bit-identical runs).

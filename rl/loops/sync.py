@@ -322,7 +322,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     share of the prompts (rl.runtime.distributed.process_shard; rng keys by global group id).
     profile: a StepProfile timing the phases (rl.runtime.logging). source: the prompt
     scheduler (rl.loops.scheduling; None = uniform, the next prompts of the stream); it
-    gets each sampled group's total rewards."""
+    gets each sampled group's "correct" rewards (else the weighted totals)."""
     n = loop.group_size
     if source is None:
         source = make_prompt_source(SchedulerOptions(), task, loop, None)
@@ -352,8 +352,9 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
             rewards = score(task, prompts, traj)
         if not loop.dynamic_sampling:
             kept.append((traj, rewards, list(range(g))))
-            tot = total_reward(rewards, config)
-            source.record(prompts, [tot[i * n:(i + 1) * n] for i in range(g)])
+            acc = accuracy_name(task.reward_names)  # "correct", else the weighted total
+            r = rewards[acc] if acc in rewards else total_reward(rewards, config)
+            source.record(prompts, [r[i * n:(i + 1) * n] for i in range(g)])
             break
         keep = kept_group_indices(total_reward(rewards, config), n).tolist()
         kept.append((traj, rewards, keep))

@@ -72,8 +72,10 @@ def predict_difficulty(query_emb: np.ndarray, ref_emb: np.ndarray,
 
 
 def selection_weights(difficulty: np.ndarray, target: float, temperature: float) -> np.ndarray:
-    """exp(-|d̂ - α| / τ), unnormalised."""
-    return np.exp(-np.abs(np.asarray(difficulty, np.float64) - target) / temperature)
+    """exp(-|d̂ - α| / τ), unnormalised: scaled so the largest is 1 (no underflow of all
+    weights at a small τ)."""
+    dist = np.abs(np.asarray(difficulty, np.float64) - target)
+    return np.exp(-(dist - dist.min()) / temperature)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +146,8 @@ class DotsScheduler:
         c = self.config
         order = np.lexsort((np.arange(len(c.reference_ids)), self.ref_measured_at))
         refresh = [c.reference_ids[j] for j in order[:c.reference_per_step]]
-        pool = [int(q) for q in candidates if int(q) not in set(refresh)]
+        taken = set(refresh)
+        pool = [int(q) for q in candidates if int(q) not in taken]
         need = c.prompts_per_step - len(refresh)
         if len(pool) < need:
             raise ValueError(f"dots: {len(pool)} candidates outside this step's reference "

@@ -131,7 +131,11 @@ def test_dots_draws_moderate_difficulty_prompts_more_often():
             counts[pid] += 1
     near_half, easy = counts[2:7].sum(), counts[7:12].sum()
     w = selection_weights(np.array([0.5, 0.0]), 0.5, 0.1)
-    assert w[0] / w[1] > 100
+    assert w[0] / w[1] == pytest.approx(math.exp(5.0), rel=1e-14)
+    # a tiny τ with every candidate far from α: the weights are shifted, never all 0
+    np.testing.assert_allclose(selection_weights(np.array([0.0, 1.0, 0.95]), 0.5, 1e-4),
+                               [0.0, 0.0, 1.0], rtol=0, atol=1e-200)  # exp(-500)
+    np.testing.assert_allclose(selection_weights(np.array([0.0, 1.0]), 0.5, 1e-4), [1.0, 1.0])
     assert near_half > 0.9 * (near_half + easy)
 
 
