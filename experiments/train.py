@@ -33,7 +33,7 @@ from experiments.benchmarking import load_average, machine
 from models.config import get_config
 from models.decoder import init_params
 from rl.learner import NonFiniteError, OptimizerConfig, TrainConfig
-from rl.loops import AsyncConfig, LoopConfig, RunResult, run, run_async
+from rl.loops import AsyncConfig, LoopConfig, RunResult, SchedulerOptions, run, run_async
 from rl.loops.asynchronous import MODES, PROXIMAL, ROLLOUTS
 from rl.loops.validation import CHANGEABLE_ON_RESUME, ConfigError, validate_run
 from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, metavar="MINUTES",
                    help="wall-time budget: the step that crosses it is the last (then eval, save)")
     p.add_argument("--dynamic-sampling", action="store_true", help="DAPO dynamic sampling")
+    p.add_argument("--prompt-scheduler", default="uniform", choices=("uniform", "dots", "dps"),
+                   help="which train prompts each step samples (rl.schedulers): uniform (the "
+                        "stream, default), dots (moderate adaptive difficulty), dps (predicted "
+                        "partially solved); synchronous loop only")
+    p.add_argument("--scheduler-pool", type=int, default=256,
+                   help="dots / dps: they choose among the first N train prompts (default 256)")
     p.add_argument("--results-json", help="also write the headline summary JSON here (+ PNG beside)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--mesh", help=f"learner mesh over all devices: a preset {MESH_PRESETS} or "
@@ -467,6 +473,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         atomic_write_json(run_dir / "model.json", model_record(preset, config, args.seed,
                                                                 task_seed=_task_seed(preset, args.seed)))
+    try:
+        scheduler = SchedulerOptions(args.prompt_scheduler, pool_size=args.scheduler_pool)
+    except ValueError as err:
+        build_parser().error(str(err))
+    if acfg is not None and scheduler.name != "uniform":
+        build_parser().error("--prompt-scheduler is for the synchronous loop; drop it or the "
+                             "async flags")
     if acfg is not None and loop.time_limit_s:
         build_parser().error("--time-limit is for the synchronous loop; drop it or the async flags")
     if multi and acfg is not None:
@@ -488,7 +501,8 @@ def main(argv: list[str] | None = None) -> dict:
                          wandb_mode=args.wandb, run_config=run_config, mesh=mesh,
                          progress=not args.no_progress and is_main_process(),
                          allow_config_changes=args.allow_config_change,
-                         resume_from_last_good=args.resume_from_last_good)
+                         resume_from_last_good=args.resume_from_last_good,
+                         scheduler=scheduler)
         else:
             result = run_async(config, params, task, train, loop, acfg, run_dir,
                                resume=args.resume, wandb_mode=args.wandb, run_config=run_config,

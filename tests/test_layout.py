@@ -26,12 +26,13 @@ ALLOWED = {
     "rl.trajectory": set(),
     "rl.tasks": set(),
     "rl.envs": set(),  # multi-turn environments and tools (a leaf, like tasks)
+    "rl.schedulers": {"rl.tasks"},  # prompt schedulers (a leaf: may read rl.tasks)
     "rl.objectives": set(),
     "rl.runtime": {"models", "kernels"},
     "rl.rollout": {"rl.objectives", "rl.trajectory", "rl.runtime", "rl.envs", "models", "kernels"},
     "rl.learner": {"rl.objectives", "rl.trajectory", "rl.runtime", "models", "kernels"},
     "rl.loops": {"rl.objectives", "rl.trajectory", "rl.runtime", "rl.rollout", "rl.learner",
-                 "rl.tasks", "rl.envs", "models", "kernels"},
+                 "rl.tasks", "rl.envs", "rl.schedulers", "models", "kernels"},
 }
 
 

@@ -13,6 +13,8 @@
     context       open_run / RunContext: what both loops set up (validated configs, the
                   run dir's lock, state fresh or from the last good checkpoint, logger,
                   the checked jitted step) and release
+    scheduling    the prompt scheduler (rl.schedulers) between the train stream and the
+                  sync loop's sampling: SchedulerOptions, make_prompt_source
     validation    configs that cannot learn or run (validate_run), the config record every
                   checkpoint carries and the resume check against it
 
@@ -25,10 +27,11 @@ from rl.loops.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer  # noq
 from rl.loops.sync import (LoopConfig, RunResult, build_batch, collect_batch, eval_report,
                            evaluate, run, sample_batch_groups, sample_groups, score)
 from rl.loops.asynchronous import AsyncConfig, run_async, train_config_for
+from rl.loops.scheduling import SchedulerOptions
 
 __all__ = [
     "STALE_POLICIES", "ScoredGroup", "TrajectoryBuffer", "LoopConfig", "RunResult", "build_batch",
     "collect_batch", "eval_report", "evaluate", "run", "sample_batch_groups", "sample_groups",
     "score",
-    "AsyncConfig", "run_async", "train_config_for",
+    "AsyncConfig", "run_async", "train_config_for", "SchedulerOptions",
 ]

@@ -51,6 +51,7 @@ from rl.loops.evaluation import (
     response_stats,
     solved,
 )
+from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_source
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.engine import RolloutConfig, RolloutEngine
 from rl.rollout.sampler_state import SamplingConfig
@@ -309,7 +310,8 @@ def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:
 
 def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task,
                         config: TrainConfig, loop: LoopConfig, data_position: int,
-                        profile=NULL_PROFILE) -> tuple[list[ScoredGroup], TrainState, int, dict]:
+                        profile=NULL_PROFILE, source: PromptSource | None = None
+                        ) -> tuple[list[ScoredGroup], TrainState, int, dict]:
     """Sample and score loop.prompts_per_step groups from the train stream at
     `data_position` with state.params (tokens stamped state.version). Returns (groups in
     prompt order, state with advanced rng, new data position, rollout stats). With
@@ -318,8 +320,15 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     dropped groups fill the batch with live=False (their loss mask is cleared); if none
     survive, ValueError. In a multi-process run each process samples its own contiguous
     share of the prompts (rl.runtime.distributed.process_shard; rng keys by global group id).
-    profile: a StepProfile timing the phases (rl.runtime.logging)."""
+    profile: a StepProfile timing the phases (rl.runtime.logging). source: the prompt
+    scheduler (rl.loops.scheduling; None = uniform, the next prompts of the stream); it
+    gets each sampled group's "correct" rewards (else the weighted totals)."""
     n = loop.group_size
+    if source is None:
+        source = make_prompt_source(SchedulerOptions(), task, loop, None)
+    if source.scheduler.name != "uniform" and (loop.dynamic_sampling or jax.process_count() > 1):
+        raise ValueError(f"the {source.scheduler.name!r} prompt scheduler runs without dynamic "
+                         "sampling, in one process; drop one of them")
     if loop.dynamic_sampling and jax.process_count() > 1:
         raise ValueError("dynamic sampling is not supported across processes (each would "
                          "resample a different number of rounds); run it in one process")
@@ -331,10 +340,9 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     n_kept = rounds = sampled_tokens = 0
     while True:
         with profile.phase("host_s"):
-            offset, prompts = process_shard(task.train_prompts(data_position,
-                                                               loop.prompts_per_step))
+            chosen, data_position = source.next(int(state.step), data_position)
+            offset, prompts = process_shard(chosen)
             g = len(prompts)
-            data_position += loop.prompts_per_step
             seed, state = _rollout_seed(state)
         traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
@@ -344,6 +352,9 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
             rewards = score(task, prompts, traj)
         if not loop.dynamic_sampling:
             kept.append((traj, rewards, list(range(g))))
+            acc = accuracy_name(task.reward_names)  # "correct", else the weighted total
+            r = rewards[acc] if acc in rewards else total_reward(rewards, config)
+            source.record(prompts, [r[i * n:(i + 1) * n] for i in range(g)])
             break
         keep = kept_group_indices(total_reward(rewards, config), n).tolist()
         kept.append((traj, rewards, keep))
@@ -410,13 +421,13 @@ def build_batch(groups: Sequence[ScoredGroup], *, model_config: ModelConfig, tas
 
 
 def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, config: TrainConfig,
-                  loop: LoopConfig, data_position: int, profile=NULL_PROFILE
-                  ) -> tuple[TrainBatch, TrainState, int, dict]:
+                  loop: LoopConfig, data_position: int, profile=NULL_PROFILE,
+                  source: PromptSource | None = None) -> tuple[TrainBatch, TrainState, int, dict]:
     """Sample and score one batch of loop.prompts_per_step groups from the train stream
     at `data_position` (sample_batch_groups, then build_batch). Returns (batch, state
     with advanced rng, new data position, rollout stats); profile times the phases."""
     groups, state, data_position, stats = sample_batch_groups(state, model_config, task, config,
-                                                              loop, data_position, profile)
+                                                              loop, data_position, profile, source)
     with profile.phase("host_s"):
         batch = build_batch(groups, model_config=model_config, task=task, config=config,
                             group_size=loop.group_size)
@@ -474,6 +485,7 @@ def run(
     compiler_options: dict | None = None,
     resume_from_last_good: bool = False,
     allow_config_changes: Sequence[str] = (),
+    scheduler: SchedulerOptions = SchedulerOptions(),
 ) -> RunResult:
     """Train `params` on `task` with synchronous GRPO for loop.steps optimizer steps.
 
@@ -484,7 +496,9 @@ def run(
     recorded config must equal this one but for steps, the time limit and the
     `allow_config_changes` (rl.loops.validation). A second process training in run_dir is
     a RunLockError (rl.runtime.runlock). compiler_options go to XLA for the train step
-    (see make_train_step).
+    (see make_train_step). scheduler: the prompt scheduler (rl.loops.scheduling; default
+    uniform); its state (but uniform's, which keeps none) goes into every checkpoint and
+    comes back on resume.
     `params` are the initial weights (also the frozen KL reference when
     config.loss.kl_coef > 0); they are copied, never donated.
     """
@@ -492,11 +506,17 @@ def run(
     ctx = open_run(model_config, params, config, loop, run_dir, resume=resume,
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
                    compiler_options=compiler_options, allow_config_changes=allow_config_changes,
-                   extra_config={"task": task.name},
+                   extra_config={"task": task.name, **(
+                       {} if scheduler.name == "uniform" else {"scheduler": scheduler})},
                    resume_from_last_good=resume_from_last_good)
     state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn
     data_position, start = ctx.data_position, ctx.start
     try:
+        source = make_prompt_source(scheduler, task, loop, params, seed=loop.seed)
+        if resume and "scheduler" in ctx.meta:
+            source.scheduler.restore(ctx.meta["scheduler"])
+        elif resume and scheduler.name != "uniform":
+            raise ValueError(f"the checkpoint holds no {scheduler.name!r} scheduler state")
         do_eval = make_evaluator(model_config, task, config, loop, logger, on_eval)
         if not resume:
             do_eval(0, process_local(state.params), 0)
@@ -508,7 +528,7 @@ def run(
             t0 = time.perf_counter()
             try:
                 batch, state, data_position, stats = collect_batch(
-                    state, model_config, task, config, loop, data_position, prof)
+                    state, model_config, task, config, loop, data_position, prof, source)
             except NonFiniteError as err:  # a task's reward: name the step too
                 raise NonFiniteError(f"step {step + 1}: {err}") from None
             t1 = time.perf_counter()
@@ -543,8 +563,10 @@ def run(
                 if progress:
                     bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
             if is_last or (loop.save_every and done % loop.save_every == 0):
+                sched = {} if scheduler.name == "uniform" else {
+                    "scheduler": source.scheduler.state()}  # uniform keeps no state
                 ckpt.save(done, state, {"data_position": data_position, "task": task.name,
-                                        "config": ctx.config})
+                                        "config": ctx.config, **sched})
             if out_of_time:
                 bar.write(f"time limit {loop.time_limit_s:.0f} s reached after step {done}")
                 break

@@ -1,0 +1,164 @@
+"""DARS: difficulty-adaptive rollout sampling (Yang et al., "Depth-Breadth Synergy in RLVR:
+Unlocking LLM Reasoning Gains with Adaptive Exploration", 2025): more rollouts for hard
+prompts, in an extra stage, within a fixed rollout budget.
+
+Why: with group-normalised advantages Â_i = (r_i - mean) / std and binary rewards, a
+group of n rollouts at accuracy a has cumulative advantage Σ_i |Â_i| = 2n √(a(1-a)),
+largest at a = 1/2: GRPO under-weights low-accuracy (hard) prompts. DARS fixes it in two
+stages per step:
+
+  stage 1: n rollouts for each of the B prompts; accuracy â_j = mean reward of prompt j
+  stage 2: Δn_j extra rollouts for the hard prompts (â_j < 1/2), by a re-balancing schedule
+    equal treatment (ET): bring the cumulative advantage up to that of a = 1/2,
+        2 (n + Δn_j) √(â_j(1-â_j)) = n   ⇒   Δn_j = n (1 / (2 √(â_j(1-â_j))) - 1),
+    hardness weighted (HW): Δn_j = N_max (1 - 2 â_j)  (more, the harder; our reading
+        of the paper's second schedule),
+    each capped at N_max (a prompt with â_j = 0 gets N_max under ET, whose target is
+    unbounded there).
+
+Fixed budget (this implementation): a step spends exactly T rollouts. Stage 1 takes B·n;
+the remaining E = T - B·n are apportioned over the prompts in proportion to their
+schedule's Δn_j by the largest-remainder rule (so Σ_j Δn_j = E exactly, and a harder
+prompt never gets fewer than an easier one); if no prompt is hard the E rollouts are
+spread evenly.
+
+Hyper-parameters (DarsConfig): B = prompts_per_step, n = group_size, T = budget
+(default 2·B·n), N_max = max_extra, the schedule ("et" | "hw"), the hardness threshold
+1/2 (`hard_below`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rl.schedulers.base import Plan, check_float, check_int, check_updates
+
+SCHEDULES = ("et", "hw")
+
+
+def schedule_extra(accuracy: np.ndarray, n: int, schedule: str, max_extra: int,
+                   hard_below: float = 0.5) -> np.ndarray:
+    """The schedule's wanted extra rollouts Δn_j [B] (float, before the budget), 0 for
+    prompts at or above `hard_below` accuracy."""
+    a = np.asarray(accuracy, np.float64)
+    hard = a < hard_below
+    out = np.zeros_like(a)
+    if schedule == "et":
+        with np.errstate(divide="ignore"):
+            want = n * (1.0 / (2.0 * np.sqrt(a * (1.0 - a))) - 1.0)
+        out = np.where(hard, np.minimum(np.maximum(want, 0.0), max_extra), 0.0)
+    elif schedule == "hw":
+        out = np.where(hard, max_extra * (1.0 - a / hard_below), 0.0)
+    else:
+        raise ValueError(f"unknown DARS schedule {schedule!r}; use one of {SCHEDULES}")
+    return out
+
+
+def apportion(total: int, weights: np.ndarray) -> np.ndarray:
+    """Integers [B] >= 0 summing to `total`, proportional to `weights` (>= 0) by the
+    largest-remainder rule (ties to the lower index); equal shares if all weights are 0."""
+    w = np.asarray(weights, np.float64)
+    if (w < 0).any() or not np.isfinite(w).all():
+        raise ValueError(f"apportion: weights must be finite and >= 0, got {w}")
+    if w.sum() <= 0:
+        w = np.ones_like(w)
+    quota = total * w / w.sum()
+    out = np.floor(quota).astype(np.int64)
+    rest = int(total - out.sum())
+    order = np.lexsort((np.arange(w.size), -(quota - out)))
+    out[order[:rest]] += 1
+    return out
+
+
+def dars_allocation(accuracy: np.ndarray, n: int, extra_budget: int, schedule: str = "et",
+                    max_extra: int = 16, hard_below: float = 0.5) -> np.ndarray:
+    """Stage-2 rollouts per prompt [B] (ints summing to extra_budget) from the stage-1
+    accuracies."""
+    return apportion(int(extra_budget),
+                     schedule_extra(accuracy, n, schedule, max_extra, hard_below))
+
+
+@dataclasses.dataclass(frozen=True)
+class DarsConfig:
+    """See the module docstring for the symbols. budget: rollouts per step, both stages
+    (0 = 2 · prompts_per_step · group_size)."""
+
+    prompts_per_step: int = 8
+    group_size: int = 8
+    budget: int = 0
+    schedule: str = "et"
+    max_extra: int = 16
+    hard_below: float = 0.5
+
+    def __post_init__(self):
+        b = check_int("DarsConfig", "prompts_per_step", self.prompts_per_step, 1)
+        n = check_int("DarsConfig", "group_size", self.group_size, 1)
+        t = check_int("DarsConfig", "budget", self.budget, 0)
+        if t == 0:
+            object.__setattr__(self, "budget", 2 * b * n)
+        elif t < b * n:
+            raise ValueError(f"DarsConfig.budget={t} is below stage 1's prompts_per_step * "
+                             f"group_size = {b * n}; raise it or use 0 (= twice stage 1)")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"DarsConfig.schedule must be one of {SCHEDULES}, got "
+                             f"{self.schedule!r}")
+        check_int("DarsConfig", "max_extra", self.max_extra, 1)
+        check_float("DarsConfig", "hard_below", self.hard_below, 0.0, 1.0, low_open=True)
+
+
+class DarsScheduler:
+    """Stage 1 = the first prompts_per_step candidates (stream order), group_size each;
+    `update` with stage 1's rewards, then `follow_up` gives stage 2; rewards of stage-2
+    rollouts passed to `update` afterwards are accepted and not used."""
+
+    name = "dars"
+
+    def __init__(self, config: DarsConfig = DarsConfig()):
+        self.config = config
+        self.pending_ids: list[int] = []
+        self.pending_accuracy: list[float] = []
+        self.awaiting_stage1 = False
+
+    def select(self, step: int, candidates: Sequence[int]) -> Plan:
+        c = self.config
+        if len(candidates) < c.prompts_per_step:
+            raise ValueError(f"dars: {len(candidates)} candidates offered, the batch needs "
+                             f"prompts_per_step={c.prompts_per_step}")
+        self.pending_ids, self.pending_accuracy = [], []
+        self.awaiting_stage1 = True
+        return [(int(q), c.group_size) for q in candidates[:c.prompts_per_step]]
+
+    def update(self, prompt_ids: Sequence[int], rewards: Sequence[np.ndarray]) -> None:
+        pairs = check_updates(prompt_ids, rewards)
+        if not self.awaiting_stage1:
+            return
+        self.pending_ids = [pid for pid, _ in pairs]
+        self.pending_accuracy = [float(np.clip(r, 0.0, 1.0).mean()) for _, r in pairs]
+        self.awaiting_stage1 = False
+
+    def follow_up(self, step: int) -> Plan:
+        c = self.config
+        if self.awaiting_stage1 or not self.pending_ids:
+            raise ValueError("dars: follow_up needs stage 1's rewards first: call select, "
+                             "sample, then update with the rewards, then follow_up")
+        extra = dars_allocation(np.asarray(self.pending_accuracy), c.group_size,
+                                c.budget - c.prompts_per_step * c.group_size, c.schedule,
+                                c.max_extra, c.hard_below)
+        plan = [(pid, int(k)) for pid, k in zip(self.pending_ids, extra) if k > 0]
+        self.pending_ids, self.pending_accuracy = [], []
+        return plan
+
+    def state(self) -> dict[str, Any]:
+        return {"name": self.name, "pending_ids": list(self.pending_ids),
+                "pending_accuracy": list(self.pending_accuracy),
+                "awaiting_stage1": self.awaiting_stage1}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"dars: cannot restore the state of scheduler {state.get('name')!r}")
+        self.pending_ids = [int(i) for i in state["pending_ids"]]
+        self.pending_accuracy = [float(a) for a in state["pending_accuracy"]]
+        self.awaiting_stage1 = bool(state["awaiting_stage1"])
