@@ -6,8 +6,9 @@ KVCache or shared-prompt SegmentedKVCache); the layout is dispatched there, not 
 
 Layers run under `nn.scan` (params stacked on a leading [layers] axis) so compile time
 does not grow with depth. Projections also read optional LoRA-adapter and quantized-base
-leaves (models/lora.py: compose, quantize_base); plain params never carry them. Params and key activations carry logical axis names (see
-models/sharding.py); without a rules context those annotations are no-ops.
+leaves (models/lora.py: compose, quantize_base); plain params never carry them.
+Params and key activations carry logical axis names (see models/sharding.py); without a
+rules context those annotations are no-ops.
 Entry points validate concrete inputs on the host, then call a cached jitted function
 with the config as a static argument; they also work inside a caller's jit (checks on
 traced values are skipped there).
