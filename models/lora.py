@@ -259,7 +259,8 @@ def compose(base: Params, adapters: Params, config: LoraConfig) -> Params:
 def merge(base: Params, adapters: Params, config: LoraConfig) -> Params:
     """Full params with W + (alpha/r) A B for every target (the slow twin of the adapted
     forward; what the sampler and export use). A quantized base comes back dequantised
-    (float32); a plain one keeps its kernels' dtype."""
+    (float32); a plain one keeps its kernels' dtype. Untargeted leaves ARE the base's
+    arrays: copy the result before donating it (e.g. into a jitted train step)."""
     plain = dequantize_base(base)
     new = {}
     for name, parent, ad in _adapter_items(adapters, config):
