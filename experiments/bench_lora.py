@@ -16,6 +16,9 @@ Step time (the --time-models presets, random weights): one jitted rl.learner ste
 (forward, backward, AdamW with clipping) on B x T random tokens, GRPO advantages from
 random rewards in groups of 4, PPO-clip token-mean, float32, unpacked; the sides are
 timed round-robin (experiments.benchmarking.time_calls) after a warm-up (compile) call.
+Decode (the sampler, --decode-batch rows, timed presets): one decode step with the merged
+weights (one merge per policy version, whose time is reported too) vs base + adapters on
+the fly (float32 / int8 / int4 base), round-robin.
 Writes experiments/results/bench_lora.json; headline: full / lora-r8 optimizer-state
 bytes for smollm2-135m (target >= 20).
 """
@@ -32,8 +35,9 @@ from tqdm import tqdm
 
 from experiments.benchmarking import load_average, machine, time_calls, write_results
 from models.config import get_config
-from models.decoder import init_params
-from models.lora import LoraConfig, count_bytes, init_lora, quantize_base
+from models.decoder import decode_step, init_params, prefill
+from models.kv_cache import init_cache
+from models.lora import LoraConfig, compose, count_bytes, init_lora, merge, quantize_base
 from rl.learner import (OptimizerConfig, TrainConfig, batch_from_trajectory, init_train_state,
                         make_train_step)
 from rl.objectives import LossConfig
@@ -123,12 +127,43 @@ def time_table(name: str, b: int, t: int, seconds: float) -> dict:
             for side in SIDES}
 
 
+def decode_table(name: str, b: int, seconds: float, prompt: int = 64, max_len: int = 256
+                 ) -> dict:
+    """The sampler's two options for a LoRA policy: one decode step (b rows, a cache of
+    max_len holding `prompt` tokens) with merged weights (one merge per policy version,
+    timed too) vs base + adapters on the fly (models.lora.compose), base float32 / int8 /
+    int4. The cache is not donated, so every call decodes the same position."""
+    mc = get_config(name)
+    params = init_params(mc, 0)
+    lora = SIDES["lora-r8"]
+    ad = init_lora(params, lora, 1)
+    merge_jit = jax.jit(merge, static_argnums=2)
+    variants = {"merged": merge_jit(params, ad, lora),
+                "on-the-fly": compose(params, ad, lora)}
+    for fmt in ("int8", "int4"):
+        q = quantize_base(params, fmt)
+        variants[f"on-the-fly-{fmt}"] = compose(q, ad, lora)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, mc.vocab_size, (b, prompt)),
+                         jnp.int32)
+    _, cache = prefill(variants["merged"], mc, tokens, jnp.full((b,), prompt, jnp.int32),
+                       init_cache(mc, b, max_len))
+    calls = {k: (lambda p=p: decode_step(p, mc, tokens[:, 0], cache)[0])
+             for k, p in variants.items()}
+    calls["merge (per version)"] = lambda: merge_jit(params, ad, lora)
+    for fn in tqdm(calls.values(), desc=f"{name}: decode compile"):
+        jax.block_until_ready(fn())
+    ms = time_calls(calls, seconds, min_reps=5)
+    return {k: round(v, 2) for k, v in ms.items()}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--time-models", default="smollm2-135m",
                     help="comma-separated presets to time ('' = bytes only)")
     ap.add_argument("--shape", default="8x128", help="B x T tokens of the timed batch")
     ap.add_argument("--seconds", type=float, default=20.0, help="timing budget per side")
+    ap.add_argument("--decode-batch", type=int, default=8,
+                    help="rows of the decode comparison on the timed presets (0 = skip)")
     ap.add_argument("--out", default=str(RESULT))
     args = ap.parse_args(argv)
     b, t = (int(x) for x in args.shape.split("x"))
@@ -142,6 +177,9 @@ def main(argv=None) -> dict:
         if name not in MODELS:
             raise ValueError(f"--time-models: {name!r} is not one of {MODELS}")
         result["models"][name]["step"] = time_table(name, b, t, args.seconds)
+        if args.decode_batch:
+            result["models"][name]["decode_ms"] = decode_table(name, args.decode_batch,
+                                                               args.seconds / 2)
     print(f"{'model':14} {'side':11} {'trainable MB':>12} {'opt state MB':>12} "
           f"{'base MB':>8} {'opt ratio':>9} {'step ms':>8}")
     for name, res in result["models"].items():
@@ -154,6 +192,9 @@ def main(argv=None) -> dict:
                   f"{row['optimizer_state_bytes'] / 2**20:12.2f} "
                   f"{row['frozen_base_bytes'] / 2**20:8.1f} "
                   f"{row['optimizer_state_ratio_full_over_side']:9.1f} {step:8.1f}")
+    for name, res in result["models"].items():
+        for k, v in res.get("decode_ms", {}).items():
+            print(f"{name:14} decode b={args.decode_batch}: {k:20} {v:8.2f} ms")
     ratio = result["models"]["smollm2-135m"]["bytes"]["lora-r8"][
         "optimizer_state_ratio_full_over_side"]
     result.update(
