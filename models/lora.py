@@ -272,6 +272,25 @@ def merge(base: Params, adapters: Params, config: LoraConfig) -> Params:
     return _replace_nodes(plain, new)
 
 
+def base_shapes(params: Params) -> Params:
+    """params as the plain decoder holds them, for shape checks (models.packed.check_params):
+    adapter leaves dropped, a quantized kernel shown as its float kernel's ShapeDtypeStruct.
+    Plain params come back as they are."""
+    layers = params.get("layers") if isinstance(params, dict) else None
+    if not isinstance(layers, dict):
+        return params
+    extra = ("lora_a", "lora_b", "qkernel", "qscale")
+    new = {}
+    for parent, sub in layers.items():
+        for name, node in (sub.items() if isinstance(sub, dict) else ()):
+            if isinstance(node, dict) and set(extra) & set(node):
+                rest = {k: v for k, v in node.items() if k not in extra}
+                if "qkernel" in node:
+                    rest["kernel"] = jax.ShapeDtypeStruct(_kernel_shape(node), jnp.float32)
+                new[(parent, name)] = rest
+    return _replace_nodes(params, new) if new else params
+
+
 def count_bytes(tree: Params) -> int:
     """Bytes of a pytree's arrays (e.g. adapters, optimizer state, a quantized base)."""
     return int(sum(np.dtype(x.dtype).itemsize * math.prod(x.shape)

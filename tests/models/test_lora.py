@@ -14,6 +14,7 @@ from models.config import get_config
 from models.decoder import decode_step, forward, init_params, prefill
 from models.kv_cache import init_cache
 from models.logprobs import token_logprobs
+from models.packed import check_params
 
 CFG = get_config("tiny", vocab_size=32, max_position_embeddings=32)
 LCFG = L.LoraConfig(rank=4, alpha=8.0)
@@ -150,6 +151,15 @@ def test_quantized_base_dequantises_on_use(base, tokens, fmt):
     # the quantized model stays close to the original (int4 is coarser than int8)
     gap = np.abs(np.asarray(forward(qbase, CFG, tokens)) - np.asarray(forward(base, CFG, tokens)))
     assert gap.max() < (0.02 if fmt == "int8" else 0.3)
+
+
+def test_param_checks_see_adapted_and_quantized_params_as_plain(base):
+    for params in (base, L.quantize_base(base, "int4"), L.quantize_base(base, "int8")):
+        check_params(L.compose(params, L.init_lora(params, LCFG, 1), LCFG), CFG)
+    bad = L.quantize_base(init_params(get_config("tiny", vocab_size=32, num_heads=2,
+                                                 max_position_embeddings=32), 0), "int8")
+    with pytest.raises(ValueError, match="params do not match the config"):
+        check_params(bad, CFG)
 
 
 def test_config_and_shape_errors(base):

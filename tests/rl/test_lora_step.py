@@ -2,8 +2,10 @@
 independent reference (per-sequence jax.grad through the MERGED params, hand-written
 log-softmax); the optimizer state exists for the adapters only and the base is untouched;
 the KL reference (base, adapters off) equals a full-params step against a separate frozen
-base copy; steps on a batch lower its loss; misuse errors. Geometry and trajectories are
+base copy; the packed forward with 2 micro-batches gives the naive single-batch LoRA step;
+steps on a batch lower its loss; misuse errors. Geometry and trajectories are
 tests/rl/test_trainer.py's (vocab 16, B = 8 rows, T = 8)."""
+import dataclasses
 from functools import partial
 
 import jax
@@ -19,6 +21,8 @@ from rl.objectives import LossConfig
 from rl.objectives.vcpo import VCPOConfig
 from tests.rl.test_trainer import (B, CFG, FAST, GROUP, LR, PG_CONFIG, TEMP, grpo_advantages_np,
                                    make_traj)
+from tests.rl.test_trainer_packed import GROUP as SHARED_GROUP
+from tests.rl.test_trainer_packed import make_traj as make_shared_traj
 
 LCFG = LoraConfig(rank=4, alpha=8.0)
 LORA_PG = TrainConfig(loss=PG_CONFIG.loss, advantage=PG_CONFIG.advantage,
@@ -111,6 +115,31 @@ def test_kl_reference_is_the_base_with_adapters_off(base, adapters):
     assert float(want["kl"]) > 1e-3  # the adapters moved the policy away from the base
     for key in ("kl", "loss", "pg_loss", "entropy"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6)
+
+
+def test_packed_micro_batched_lora_step_equals_the_naive_one(base, adapters):
+    naive = TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean", kl_coef=0.1,
+                                        entropy_coef=0.01),
+                        optimizer=OptimizerConfig(name="sgd", learning_rate=1.0,
+                                                  max_grad_norm=None),
+                        temperature=TEMP, lora=LCFG)
+    packed = dataclasses.replace(naive, packed=True, micro_batches=2)
+    traj = make_shared_traj(0)
+    out = []
+    for config, pack in ((naive, False), (packed, True)):
+        batch = batch_from_trajectory(traj, group_size=SHARED_GROUP, model_config=CFG,
+                                      packed=pack)
+        assert (batch.packed is not None) == pack
+        state, metrics = make_train_step(config, CFG, compiler_options=FAST)(
+            fresh(adapters, config), batch, base)
+        out.append((state.params, metrics))
+    (got, got_m), (want, want_m) = out[1], out[0]
+    assert float(want_m["kl"]) > 1e-4 and float(want_m["grad_norm"]) > 1e-2
+    for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+        np.testing.assert_allclose(got_m[key], want_m[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for g, w, a in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(adapters)):
+        assert np.abs(np.asarray(w) - np.asarray(a)).max() > 1e-4  # the step moves each leaf
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=0)
 
 
 def test_lora_steps_lower_the_loss(base):
