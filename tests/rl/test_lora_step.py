@@ -3,7 +3,8 @@ independent reference (per-sequence jax.grad through the MERGED params, hand-wri
 log-softmax); the optimizer state exists for the adapters only and the base is untouched;
 the KL reference (base, adapters off) equals a full-params step against a separate frozen
 base copy; the packed forward with 2 micro-batches gives the naive single-batch LoRA step;
-steps on a batch lower its loss; misuse errors. Geometry and trajectories are
+steps on a batch lower its loss; the sampler (rl.rollout.generate) runs the adapted policy
+from composed or merged params alike; misuse errors. Geometry and trajectories are
 tests/rl/test_trainer.py's (vocab 16, B = 8 rows, T = 8)."""
 import dataclasses
 from functools import partial
@@ -19,6 +20,7 @@ from rl.learner import (OptimizerConfig, TrainConfig, batch_from_trajectory, ini
                         make_train_step)
 from rl.objectives import LossConfig
 from rl.objectives.vcpo import VCPOConfig
+from rl.rollout import generate
 from tests.rl.test_trainer import (B, CFG, FAST, GROUP, LR, PG_CONFIG, TEMP, grpo_advantages_np,
                                    make_traj)
 from tests.rl.test_trainer_packed import GROUP as SHARED_GROUP
@@ -161,6 +163,17 @@ def test_lora_steps_lower_the_loss(base):
         state, metrics = step(state, batch, base)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_sampler_runs_the_adapted_policy_on_the_fly_or_merged(base):
+    ad = jax.tree.map(lambda x: x + 0.3, init_lora(base, LCFG, 8))  # far from the base
+    prompts = [[3, 4, 5], [6, 7]]
+    out = [generate(p, CFG, prompts, max_new_tokens=6, num_samples=2, rng=4, stop_ids=())
+           for p in (compose(base, ad, LCFG), merge(base, ad, LCFG), base)]
+    assert out[0].tokens == out[1].tokens and out[0].tokens != out[2].tokens
+    for a, b in zip(out[0].logprobs, out[1].logprobs):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, atol=1e-5)
 
 
 def test_lora_misuse_is_a_clear_error(base, adapters):
