@@ -5,8 +5,10 @@ in models/packed.py.) decode_step takes either cache layout of models/kv_cache.p
 KVCache or shared-prompt SegmentedKVCache); the layout is dispatched there, not here.
 
 Layers run under `nn.scan` (params stacked on a leading [layers] axis) so compile time
-does not grow with depth. Params and key activations carry logical axis names (see
-models/sharding.py); without a rules context those annotations are no-ops.
+does not grow with depth. Projections also read optional LoRA-adapter and quantized-base
+leaves (models/lora.py: compose, quantize_base); plain params never carry them.
+Params and key activations carry logical axis names (see models/sharding.py); without a
+rules context those annotations are no-ops.
 Entry points validate concrete inputs on the host, then call a cached jitted function
 with the config as a static argument; they also work inside a caller's jit (checks on
 traced values are skipped there).
@@ -24,6 +26,7 @@ from flax import linen as nn
 
 from kernels.shared_prefix_attention import shared_prefix_attention
 from models import kv_cache as kvc
+from models import lora
 from models.attention import attention
 from models.config import ModelConfig
 from models.kv_cache import KVCache, SegmentedKVCache
@@ -99,10 +102,10 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param(
-            "kernel", nn.with_logical_partitioning(_init, self.axes), self.shape, self.param_dtype
-        )
-        y = jnp.einsum(self.spec, x.astype(self.dtype), kernel.astype(self.dtype))
+        kernel = lora.base_kernel(self, _init, self.axes, self.shape, self.param_dtype)
+        x = x.astype(self.dtype)
+        y = lora.add_lowrank(self, x, jnp.einsum(self.spec, x, kernel.astype(self.dtype)),
+                             self.shape[-self.n_out:])  # + (x A) B with an adapter (models.lora)
         if self.use_bias:
             out_shape, out_axes = self.shape[-self.n_out:], self.axes[-self.n_out:]
             bias = self.param(
@@ -206,8 +209,9 @@ class _Kernel(nn.Module):
 
     @nn.compact
     def __call__(self):
-        return self.param("kernel", nn.with_logical_partitioning(_init, self.axes), self.shape,
-                          self.param_dtype)
+        # the kernel (dequantised if stored quantized) + A B with an adapter (models.lora)
+        return lora.merge_on_use(self, lora.base_kernel(self, _init, self.axes, self.shape,
+                                                        self.param_dtype))
 
 
 class MLP(nn.Module):

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.dispatch import resolve_impl
+from models import lora
 from models.config import ModelConfig
 from models.decoder import (
     Decoder,
@@ -55,8 +56,9 @@ def check_params(params: Params, config: ModelConfig) -> None:
     """Raise ValueError naming the first leaf whose presence or shape disagrees with config
     (e.g. params of a model with other head counts). Works on traced params too."""
     want = _expected_shapes(config)
-    got = {jax.tree_util.keystr(path): tuple(np.shape(leaf))
-           for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    got = {jax.tree_util.keystr(path): tuple(np.shape(leaf) if not hasattr(leaf, "shape")
+                                             else leaf.shape)  # LoRA / QLoRA leaves as plain
+           for path, leaf in jax.tree_util.tree_flatten_with_path(lora.base_shapes(params))[0]}
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
         raise ValueError(f"params do not match the config: missing {missing[:4]}, "

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from models.logprobs import DEFAULT_CHUNK
+from models.lora import LoraConfig
 from rl.objectives.advantages import AdvantageConfig
 from rl.objectives.losses import LossConfig
 from rl.objectives.vcpo import VCPOConfig, scale_by_ess
@@ -180,6 +181,11 @@ class TrainConfig:
         min(exp(clamp(log w, ±20)), is_cap), and scales the optimizer's final update by
         the ESS of the whole batch. It cannot be combined with `offpolicy` (both weight the
         loss by π/μ) and needs advantage "grpo" (which it replaces).
+    lora: models.lora.LoraConfig to train LoRA adapters only (default None: full params).
+        Then TrainState.params are the adapters (models.lora.init_lora; the optimizer
+        state is theirs alone) and the step's third argument is the frozen base, required:
+        log-probs come from models.lora.compose(base, adapters) and, with a KL term, the
+        reference is the same base with the adapters off (no second copy).
     """
 
     loss: LossConfig = LossConfig()
@@ -194,6 +200,7 @@ class TrainConfig:
     packed: bool = False
     vcpo: VCPOConfig = VCPOConfig()
     logprob_chunk: int = DEFAULT_CHUNK
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.logprob_chunk, bool) or not isinstance(self.logprob_chunk, int) \
@@ -218,6 +225,12 @@ class TrainConfig:
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"TrainConfig.{name} must be a {cls.__name__}, got "
                                  f"{type(getattr(self, name)).__name__}")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"TrainConfig.lora must be a models.lora.LoraConfig or None, got "
+                             f"{type(self.lora).__name__}")
+        if self.lora is not None and (self.vcpo.enabled or self.vcpo.monitor):
+            raise ValueError("TrainConfig.lora with VCPO is not supported (VCPO's per-row "
+                             "gradients are taken over full params); set vcpo=VCPOConfig()")
         if self.vcpo.enabled and self.offpolicy.correction != "none":
             raise ValueError("TrainConfig.vcpo (enabled) already weights each sequence by its "
                              "truncated π/μ; set offpolicy=OffPolicyConfig() (correction "

@@ -57,6 +57,9 @@ def _jitted(config: TrainConfig, model_config: ModelConfig, mesh: jax.sharding.M
     """One jax.jit object per (configs, mesh, ...): every JittedTrainStep with the same key
     shares its compilations (e.g. a run resumed in the same process compiles nothing).
     checked: the checkify'd rl.learner.checked step, returning (error, (state, metrics))."""
+    if config.lora is not None and mesh is not None:
+        raise ValueError("TrainConfig.lora on a mesh is not supported yet (adapter shardings "
+                         "are not derived); run LoRA without a mesh")
     step = checked_train_step if checked else train_step
     body = partial(step, config=config, model_config=model_config)
     if checked:

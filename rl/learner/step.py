@@ -38,6 +38,7 @@ import optax
 
 from models.config import ModelConfig
 from models.logprobs import token_logprobs, token_logprobs_fused
+from models.lora import compose
 from models.packed import PackedGroups, packed_token_logprobs, packed_token_logprobs_fused
 from rl.learner.batch import TrainBatch, TrainState
 from rl.learner.config import OffPolicyConfig, TrainConfig, make_optimizer, make_schedule, scales_lr
@@ -84,6 +85,8 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
             state.params), required iff config.loss.kl_coef > 0. With config.packed and
             batch.packed set, log-probs (current and reference) come from the packed
             shared-prefix forward; its G groups must divide into config.micro_batches.
+            With config.lora: state.params are the adapters and ref_params is the frozen
+            base, required (the KL reference too when kl_coef > 0: adapters off).
     Returns:
         (new state with step and version + 1, metrics {name: scalar}): loss, pg_loss,
         clip_frac*, ratio_mean/max, approx_kl, kl (with a reference), entropy,
@@ -95,6 +98,9 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         (VCPOConfig.monitor without VCPO: vcpo_ess and vcpo_logw_* only).
     """
     check_step_inputs(config, batch, ref_params)
+    # LoRA: the frozen base rides beside the adapters (no gradient: not differentiated)
+    base = ref_params if config.lora is not None else None
+    ref_params = ref_params if config.loss.kl_coef > 0 else None
 
     # Advantages. VCPO needs log π/μ of the whole batch (ρ counts every row), so its terms
     # come before the micro-batches; monitoring only logs them (loss and update unchanged).
@@ -119,7 +125,8 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
                                  has_aux=True)
 
     def body(acc, mb):
-        (_, (metrics, share, n_tok)), g = grad_fn(state.params, mb, ref_params, norm, state.version)
+        (_, (metrics, share, n_tok)), g = grad_fn(state.params, mb, ref_params, norm,
+                                                  state.version, base)
         return jax.tree.map(jnp.add, acc, g), (metrics, share, n_tok)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -145,9 +152,13 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
 
 
 def micro_loss(params: Params, mb: MicroBatch, ref_params: Params | None, norm: jax.Array,
-               version: jax.Array, *, config: TrainConfig, model_config: ModelConfig):
+               version: jax.Array, base: Params | None = None, *, config: TrainConfig,
+               model_config: ModelConfig):
     """Loss of one micro-batch scaled to its share of the full batch's normaliser `norm`,
-    and (metrics, share, tokens). version: the state's policy version (old_logp="versions")."""
+    and (metrics, share, tokens). version: the state's policy version (old_logp="versions").
+    base (with config.lora): the frozen base under the adapters `params`."""
+    if base is not None:
+        params = compose(base, params, config.lora)
     logp, entropy = row_logprobs(config, model_config, params, mb)
     old = proximal_logprobs(config, logp, mb, version)
     ref = None
@@ -229,7 +240,11 @@ def offpolicy_token_weights(config: OffPolicyConfig, prox: jax.Array, behaviour:
 # ----------------------------------------------------------------------------- plumbing
 def check_step_inputs(config: TrainConfig, batch: TrainBatch, ref_params: Params | None) -> None:
     """ValueError with a fix for inputs the step cannot use."""
-    if (config.loss.kl_coef > 0) != (ref_params is not None):
+    if config.lora is not None:
+        if ref_params is None:
+            raise ValueError("TrainConfig.lora trains adapters on a frozen base: pass the base "
+                             "params as the step's third argument (ref_params)")
+    elif (config.loss.kl_coef > 0) != (ref_params is not None):
         raise ValueError("ref_params must be given exactly when config.loss.kl_coef > 0 "
                          f"(kl_coef={config.loss.kl_coef}, ref_params "
                          f"{'given' if ref_params is not None else 'missing'})")
