@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.decoder import Decoder, prefill, validate_tokens
+from models.decoder import Decoder, prefill
+from models.inputs import validate_tokens
 from models.kv_cache import ChunkAttend, KVCache
 
 Params = Any

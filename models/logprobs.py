@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.decoder import Decoder, Params, forward, segment_mask, validate_tokens
+from models.decoder import Decoder, Params, forward, segment_mask
+from models.inputs import validate_tokens
 
 DEFAULT_CHUNK = 1024  # tokens per head chunk: [1024, 49152] fp32 logits = 200 MB
 

@@ -33,13 +33,8 @@ import numpy as np
 from kernels.dispatch import resolve_impl
 from models import lora
 from models.config import ModelConfig
-from models.decoder import (
-    Decoder,
-    Params,
-    _is_concrete,
-    init_params,
-    validate_tokens,
-)
+from models.decoder import Decoder, Params, init_params
+from models.inputs import _is_concrete, validate_tokens
 from models.logprobs import DEFAULT_CHUNK, chunked_logprobs, head_matrix
 from models.packed_layout import PackedGroups, packed_tokens_and_positions
 
