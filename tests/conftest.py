@@ -15,3 +15,38 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# Every compiled XLA:CPU executable keeps its own memory mappings, and one process running
+# the whole suite compiles thousands of programs: the mapping count reached the kernel's
+# vm.max_map_count (65530 here) and the next compilation segfaulted. Between test modules,
+# once the count passes half the limit, drop jax's compilation caches (the next module
+# recompiles what it needs) so the suite stays within it in one process.
+import gc  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def _map_count() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no mapping limit to respect
+        return 0
+
+
+def _map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_compiled_code():
+    yield
+    if _map_count() > _map_limit() // 2:
+        jax.clear_caches()
+        gc.collect()
