@@ -20,7 +20,13 @@ from models.config import ModelConfig
 from rl.learner.batch import TrainState, init_train_state
 from rl.learner.config import TrainConfig
 from rl.learner.jitted import make_train_step, state_shardings
-from rl.loops.validation import ConfigError, check_resume_config, config_record, validate_run
+from rl.loops.validation import (
+    ConfigError,
+    check_allowed_changes,
+    check_resume_config,
+    config_record,
+    validate_run,
+)
 from rl.runtime.checkpoint import Checkpointer, CheckpointError
 from rl.runtime.distributed import is_main_process
 from rl.runtime.logging import MetricsLogger
@@ -62,7 +68,7 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
     `allow_config_changes`) and have steps left to run."""
     validate_run(config, loop)
     record = config_record(config, loop, extra_config)
-    check_resume_config(None, record, allow_config_changes)  # the names are valid
+    check_allowed_changes(allow_config_changes)
     if resume and not (run_dir / "checkpoints").is_dir():
         raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ directory "
                               "(run without resume first, or point at an existing run dir)")

@@ -100,17 +100,24 @@ def config_record(train: TrainConfig, loop: Any, extra: Mapping[str, Any] | None
     return out
 
 
+def check_allowed_changes(allow: Iterable[str]) -> set[str]:
+    """The `allow_config_changes` names as a set; ConfigError for a name outside
+    CHANGEABLE_ON_RESUME."""
+    allow = set(allow)
+    unknown = allow - CHANGEABLE_ON_RESUME
+    if unknown:
+        raise ConfigError(f"allow_config_changes {sorted(unknown)}: only "
+                          f"{sorted(CHANGEABLE_ON_RESUME)} may change on resume")
+    return allow
+
+
 def check_resume_config(saved: Mapping[str, Any] | None, current: Mapping[str, Any],
                         allow: Iterable[str] = ()) -> None:
     """ConfigError listing the fields where `current` differs from the checkpoint's
     `saved` record, except FREE_ON_RESUME and the `allow`ed names (loop field names from
     CHANGEABLE_ON_RESUME, e.g. "eval_every"). A checkpoint without a record (written
     before records existed) is not checked."""
-    allow = set(allow)
-    unknown = allow - CHANGEABLE_ON_RESUME
-    if unknown:
-        raise ConfigError(f"allow_config_changes {sorted(unknown)}: only "
-                         f"{sorted(CHANGEABLE_ON_RESUME)} may change on resume")
+    allow = check_allowed_changes(allow)
     if saved is None:
         return
     free = FREE_ON_RESUME | {f"loop.{name}" for name in allow}

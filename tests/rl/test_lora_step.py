@@ -16,13 +16,28 @@ import pytest
 
 from models.decoder import forward, init_params
 from models.lora import LoraConfig, compose, count_bytes, init_lora, merge
-from rl.learner import (OptimizerConfig, TrainConfig, batch_from_trajectory, init_train_state,
-                        make_train_step)
+from rl.learner import (
+    OptimizerConfig,
+    TrainConfig,
+    batch_from_trajectory,
+    init_train_state,
+    make_train_step,
+)
 from rl.objectives import LossConfig
 from rl.objectives.vcpo import VCPOConfig
 from rl.rollout import generate
-from tests.rl.test_trainer import (B, CFG, FAST, GROUP, LR, PG_CONFIG, TEMP, grpo_advantages_np,
-                                   make_traj)
+from tests.rl.test_trainer import (
+    CFG,
+    FAST,
+    GROUP,
+    LR,
+    PG_CONFIG,
+    TEMP,
+    B,
+    grpo_advantages_np,
+    hand_seq_logprob,
+    make_traj,
+)
 from tests.rl.test_trainer_packed import GROUP as SHARED_GROUP
 from tests.rl.test_trainer_packed import make_traj as make_shared_traj
 
@@ -53,15 +68,8 @@ def fresh(adapters, config):
 @partial(jax.jit, compiler_options=FAST)
 def _seq_logprob_grad(adapters, base, tokens, target_mask):
     """∇_adapters Σ_t log π(token t) of ONE sequence [1, T] under merge(base, adapters)."""
-
-    def seq_logprob(ad):
-        z = forward(merge(base, ad, LCFG), CFG, tokens)[0] / TEMP
-        m = jnp.max(z, axis=-1, keepdims=True)
-        logp = z - (m + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1, keepdims=True)))
-        picked = logp[jnp.arange(z.shape[0] - 1), tokens[0, 1:]]
-        return jnp.sum(picked * target_mask[1:])
-
-    return jax.grad(seq_logprob)(adapters)
+    return jax.grad(lambda ad: hand_seq_logprob(merge(base, ad, LCFG), tokens, target_mask))(
+        adapters)
 
 
 def test_sgd_step_moves_only_the_adapters_by_the_reference_gradient(base, adapters):

@@ -88,15 +88,17 @@ def fresh_state(params, config=PG_CONFIG):
 def _seq_logprob_grad(params, tokens, target_mask):
     """∇ Σ_t log π(token t) over target_mask [T] for ONE sequence tokens [1, T], with the
     log-softmax written out by hand."""
+    return jax.grad(hand_seq_logprob)(params, tokens, target_mask)
 
-    def seq_logprob(p):
-        z = forward(p, CFG, tokens)[0] / TEMP  # [T, V]; row t predicts token t + 1
-        m = jnp.max(z, axis=-1, keepdims=True)
-        logp = z - (m + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1, keepdims=True)))
-        picked = logp[jnp.arange(z.shape[0] - 1), tokens[0, 1:]]
-        return jnp.sum(picked * target_mask[1:])
 
-    return jax.grad(seq_logprob)(params)
+def hand_seq_logprob(params, tokens, target_mask):
+    """Σ_t log π(token t) over target_mask [T] for ONE sequence tokens [1, T] at TEMP, the
+    log-softmax written out by hand (the independent reference of the step's log-probs)."""
+    z = forward(params, CFG, tokens)[0] / TEMP  # [T, V]; row t predicts token t + 1
+    m = jnp.max(z, axis=-1, keepdims=True)
+    logp = z - (m + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1, keepdims=True)))
+    picked = logp[jnp.arange(z.shape[0] - 1), tokens[0, 1:]]
+    return jnp.sum(picked * target_mask[1:])
 
 
 def grpo_advantages_np(rewards, group):
