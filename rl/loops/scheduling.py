@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from rl.schedulers import SCHEDULERS, PromptScheduler, make_scheduler
@@ -103,6 +104,9 @@ def make_prompt_source(options: SchedulerOptions, task: Task, loop: Any, params:
     """The PromptSource of `options` for a LoopConfig-like `loop` (prompts_per_step,
     group_size); `params`: the initial policy (DOTS's embeddings)."""
     b, n = loop.prompts_per_step, loop.group_size
+    if options.name != "uniform" and (loop.dynamic_sampling or jax.process_count() > 1):
+        raise ValueError(f"the {options.name!r} prompt scheduler runs without dynamic "
+                         "sampling, in one process; drop one of them")
     if options.name == "uniform":
         return PromptSource(make_scheduler("uniform", prompts_per_step=b, group_size=n),
                             task, b, None)

@@ -326,9 +326,6 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     n = loop.group_size
     if source is None:
         source = make_prompt_source(SchedulerOptions(), task, loop, None)
-    if source.scheduler.name != "uniform" and (loop.dynamic_sampling or jax.process_count() > 1):
-        raise ValueError(f"the {source.scheduler.name!r} prompt scheduler runs without dynamic "
-                         "sampling, in one process; drop one of them")
     if loop.dynamic_sampling and jax.process_count() > 1:
         raise ValueError("dynamic sampling is not supported across processes (each would "
                          "resample a different number of rounds); run it in one process")
