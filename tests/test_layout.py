@@ -25,7 +25,7 @@ ALLOWED = {
     "rl": set(),  # rl/__init__.py: a docstring only
     "rl.trajectory": set(),
     "rl.tasks": set(),
-    "rl.envs": set(),  # multi-turn environments and tools (a leaf, like tasks)
+    "rl.envs": {"rl.tasks"},  # multi-turn environments and tools (a leaf: may read rl.tasks)
     "rl.schedulers": {"rl.tasks"},  # prompt schedulers (a leaf: may read rl.tasks)
     "rl.objectives": set(),
     "rl.runtime": {"models", "kernels"},
