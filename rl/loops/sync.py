@@ -39,6 +39,7 @@ from rl.learner.batch import (
     global_batch,
 )
 from rl.learner.config import TrainConfig
+from rl.loops import episodes
 from rl.loops.buffer import ScoredGroup
 from rl.loops.context import open_run, run_clock
 from rl.loops.evaluation import (
@@ -136,6 +137,11 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
     rng keys follow the global group ids, the returned group ids stay 0..G-1.
     max_new_tokens: the response budget (default task.max_new_tokens). profile: a
     StepProfile that gets the engine's prefill_s / decode_s and the rest as host_s."""
+    if episodes.is_episodic(task):  # an environment: multi-turn episodes (rl.loops.episodes)
+        return episodes.sample_episodes(
+            params, version, model_config, task, prompts, group_size=group_size,
+            sampling=sampling, segment_len=segment_len, seed=seed,
+            first_group_id=first_group_id, profile=profile)
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
     t0 = time.perf_counter()
@@ -167,7 +173,9 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
 def score(task: Task, prompts: Sequence[Prompt], traj: Trajectory) -> dict[str, np.ndarray]:
     """Task rewards for every row of `traj` (row's prompt = prompts[group_id]) as
     {name: [B] float64}. ValueError if the task returns other names than its
-    reward_names, or a NaN / inf / non-number."""
+    reward_names, or a NaN / inf / non-number. Episodes: their outcomes (rl.loops.episodes)."""
+    if episodes.is_episodic(task):
+        return episodes.episode_rewards(task, traj)
     names = tuple(task.reward_names)
     b = traj.batch_size
     out = {n: np.zeros((b,), np.float64) for n in names}
@@ -398,7 +406,8 @@ def build_batch(groups: Sequence[ScoredGroup], *, model_config: ModelConfig, tas
     traj = traj.replace(group_ids=np.repeat(np.arange(len(groups), dtype=np.int32), n))
     width = task.max_prompt_len + task.max_new_tokens
     batch = batch_from_trajectory(traj, group_size=n, model_config=model_config,
-                                  rewards=rewards, seq_len=width, packed=config.packed)
+                                  rewards=rewards, seq_len=width, packed=config.packed,
+                                  turn_credit=episodes.turn_credit_of(task))
     live = np.repeat(np.asarray([gr.live for gr in groups]), n)
     if not live.all():
         batch = batch.replace(loss_mask=batch.loss_mask & live[:, None])
@@ -454,6 +463,7 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
             res = evaluate(params, version, model_config, task, prompts, sampling=sampling,
                            segment_len=loop.segment_len, seed=(loop.seed * 7919 + step) % (2 ** 31),
                            reward_weights=weights)
+            res.update(episodes.take_episode_metrics(task))  # an environment: its episodes
             rec.update({f"{prefix}{k}": v for k, v in res.items()})
         rec["time_s"] = clock()
         record = logger.log(step, rec, kind="eval")
@@ -503,7 +513,7 @@ def run(
     ctx = open_run(model_config, params, config, loop, run_dir, resume=resume,
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
                    compiler_options=compiler_options, allow_config_changes=allow_config_changes,
-                   extra_config={"task": task.name, **(
+                   extra_config={"task": task.name, **episodes.episode_config(task), **(
                        {} if scheduler.name == "uniform" else {"scheduler": scheduler})},
                    resume_from_last_good=resume_from_last_good)
     state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn
@@ -528,6 +538,7 @@ def run(
                     state, model_config, task, config, loop, data_position, prof, source)
             except NonFiniteError as err:  # a task's reward: name the step too
                 raise NonFiniteError(f"step {step + 1}: {err}") from None
+            stats.update(episodes.take_episode_metrics(task))  # an environment: its episodes
             t1 = time.perf_counter()
             with prof.phase("host_s"):
                 stats.update(batch_reward_metrics(batch.reward_names, batch.rewards,
