@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 
+from experiments.evaluate import main as evaluate_main
 from experiments.train import main
 from rl.envs.base import StepResult
 from rl.learner import OptimizerConfig, TrainConfig
@@ -120,6 +121,11 @@ def test_train_env_end_to_end(scripted, tmp_path):
         assert rec["episode_turns"] >= 1 and rec["greedy_episode_turns"] >= 1
     assert np.mean(OUTCOMES[:4]) == pytest.approx(evals[0]["accuracy"], abs=1e-6)
     assert summary["steps"] == 2
+    # experiments.evaluate rebuilds the environment from the run dir: greedy accuracy on the
+    # same 4 held-out prompts equals the run's final greedy eval
+    report = evaluate_main(["--model", str(run_dir), "--n", "4", "--no-progress"])
+    assert report["task"] == "env:scripted" and report["n"] == 4
+    assert report["accuracy"] == pytest.approx(evals[-1]["greedy_accuracy"], abs=1e-6)
     # the episode options are part of the run's recorded config: a resume that changes them
     # is refused
     with pytest.raises(SystemExit, match="episodes.turn_credit.coef"):
