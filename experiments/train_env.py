@@ -5,8 +5,7 @@
     python -m experiments.train --env guess_number --env-option k=16 --env-option max_turns=5
     python -m experiments.train --preset tiny-guess --max-staleness 1 --async-mode deterministic
 
-An environment is a task spec "env:NAME" (rl.loops.episodes.make_env: guess_number,
-calculator); `--env NAME` is `--task env:NAME` and `--env-option K=V` a task option
+An environment is a task spec "env:NAME" (rl.envs.make_env: guess_number, calculator); `--env NAME` is `--task env:NAME` and `--env-option K=V` a task option
 passed to the environment's constructor. The episode options ride along as task options
 too (recorded in model.json and the checkpoint's config): turn_credit, turn_credit_coef,
 turn_credit_gamma (rl.objectives.turn_credit), kv_layout, episode_mode (the multi-turn
@@ -23,19 +22,12 @@ async check (`check_env_async`) and the environment presets (`env_presets`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
+from rl.envs import ENVS
 from rl.learner import OptimizerConfig, TrainConfig
 from rl.loops import LoopConfig
-from rl.loops.episodes import (
-    ENV_PREFIX,
-    ENVIRONMENTS,
-    EnvTask,
-    EpisodeOptions,
-    is_env_spec,
-    make_env,
-)
+from rl.loops.episodes import ENV_PREFIX, EpisodeOptions, env_fields, is_env_spec, make_env_task
 from rl.objectives import AdvantageConfig, LossConfig
 from rl.objectives.turn_credit import TURN_CREDITS, TurnCreditConfig
 from rl.tasks import make_task
@@ -51,7 +43,7 @@ _BUDGET_OPTIONS = ("max_prompt_len", "max_new_tokens")
 def add_env_flags(p: argparse.ArgumentParser) -> None:
     """The environment flags of experiments.train's parser."""
     e = p.add_argument_group("environments (multi-turn episodes, rl.loops.episodes)")
-    e.add_argument("--env", choices=sorted(ENVIRONMENTS),
+    e.add_argument("--env", choices=sorted(ENVS),
                    help="train on an environment instead of a task (= --task env:NAME)")
     e.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment option (repeatable), e.g. k=16 or max_turns=5")
@@ -97,20 +89,11 @@ def split_env_options(env_name: str, options: dict[str, Any]) -> tuple[dict, Epi
             kw["mode"] = value
         else:
             credit[field] = float(value) if field != "name" else value
-    cls_fields = _env_fields(env_name)
+    cls_fields = env_fields(env_name)
     for key in _BUDGET_OPTIONS:
         if key in env_opts and key not in cls_fields:
             env_opts.pop(key)
     return env_opts, EpisodeOptions(turn_credit=TurnCreditConfig(**credit), **kw)
-
-
-def _env_fields(env_name: str) -> set[str]:
-    import importlib
-
-    module, cls_name = ENVIRONMENTS[env_name[len(ENV_PREFIX):] if is_env_spec(env_name)
-                                    else env_name]
-    cls = getattr(importlib.import_module(module), cls_name)
-    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
 
 
 def make_any_task(spec: str, *, tokenizer: Any = None, seed: int = 0, **options: Any) -> Any:
@@ -118,11 +101,11 @@ def make_any_task(spec: str, *, tokenizer: Any = None, seed: int = 0, **options:
     if not is_env_spec(spec):
         kw = {} if tokenizer is None else {"tokenizer": tokenizer}
         return make_task(spec, seed=seed, **kw, **options)
-    name = spec[len(ENV_PREFIX):]
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r}; known: {sorted(ENVIRONMENTS)}")
+    name = spec[len(ENV_PREFIX):].partition(":")[0]
+    if name not in ENVS:
+        raise ValueError(f"unknown environment {name!r}; available: {sorted(ENVS)}")
     env_opts, episode_opts = split_env_options(name, options)
-    return EnvTask(make_env(name, tokenizer=tokenizer, seed=seed, **env_opts), episode_opts)
+    return make_env_task(spec, tokenizer=tokenizer, seed=seed, options=episode_opts, **env_opts)
 
 
 def check_env_async(task_spec: str, acfg: Any) -> None:

@@ -21,9 +21,9 @@ of max_episode_tokens − 1 tokens (turns and observations, env_mask on observat
 the learner's rows are max_prompt_len + max_episode_tokens − 1 wide (`EnvTask.
 max_new_tokens` = max_episode_tokens − 1): one compiled step.
 
-Environments by name (`make_env`): "guess_number" (rl.envs.guess_number.GuessNumberEnv,
-token-level, for the tiny model) and "calculator" (rl.envs.calculator.CalculatorEnv, needs
-a tokenizer). The synchronous loop and the asynchronous loop's deterministic mode run
+Environments by task spec (`make_env_task`): "env:" + an rl.envs.make_env spec, e.g.
+"env:guess_number" (token-level, for the tiny model) or "env:calculator" (needs a
+tokenizer). The synchronous loop and the asynchronous loop's deterministic mode run
 environments with static rollouts; the threaded producer and APRIL drive the single-turn
 engine, so run_async refuses an EnvTask there (`check_episode_loop`).
 
@@ -34,7 +34,6 @@ holds its own episodes.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import threading
 import time
 from collections.abc import Sequence
@@ -44,6 +43,7 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
+from rl.envs import ENVS, make_env
 from rl.envs.base import EndReason, Environment
 from rl.objectives.turn_credit import TurnCreditConfig
 from rl.rollout.episodes import EpisodeRecord
@@ -53,11 +53,7 @@ from rl.runtime.logging import NULL_PROFILE
 from rl.tasks.base import Prompt
 from rl.trajectory import Trajectory, concat_trajectories
 
-ENV_PREFIX = "env:"  # a task spec "env:NAME" names an environment
-ENVIRONMENTS = {  # name -> (module, class); imported when asked for
-    "guess_number": ("rl.envs.guess_number", "GuessNumberEnv"),
-    "calculator": ("rl.envs.calculator", "CalculatorEnv"),
-}
+ENV_PREFIX = "env:"  # a task spec "env:NAME[:k=v,...]" names an environment (rl.envs.make_env)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,26 +82,27 @@ def is_env_spec(spec: Any) -> bool:
     return isinstance(spec, str) and spec.startswith(ENV_PREFIX)
 
 
-def make_env(name: str, *, tokenizer: Any = None, seed: int = 0, **options: Any) -> Environment:
-    """The environment `name` (ENVIRONMENTS; "env:" prefix allowed) with `options` as its
-    constructor's keywords; tokenizer / seed are passed when the class has those fields.
-    ValueError for an unknown name or option."""
-    name = name[len(ENV_PREFIX):] if is_env_spec(name) else name
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r}; known: {sorted(ENVIRONMENTS)}")
-    module, cls_name = ENVIRONMENTS[name]
-    cls = getattr(importlib.import_module(module), cls_name)
-    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    unknown = sorted(set(options) - fields) if fields else []
-    if unknown:
-        raise ValueError(f"environment {name!r} has no option(s) {unknown}; its options are "
-                         f"{sorted(fields - {'tokenizer', 'name'})}")
-    kw = dict(options)
+def make_env_task(spec: str, *, tokenizer: Any = None, seed: int = 0,
+                  options: EpisodeOptions = EpisodeOptions(), **env_options: Any) -> "EnvTask":
+    """EnvTask of rl.envs.make_env(spec without "env:", **env_options), the tokenizer and
+    seed passed when the environment's class has those fields."""
+    name = spec[len(ENV_PREFIX):] if is_env_spec(spec) else spec
+    base = name.partition(":")[0]
+    if base not in ENVS:
+        raise ValueError(f"unknown environment {base!r}; available: {sorted(ENVS)}")
+    fields = env_fields(base)
+    kw = dict(env_options)
     if "seed" in fields:
         kw.setdefault("seed", int(seed))
     if "tokenizer" in fields and tokenizer is not None:
         kw.setdefault("tokenizer", tokenizer)
-    return cls(**kw)
+    return EnvTask(make_env(name, **kw), options)
+
+
+def env_fields(name: str) -> set[str]:
+    """The constructor fields of registered environment `name` (empty if not a dataclass)."""
+    cls = ENVS[name]
+    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
 
 
 class EnvTask:

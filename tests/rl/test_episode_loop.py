@@ -14,12 +14,12 @@ import json
 import numpy as np
 import pytest
 
+import rl.envs
 from experiments.evaluate import main as evaluate_main
 from experiments.train import main
 from rl.envs.base import StepResult
 from rl.learner import OptimizerConfig, TrainConfig
 from rl.loops import AsyncConfig, LoopConfig, run_async
-from rl.loops import episodes as episodes_mod
 from rl.loops.episodes import EnvTask, EpisodeOptions, take_episode_metrics
 from rl.objectives import LossConfig
 from rl.tasks.base import Prompt
@@ -82,7 +82,7 @@ class ScriptedEnv:
 
 @pytest.fixture
 def scripted(monkeypatch):
-    monkeypatch.setitem(episodes_mod.ENVIRONMENTS, "scripted", (__name__, "ScriptedEnv"))
+    monkeypatch.setitem(rl.envs.ENVS, "scripted", ScriptedEnv)
     OUTCOMES.clear()
     TURNS.clear()
 
