@@ -33,6 +33,7 @@ import functools
 import math
 import operator
 import re
+import warnings
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
@@ -149,7 +150,9 @@ def evaluate(expression: str) -> Fraction:
         if len(run) > MAX_DIGITS:
             raise CalculatorError(f"a number has more than {MAX_DIGITS} digits")
     try:
-        tree = ast.parse(text, mode="eval")
+        with warnings.catch_warnings():  # e.g. "invalid escape sequence" in a string literal
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise CalculatorError("not a valid arithmetic expression") from None
     nodes = sum(1 for n in ast.walk(tree) if not isinstance(n, (ast.operator, ast.unaryop,
