@@ -28,7 +28,9 @@ once by its quality head on the last position's hidden state, and the samples it
 are marked done at once (they draw no more tokens; the group leaves, and its slots take
 new work, as soon as its survivors finish). Harvested pruned rows have finished =
 truncated = False; `prune_counts` counts them ("pruned"), the tokens they had made
-("pruned_tokens") and the budget they had left ("tokens_saved").
+("pruned_tokens") and the budget they had left ("tokens_saved": exact for responses that
+run to their budget, an upper bound where a stop id might have come first). The marks
+live in this engine: an extracted group resumed here keeps them, one resumed elsewhere not.
 """
 from __future__ import annotations
 
