@@ -40,7 +40,8 @@ loop after scoring) hands the group to the learner with the pruned rows kept in 
 token of theirs reaches the loss) and every reward set to the mean of the group's
 survivors, so the group mean -- the GRPO / Dr. GRPO baseline -- is exactly the
 survivors' mean. (A std-normalised estimator sees the survivors' spread scaled by
-sqrt(K/N) for K survivors: their advantages keep sign and order but grow by that factor.)
+sqrt(K/N) for K survivors, sqrt((K-1)/(N-1)) with the unbiased std: their advantages keep
+sign and order but grow by the inverse factor, a per-group step size.)
 
 What was assumed (the paper's text was not at hand beyond its abstract and summary): the
 head's input (the last position's final hidden state, L2-normalised), its training
