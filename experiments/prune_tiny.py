@@ -29,10 +29,11 @@ RESULTS = Path(__file__).parent / "results"
 ARMS = {"grpo": [], "grpo+prune": ["--prune"]}
 
 
-def one_run(arm: str, seed: int, steps: int, root: Path) -> dict:
+def one_run(arm: str, seed: int, steps: int, root: Path, extra: list[str]) -> dict:
     run_dir = root / f"{arm}_seed{seed}"
     argv = ["--seed", str(seed), "--steps", str(steps), "--segment-len", "2", "--run-dir",
-            str(run_dir), "--wandb", "disabled", "--no-progress", *ARMS[arm]]
+            str(run_dir), "--wandb", "disabled", "--no-progress", *ARMS[arm],
+            *(extra if ARMS[arm] else [])]
     summary = train_main(argv)
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["kind"] == "train"]
@@ -63,9 +64,12 @@ def main(argv=None) -> dict:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--results-json", default=str(RESULTS / "prune_tiny.json"))
+    p.add_argument("--prune-flags", default="", help="more flags for the pruning arm, e.g. "
+                   "'--prune-max-frac 0.25'")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {arm: [one_run(arm, s, args.steps, Path(tmp)) for s in args.seeds]
+        extra = args.prune_flags.split()
+        runs = {arm: [one_run(arm, s, args.steps, Path(tmp), extra) for s in args.seeds]
                 for arm in ARMS}
     table = {arm: {k: stats([r[k] for r in rs]) for k in
                    ("sampled_tokens", "pruned", "pruned_tokens", "tokens_saved", "wall_s", "step_s",
@@ -82,7 +86,7 @@ def main(argv=None) -> dict:
                         "value": ratio, "target": "< 1 at an equal final eval reward",
                         "machine": machine()},
            "command": "python -m experiments.prune_tiny " + " ".join(argv or []),
-           "seeds": args.seeds, "steps": args.steps, "table": table, "runs": runs}
+           "prune_flags": args.prune_flags, "seeds": args.seeds, "steps": args.steps, "table": table, "runs": runs}
     path = Path(args.results_json)
     atomic_write_json(path, out)
     try:
