@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -85,7 +86,8 @@ def main(argv=None) -> dict:
     out = {"headline": {"metric": "sampled tokens, pruned / plain GRPO (800 steps, tiny-synthetic)",
                         "value": ratio, "target": "< 1 at an equal final eval reward",
                         "machine": machine()},
-           "command": "python -m experiments.prune_tiny " + " ".join(argv or []),
+           "command": "python -m experiments.prune_tiny " + " ".join(
+               sys.argv[1:] if argv is None else argv),
            "prune_flags": args.prune_flags, "seeds": args.seeds, "steps": args.steps, "table": table, "runs": runs}
     path = Path(args.results_json)
     atomic_write_json(path, out)
