@@ -6,6 +6,7 @@
     sharded_sampler  the same sampler on a device mesh (explicit shardings)
     engine           RolloutEngine: continuous batching over the sampler, extract / resume
     april            rollout strategies: APRIL (over-provision + FIFO), static, continuous
+    pruning          online rollout pruning (ARRoL): quality head, balancing rule, Pruner
 
 May import: `models`, `kernels`, `rl.trajectory`, `rl.runtime` — not `rl.learner` nor
 `rl.loops` (the learner never runs here; the loops drive both sides).
@@ -18,6 +19,7 @@ from rl.rollout.sampler_core import (ReplicatedFill, SegmentedFill, decode_segme
                                      sample_tokens)
 from rl.rollout.sampler import (GenerationResult, PartialSample, decode_segment, generate,
                                 load_samples, prefill, read_slots)
+from rl.rollout.pruning import Pruner, PruneConfig, QualityHead, balanced_prune
 from rl.rollout.engine import PartialGroup, RolloutConfig, RolloutEngine, StepInfo
 from rl.rollout.sharded_sampler import ShardedSampler
 from rl.rollout.april import (AprilConfig, AprilRollout, ContinuousRollout, StaticRollout,
@@ -29,5 +31,6 @@ __all__ = [
     "sample_tokens", "GenerationResult", "PartialSample", "decode_segment", "generate",
     "load_samples", "prefill", "read_slots", "PartialGroup", "RolloutConfig", "RolloutEngine",
     "StepInfo", "ShardedSampler", "AprilConfig", "AprilRollout", "ContinuousRollout",
-    "StaticRollout", "offpolicy_prefix_mask",
+    "StaticRollout", "offpolicy_prefix_mask", "Pruner", "PruneConfig", "QualityHead",
+    "balanced_prune",
 ]
