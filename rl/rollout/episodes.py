@@ -22,8 +22,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from rl.envs.base import EndReason, Environment, Episode, check_step_result
-from rl.tasks.base import Prompt
+from rl.envs.base import (
+    EndReason,
+    Environment,
+    Episode,
+    Prompt,  # rl.tasks.base.Prompt, as the protocol uses it
+    check_step_result,
+)
 from rl.trajectory import Trajectory
 
 log = logging.getLogger(__name__)

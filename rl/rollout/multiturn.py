@@ -50,7 +50,12 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from rl.envs.base import EndReason, Environment, Episode
+from rl.envs.base import (
+    EndReason,
+    Environment,
+    Episode,
+    Prompt,  # rl.tasks.base.Prompt, as the protocol uses it
+)
 from rl.rollout.append import append_tokens
 from rl.rollout.episodes import (
     EnvCallError,
@@ -62,11 +67,22 @@ from rl.rollout.episodes import (
     guarded,
     step_episode,
 )
-from rl.rollout.sampler import PartialSample, check_prompt, decode_segment, load_samples, \
-    prefill, read_slots
-from rl.rollout.sampler_state import KV_LAYOUTS, SamplingConfig, as_key_data, \
-    check_stop_ids, init_state, sample_keys
-from rl.tasks.base import Prompt
+from rl.rollout.sampler import (
+    PartialSample,
+    check_prompt,
+    decode_segment,
+    load_samples,
+    prefill,
+    read_slots,
+)
+from rl.rollout.sampler_state import (
+    KV_LAYOUTS,
+    SamplingConfig,
+    as_key_data,
+    check_stop_ids,
+    init_state,
+    sample_keys,
+)
 
 MODES = ("append", "reprefill")
 
@@ -273,7 +289,7 @@ class MultiTurnEngine:
         slots = sorted(s for s, rec in self._records.items() if done[s] and not rec.ended)
         if not slots:
             return 0, 0
-        env, r_cap = self.env, self.max_response_len
+        env = self.env
         go_on: list[tuple[int, PartialSample, list[int]]] = []
         ended = 0
         for s, smp in zip(slots, read_slots(self.state, slots)):
