@@ -17,7 +17,7 @@ environment; the asynchronous loop runs them in deterministic mode with static r
 
 This module holds what experiments.train needs for it: the flags (`add_env_flags`), the
 task spec / options they mean (`env_overrides`), the task builder (`make_any_task`), the
-async check (`check_env_async`) and the environment presets (`env_presets`).
+checks (`check_env_args`) and the environment presets (`env_presets`).
 """
 from __future__ import annotations
 
@@ -108,14 +108,19 @@ def make_any_task(spec: str, *, tokenizer: Any = None, seed: int = 0, **options:
     return make_env_task(spec, tokenizer=tokenizer, seed=seed, options=episode_opts, **env_opts)
 
 
-def check_env_async(task_spec: str, acfg: Any) -> None:
-    """ValueError (before any model loads) for an environment with async settings the
-    asynchronous loop cannot run it with (rl.loops.episodes.check_episode_loop)."""
-    if acfg is not None and is_env_spec(task_spec) \
-            and (acfg.mode, acfg.rollout) != ("deterministic", "static"):
+def check_env_args(task_spec: str, acfg: Any, args: argparse.Namespace) -> None:
+    """ValueError (before any model loads) for an environment with settings its loops
+    cannot run: async other than deterministic static (rl.loops.episodes.check_episode_loop),
+    online pruning (single-turn only)."""
+    if not is_env_spec(task_spec):
+        return
+    if acfg is not None and (acfg.mode, acfg.rollout) != ("deterministic", "static"):
         raise ValueError(f"{task_spec}: environments run in the synchronous loop or with "
                          "--async-mode deterministic (static rollouts), not "
                          f"--async-mode {acfg.mode} --rollout {acfg.rollout}")
+    if getattr(args, "prune", False):
+        raise ValueError(f"{task_spec}: --prune (online rollout pruning) is for single-turn "
+                         "tasks; drop it for an environment")
 
 
 def env_presets(preset_cls: type) -> dict[str, Any]:

@@ -2,13 +2,17 @@
 
 An episode starts from a task prompt (`Environment.reset(prompt) -> Episode`). The model
 writes a *turn*: it decodes until one of `Environment.stop_ids` (end of its message, or the
-end of a tool call) or `max_turn_tokens` new tokens. The engine decodes the turn's ids to
-text (`Environment.decode_turn`) and calls `Episode.step(text) -> StepResult`: the
-observation text for the next turn, this turn's reward, and whether the episode is done.
-The observation becomes token ids with `Environment.encode_observation(text)` — already
-wrapped in the model's chat roles and ending where the model's next turn begins (e.g.
-`<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n`) — and those
-ids are appended to the episode's KV cache; the model's next turn follows them.
+end of a tool call) or `max_turn_tokens` new tokens. A turn's ids are every token the
+model sampled in it, ending with its stop id when one ended it (the stop id is a model token: trained on, like
+a single-turn response's eos). The engine decodes the turn's ids to text
+(`Environment.decode_turn`; whether special tokens are kept is the environment's choice)
+and calls `Episode.step(text) -> StepResult`: the observation text for the next turn,
+this turn's reward, and whether the episode is done. The observation becomes token ids
+with `Environment.encode_observation(text)` — already wrapped in the model's chat roles
+and ending where the model's next turn begins (after a turn that stopped on <|im_end|>:
+`\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n`; an environment
+that sees a turn cut at max_turn_tokens closes it first, starting with `<|im_end|>`) —
+and those ids are appended to the episode's KV cache; the model's next turn follows them.
 
 An episode ends when the environment says done, after `max_turns` model turns, or when
 prompt + turns + observations would pass `max_episode_tokens`. The episode's rewards
@@ -62,7 +66,8 @@ class Episode(Protocol):
     """One episode's host-side state (made by Environment.reset)."""
 
     def step(self, turn_text: str) -> StepResult:
-        """The model's turn (text, decoded without special tokens) -> the next observation."""
+        """The model's turn (the text Environment.decode_turn made of its ids) -> the next
+        observation."""
         ...
 
     def outcome(self) -> dict[str, float]:

@@ -177,14 +177,18 @@ def is_episodic(task: Any) -> bool:
 def sample_episodes(params: Any, version: int, model_config: ModelConfig, task: EnvTask,
                     prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
                     segment_len: int, seed: int, first_group_id: int = 0,
-                    profile=NULL_PROFILE) -> Trajectory:
+                    profile=NULL_PROFILE, pruner: Any = None) -> Trajectory:
     """`group_size` episodes per prompt with the multi-turn engine (all groups together;
     rl.loops.sync.sample_groups' contract): rows grouped in prompt order (group g =
     prompts[g], group ids 0..G-1; rng keys by the global id first_group_id + g), with
     rewards = the outcomes; the records go to task.record. profile gets the engine's
-    prefill_s / decode_s (decode + observation appends) and the rest as host_s."""
+    prefill_s / decode_s (decode + observation appends) and the rest as host_s. pruner:
+    must be None (online pruning is single-turn; ValueError otherwise)."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
+    if pruner is not None:
+        raise ValueError(f"{task.name}: online rollout pruning (rl.rollout.pruning) is for "
+                         "single-turn tasks; drop --prune for an environment")
     t0 = time.perf_counter()
     cfg = MultiTurnConfig(num_slots=len(prompts) * group_size, group_size=group_size,
                           segment_len=segment_len, sampling=sampling, seed=int(seed),

@@ -168,6 +168,7 @@ def test_async_deterministic_runs_episodes(scripted, tmp_path):
     (["--group-size", "1"], "group_size 1"),
     (["--max-staleness", "1"], "deterministic"),
     (["--task", "synthetic"], "--env and --task"),
+    (["--prune"], "--prune"),
 ])
 def test_refusals_before_compiling(scripted, tmp_path, capsys, extra, match):
     args = [a for a in ARGS if a not in ()]
