@@ -34,6 +34,7 @@ from models.config import get_config
 from models.decoder import init_params
 from rl.learner import NonFiniteError, OptimizerConfig, TrainConfig
 from rl.loops import AsyncConfig, LoopConfig, RunResult, SchedulerOptions, run, run_async
+from rl.loops.adapters import add_lora_flags, lora_train_config
 from rl.loops.asynchronous import MODES, PROXIMAL, ROLLOUTS
 from rl.loops.validation import CHANGEABLE_ON_RESUME, ConfigError, validate_run
 from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", help=f"learner mesh over all devices: a preset {MESH_PRESETS} or "
                    "'data=N,fsdp=N,tensor=N' (default: one device; 'dp' with several processes)")
     add_distributed_flags(p)
+    add_lora_flags(p)
     v = p.add_argument_group("VCPO (variance-controlled off-policy RL)")
     v.add_argument("--vcpo", nargs="?", const="sqrt", choices=("sqrt", "linear", "none"),
                    help="VCPO: ESS-scaled update (sqrt|linear|none; default sqrt), minimum-variance "
@@ -306,6 +308,7 @@ def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig
     if args.unchecked:
         loop_kw["checked"] = False
     loop = dataclasses.replace(loop, **loop_kw)
+    train = lora_train_config(args, train)
     validate_run(train, loop)  # before any model is loaded or compiled
     return preset, train, loop
 

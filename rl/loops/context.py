@@ -20,6 +20,7 @@ from models.config import ModelConfig
 from rl.learner.batch import TrainState, init_train_state
 from rl.learner.config import TrainConfig
 from rl.learner.jitted import make_train_step, state_shardings
+from rl.loops.adapters import BASE_KEY, LoraRun, check_base, lora_run, policy_fn
 from rl.loops.validation import (
     ConfigError,
     check_allowed_changes,
@@ -48,6 +49,12 @@ class RunContext:
     start: int
     meta: dict
     config: dict  # config_record of this run: every checkpoint's meta carries it
+    lora: LoraRun | None = None  # a LoRA run's frozen base (= ref) and sampler params
+
+    @property
+    def policy(self) -> Callable[[Any], Any]:
+        """state.params -> the sampler's / evals' params (rl.loops.adapters.policy_fn)."""
+        return policy_fn(self.lora)
 
     def close(self) -> None:
         try:
@@ -81,8 +88,13 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
         raise
     logger = None
     try:  # any failure from here on releases the checkpointer and with it the lock
-        params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
-        ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
+        lora = None
+        if config.lora is not None:  # state = adapters; the frozen base is the step's ref
+            lora, params = lora_run(params, config, loop.seed)
+            ref, record[BASE_KEY] = lora.base, lora.base_hash
+        else:
+            params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
+            ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
         state = init_train_state(params, config, loop.seed)
         data_position, meta = 0, {}
         if resume:  # straight onto the mesh (no one-device copy; needed across processes)
@@ -91,6 +103,7 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
             data_position = int(meta["data_position"])
         start = int(state.step)
         if resume:
+            check_base(meta.get("config"), record)
             check_resume_config(meta.get("config"), record, allow_config_changes)
             if start >= loop.steps:
                 raise ConfigError(f"nothing to resume: the checkpoint is at step {start} and "
@@ -111,7 +124,8 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
                 logger.close()
         raise
     return RunContext(state=state, ref=ref, ckpt=ckpt, logger=logger, step_fn=step_fn,
-                      data_position=data_position, start=start, meta=meta, config=record)
+                      data_position=data_position, start=start, meta=meta, config=record,
+                      lora=lora)
 
 
 def run_clock(logger: MetricsLogger) -> Callable[[], float]:

@@ -310,7 +310,8 @@ def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:
 
 def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task,
                         config: TrainConfig, loop: LoopConfig, data_position: int,
-                        profile=NULL_PROFILE, source: PromptSource | None = None
+                        profile=NULL_PROFILE, source: PromptSource | None = None,
+                        policy: Callable | None = None
                         ) -> tuple[list[ScoredGroup], TrainState, int, dict]:
     """Sample and score loop.prompts_per_step groups from the train stream at
     `data_position` with state.params (tokens stamped state.version). Returns (groups in
@@ -322,7 +323,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     share of the prompts (rl.runtime.distributed.process_shard; rng keys by global group id).
     profile: a StepProfile timing the phases (rl.runtime.logging). source: the prompt
     scheduler (rl.loops.scheduling; None = uniform, the next prompts of the stream); it
-    gets each sampled group's "correct" rewards (else the weighted totals)."""
+    gets each sampled group's "correct" rewards (else the weighted totals). policy:
+    state.params -> the sampler's params (a LoRA run's: rl.loops.adapters; None: as they are)."""
     n = loop.group_size
     if source is None:
         source = make_prompt_source(SchedulerOptions(), task, loop, None)
@@ -331,7 +333,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
                          "resample a different number of rounds); run it in one process")
     sampling = SamplingConfig(temperature=config.temperature)
     with profile.phase("transfer_s"):
-        params = process_local(state.params)
+        params = process_local(state.params if policy is None else policy(state.params))
     kept: list[tuple[Trajectory, dict, list[int]]] = []
     dropped: list[tuple[Trajectory, dict, list[int]]] = []
     n_kept = rounds = sampled_tokens = 0
@@ -419,12 +421,14 @@ def build_batch(groups: Sequence[ScoredGroup], *, model_config: ModelConfig, tas
 
 def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, config: TrainConfig,
                   loop: LoopConfig, data_position: int, profile=NULL_PROFILE,
-                  source: PromptSource | None = None) -> tuple[TrainBatch, TrainState, int, dict]:
+                  source: PromptSource | None = None, policy: Callable | None = None
+                  ) -> tuple[TrainBatch, TrainState, int, dict]:
     """Sample and score one batch of loop.prompts_per_step groups from the train stream
     at `data_position` (sample_batch_groups, then build_batch). Returns (batch, state
     with advanced rng, new data position, rollout stats); profile times the phases."""
     groups, state, data_position, stats = sample_batch_groups(state, model_config, task, config,
-                                                              loop, data_position, profile, source)
+                                                              loop, data_position, profile, source,
+                                                              policy)
     with profile.phase("host_s"):
         batch = build_batch(groups, model_config=model_config, task=task, config=config,
                             group_size=loop.group_size)
@@ -516,7 +520,7 @@ def run(
             raise ValueError(f"the checkpoint holds no {scheduler.name!r} scheduler state")
         do_eval = make_evaluator(model_config, task, config, loop, logger, on_eval)
         if not resume:
-            do_eval(0, process_local(state.params), 0)
+            do_eval(0, process_local(ctx.policy(state.params)), 0)
         bar = tqdm(total=loop.steps, initial=start, disable=not progress, desc="grpo",
                    dynamic_ncols=True)
         prof = StepProfile()
@@ -525,7 +529,8 @@ def run(
             t0 = time.perf_counter()
             try:
                 batch, state, data_position, stats = collect_batch(
-                    state, model_config, task, config, loop, data_position, prof, source)
+                    state, model_config, task, config, loop, data_position, prof, source,
+                    ctx.policy)
             except NonFiniteError as err:  # a task's reward: name the step too
                 raise NonFiniteError(f"step {step + 1}: {err}") from None
             t1 = time.perf_counter()
@@ -556,7 +561,7 @@ def run(
             out_of_time = bool(loop.time_limit_s) and metrics["time_s"] >= loop.time_limit_s
             is_last = done == loop.steps or out_of_time
             if is_last or (loop.eval_every and done % loop.eval_every == 0):
-                ev = do_eval(done, process_local(state.params), int(state.version))
+                ev = do_eval(done, process_local(ctx.policy(state.params)), int(state.version))
                 if progress:
                     bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
             if is_last or (loop.save_every and done % loop.save_every == 0):
