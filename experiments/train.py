@@ -473,9 +473,11 @@ def main(argv: list[str] | None = None) -> dict:
         build_parser().error(str(err))
     if is_main_process():  # what experiments.export / evaluate rebuild the policy from
         from experiments.export import model_record
+        from experiments.export_lora import lora_record
 
-        atomic_write_json(run_dir / "model.json", model_record(preset, config, args.seed,
-                                                                task_seed=_task_seed(preset, args.seed)))
+        atomic_write_json(run_dir / "model.json", model_record(
+            preset, config, args.seed, task_seed=_task_seed(preset, args.seed),
+            **lora_record(train.lora, preset.model, preset.init_seed + args.seed)))
     try:
         scheduler = SchedulerOptions(args.prompt_scheduler, pool_size=args.scheduler_pool)
     except ValueError as err:

@@ -121,13 +121,29 @@ class LoraRun:
     base_hash: str
     sampler: str = DEFAULT_SAMPLER
 
+    def __post_init__(self):
+        self._copies: dict[Any, Params] = {}
+
+    def base_for(self, adapters: Params) -> Params:
+        """The base on the device the adapters live on: self.base, or (adapters committed
+        to one other device, e.g. an async rollout device) a copy made once per device."""
+        sharding = getattr(jax.tree.leaves(adapters)[0], "sharding", None)
+        base_sh = getattr(jax.tree.leaves(self.base)[0], "sharding", None)
+        if (not isinstance(sharding, jax.sharding.SingleDeviceSharding) or base_sh is None
+                or sharding.device_set == base_sh.device_set):
+            return self.base
+        (device,) = sharding.device_set
+        if device not in self._copies:
+            self._copies[device] = jax.device_put(self.base, device)
+        return self._copies[device]
+
     def composed(self, adapters: Params) -> Params:
-        return compose(self.base, adapters, self.config)
+        return compose(self.base_for(adapters), adapters, self.config)
 
     def policy(self, adapters: Params) -> Params:
         """The params the sampler / evals run for these adapters (merged or composed)."""
         if self.sampler == "merged":
-            return merged_params(self.base, adapters, self.config)
+            return merged_params(self.base_for(adapters), adapters, self.config)
         return self.composed(adapters)
 
     def snapshots(self, ring: Mapping[int, Params]) -> Mapping[int, Params]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from rl.learner.batch import TrainState, init_train_state
 from rl.learner.config import TrainConfig
-from rl.learner.jitted import make_train_step, state_shardings
+from rl.learner.jitted import make_train_step, ref_shardings, state_shardings
 from rl.loops.adapters import BASE_KEY, LoraRun, check_base, lora_run, policy_fn
 from rl.loops.validation import (
     ConfigError,
@@ -91,6 +91,8 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
         lora = None
         if config.lora is not None:  # state = adapters; the frozen base is the step's ref
             lora, params = lora_run(params, config, loop.seed)
+            if mesh is not None:  # the base sharded like the params (qkernel like kernel)
+                lora.base = jax.device_put(lora.base, ref_shardings(model_config, config, mesh))
             ref, record[BASE_KEY] = lora.base, lora.base_hash
         else:
             params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
