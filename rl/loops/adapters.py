@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -71,6 +73,19 @@ def check_base(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> N
             f"cannot resume: the checkpoint's adapters were trained on a base with "
             f"{BASE_KEY} {saved[BASE_KEY]}, but the base given now hashes to "
             f"{current[BASE_KEY]}; load the same base model (and --qlora format) as the run")
+
+
+def latest_record(ckpt_dir: Path) -> dict | None:
+    """The config record in the latest checkpoint's JSON meta (orbax's meta/metadata file),
+    read without restoring any array, or None when it cannot be read (the restore then
+    reports the damage). Lets a LoRA resume refuse other LoRA settings or another base
+    with the clear ConfigError before the adapters' shapes fail to restore."""
+    steps = sorted(int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit())
+    try:
+        meta = json.loads((ckpt_dir / str(steps[-1]) / "meta" / "metadata").read_text())
+    except (IndexError, OSError, ValueError):
+        return None
+    return meta.get("config") if isinstance(meta, dict) else None
 
 
 # ----------------------------------------------------------------------------- sampler params

@@ -20,7 +20,14 @@ from models.config import ModelConfig
 from rl.learner.batch import TrainState, init_train_state
 from rl.learner.config import TrainConfig
 from rl.learner.jitted import make_train_step, ref_shardings, state_shardings
-from rl.loops.adapters import BASE_KEY, LoraRun, check_base, lora_run, policy_fn
+from rl.loops.adapters import (
+    BASE_KEY,
+    LoraRun,
+    check_base,
+    latest_record,
+    lora_run,
+    policy_fn,
+)
 from rl.loops.validation import (
     ConfigError,
     check_allowed_changes,
@@ -99,6 +106,10 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
             ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
         state = init_train_state(params, config, loop.seed)
         data_position, meta = 0, {}
+        if resume and lora is not None:  # before the adapters' shapes meet the checkpoint
+            check_base(latest_record(run_dir / "checkpoints"), record)
+            check_resume_config(latest_record(run_dir / "checkpoints"), record,
+                                allow_config_changes)
         if resume:  # straight onto the mesh (no one-device copy; needed across processes)
             shardings = None if mesh is None else state_shardings(model_config, config, mesh)
             state, meta = ckpt.restore(state, shardings=shardings, fallback=resume_from_last_good)
