@@ -79,7 +79,10 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
     of the params (+ frozen reference with KL), fresh or restored state placed for the
     jitted step, checkpointer and logger. Validates the configs first
     (rl.loops.validation); a resume must match the checkpoint's recorded config (but for
-    `allow_config_changes`) and have steps left to run."""
+    `allow_config_changes`) and have steps left to run. With config.lora (rl.loops.adapters):
+    `params` are the frozen base (quantized with qlora, placed on the mesh), which becomes
+    ctx.ref (the step's third argument) and ctx.lora; the state holds fresh or restored
+    adapters; the base hash joins the config record, checked before restoring."""
     validate_run(config, loop)
     record = config_record(config, loop, extra_config)
     check_allowed_changes(allow_config_changes)
