@@ -67,7 +67,9 @@ def collect(root: Path, seeds: list[int], full_json: Path = FULL_JSON) -> dict:
             "lora_over_full": round(lg["mean"] / fg["mean"], 3),
         },
         "lora": {"gain_over_seeds": lg, "rank": RANK, "alpha": 2.0 * RANK, "lr": LR,
-                 "targets": "q,k,v,o,gate,up,down", "runs": lora},
+                 "targets": "q,k,v,o,gate,up,down", "runs": lora,
+                 "sampler": "merged (the loops' default when these runs were made; the default "
+                            "is now on the fly, which samples the same tokens)"},
         "full": {"gain_over_seeds": fg, "lr": 2e-5, "source": str(full_json),
                  "curves": {s: {"eval_curve": r["eval_curve"], "steps": r["steps"]}
                             for s, r in full.items()}},
