@@ -37,9 +37,15 @@ from experiments.benchmarking import load_average, machine, time_calls, write_re
 from models.config import get_config
 from models.decoder import decode_step, init_params, prefill
 from models.kv_cache import init_cache
-from models.lora import LoraConfig, compose, count_bytes, init_lora, merge, quantize_base
-from rl.learner import (OptimizerConfig, TrainConfig, batch_from_trajectory, init_train_state,
-                        make_train_step)
+from models.lora import LoraConfig, compose, count_bytes, init_lora, quantize_base
+from rl.learner import (
+    OptimizerConfig,
+    TrainConfig,
+    batch_from_trajectory,
+    init_train_state,
+    make_train_step,
+)
+from rl.loops.adapters import merged_params
 from rl.objectives import LossConfig
 from rl.trajectory import Trajectory
 
@@ -137,8 +143,7 @@ def decode_table(name: str, b: int, seconds: float, prompt: int = 64, max_len: i
     params = init_params(mc, 0)
     lora = SIDES["lora-r8"]
     ad = init_lora(params, lora, 1)
-    merge_jit = jax.jit(merge, static_argnums=2)
-    variants = {"merged": merge_jit(params, ad, lora),
+    variants = {"merged": merged_params(params, ad, lora),  # what the loops' sampler runs
                 "on-the-fly": compose(params, ad, lora)}
     for fmt in ("int8", "int4"):
         q = quantize_base(params, fmt)
@@ -149,7 +154,7 @@ def decode_table(name: str, b: int, seconds: float, prompt: int = 64, max_len: i
                        init_cache(mc, b, max_len))
     calls = {k: (lambda p=p: decode_step(p, mc, tokens[:, 0], cache)[0])
              for k, p in variants.items()}
-    calls["merge (per version)"] = lambda: merge_jit(params, ad, lora)
+    calls["merge (per version)"] = lambda: merged_params(params, ad, lora)
     for fn in tqdm(calls.values(), desc=f"{name}: decode compile"):
         jax.block_until_ready(fn())
     ms = time_calls(calls, seconds, min_reps=5)
@@ -164,6 +169,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seconds", type=float, default=20.0, help="timing budget per side")
     ap.add_argument("--decode-batch", type=int, default=8,
                     help="rows of the decode comparison on the timed presets (0 = skip)")
+    ap.add_argument("--decode-models", help="comma-separated presets of the decode comparison "
+                    "(default: the timed presets; 'tiny' allowed), e.g. tiny,smollm2-135m")
     ap.add_argument("--out", default=str(RESULT))
     args = ap.parse_args(argv)
     b, t = (int(x) for x in args.shape.split("x"))
@@ -177,14 +184,17 @@ def main(argv=None) -> dict:
         if name not in MODELS:
             raise ValueError(f"--time-models: {name!r} is not one of {MODELS}")
         result["models"][name]["step"] = time_table(name, b, t, args.seconds)
-        if args.decode_batch:
-            result["models"][name]["decode_ms"] = decode_table(name, args.decode_batch,
-                                                               args.seconds / 2)
+    decode_models = args.time_models if args.decode_models is None else args.decode_models
+    for name in [m for m in decode_models.split(",") if m and args.decode_batch]:
+        if name not in MODELS + ("tiny",):
+            raise ValueError(f"--decode-models: {name!r} is not one of {MODELS + ('tiny',)}")
+        row = result["models"].setdefault(name, {})
+        row["decode_ms"] = decode_table(name, args.decode_batch, args.seconds / 2)
     print(f"{'model':14} {'side':11} {'trainable MB':>12} {'opt state MB':>12} "
           f"{'base MB':>8} {'opt ratio':>9} {'step ms':>8}")
     for name, res in result["models"].items():
-        full_opt = res["bytes"]["full"]["optimizer_state_bytes"]
-        for side, row in res["bytes"].items():
+        full_opt = res.get("bytes", {}).get("full", {}).get("optimizer_state_bytes")
+        for side, row in res.get("bytes", {}).items():
             row["optimizer_state_ratio_full_over_side"] = round(
                 full_opt / row["optimizer_state_bytes"], 1)
             step = res.get("step", {}).get(side, {}).get("step_ms", float("nan"))

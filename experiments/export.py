@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from experiments import export_lora
 from models.config import ModelConfig, RopeScaling
 
 MODEL_JSON = "model.json"
@@ -44,7 +45,8 @@ NO_TOKENIZER_MODELS = ("tiny",)  # random-init models whose tokens are a task's 
 # Files export_hf writes (and --force replaces), plus HF files that would shadow them.
 _HF_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
              "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "chat_template.jinja", "tandem_export.json")
+             "special_tokens_map.json", "chat_template.jinja", "tandem_export.json",
+             *export_lora.ADAPTER_FILES)
 
 
 class ExportError(ValueError):
@@ -56,7 +58,8 @@ class RunPolicy(NamedTuple):
 
     model_config: ModelConfig; params: the checkpoint's params (jax arrays in
     config.param_dtype); tokenizer: models.tokenizer.Tokenizer, or None for models with
-    no text tokenizer ("tiny"); meta: the run's model.json dict; step: the checkpoint step.
+    no text tokenizer ("tiny"); meta: the run's model.json dict; step: the checkpoint step;
+    adapters: a LoRA run's adapters (then params are base + merged adapters), else None.
     """
 
     model_config: ModelConfig
@@ -64,6 +67,7 @@ class RunPolicy(NamedTuple):
     tokenizer: Any
     meta: dict
     step: int
+    adapters: Any = None
 
 
 # ----------------------------------------------------------------------------- model.json
@@ -133,11 +137,13 @@ def _read_model_json(run_dir: Path) -> tuple[dict, ModelConfig]:
     return meta, config
 
 
-def _restore_params(ckpt_dir: Path, config: ModelConfig, step: int | None) -> tuple[Any, int]:
-    """(params, step) of checkpoint `step` (default: latest), restoring only the params
-    subtree of the saved TrainState (no optimizer state is read or needed), verified
-    against the checksums saved with it (rl.runtime.checkpoint; older checkpoints have
-    none and are read unverified)."""
+def _restore_params(ckpt_dir: Path, config: ModelConfig, step: int | None,
+                    abstract_params: Any = None) -> tuple[Any, int, dict]:
+    """(params, step, checkpoint meta) of checkpoint `step` (default: latest), restoring only
+    the params subtree of the saved TrainState (no optimizer state is read or needed),
+    verified against the checksums saved with it (rl.runtime.checkpoint; older checkpoints
+    have none and are read unverified). abstract_params: their shapes (default the
+    model's params; a LoRA run's adapters)."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -161,7 +167,8 @@ def _restore_params(ckpt_dir: Path, config: ModelConfig, step: int | None) -> tu
         elif step not in steps:
             raise ExportError(f"checkpoint step {step} not found in {str(ckpt_dir)!r}; "
                               f"available steps: {steps}")
-        abstract = {"params": jax.eval_shape(lambda: init_params(config, 0))}
+        abstract = {"params": abstract_params if abstract_params is not None
+                    else jax.eval_shape(lambda: init_params(config, 0))}
         _check_shapes(manager, step, abstract, ckpt_dir)
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), abstract)
@@ -184,7 +191,7 @@ def _restore_params(ckpt_dir: Path, config: ModelConfig, step: int | None) -> tu
                 raise ExportError(str(err)) from err
     finally:
         manager.close()
-    return out["state"]["params"], int(step)
+    return out["state"]["params"], int(step), meta
 
 
 def _check_shapes(manager, step: int, abstract: dict, ckpt_dir: Path) -> None:
@@ -244,13 +251,18 @@ def load_run(run_dir: str | os.PathLike, step: int | None = None) -> RunPolicy:
         raise ExportError(f"run dir {str(run_dir)!r} does not exist; pass the --run-dir of a "
                           "run made by `python -m experiments.train`")
     meta, config = _read_model_json(run_dir)
-    params, step = _restore_params(run_dir / "checkpoints", config, step)
+    lora = meta.get("lora")  # a LoRA run: the checkpoint holds adapters (experiments.export_lora)
+    abstract = None if lora is None else export_lora.abstract_adapters(config, lora)
+    params, step, ck_meta = _restore_params(run_dir / "checkpoints", config, step, abstract)
+    adapters = None
+    if lora is not None:
+        adapters, params = params, export_lora.merged_run_params(config, meta, params, ck_meta)
     tokenizer = load_tokenizer(meta)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise ExportError(f"the tokenizer of {meta.get('model')!r} has {tokenizer.vocab_size} "
                           f"tokens but the run's model only {config.vocab_size} embeddings")
     return RunPolicy(model_config=config, params=params, tokenizer=tokenizer, meta=meta,
-                     step=step)
+                     step=step, adapters=adapters)
 
 
 # ----------------------------------------------------------------------------- export
@@ -298,17 +310,23 @@ def _prepare_out_dir(out: Path, force: bool) -> None:
 
 
 def export_hf(run_policy: RunPolicy, out_dir: str | os.PathLike, *, force: bool = False,
-              run_dir: str | os.PathLike | None = None) -> list[str]:
+              run_dir: str | os.PathLike | None = None, adapters_only: bool = False) -> list[str]:
     """Write run_policy as a HF model directory (see the module docstring); returns the
-    file names written. A non-empty out_dir raises ExportError unless force=True."""
+    file names written. A non-empty out_dir raises ExportError unless force=True.
+    adapters_only (a LoRA run): the adapters alone, PEFT layout (experiments.export_lora)."""
     from models.hf_loader import save_hf_checkpoint
     from rl.runtime.logging import atomic_write_json, atomic_write_text
 
     out = Path(out_dir)
+    if adapters_only and run_policy.adapters is None:
+        raise ExportError("--adapters-only needs a LoRA run (experiments.train --lora-rank R)")
     _prepare_out_dir(out, force)
     config, tok = run_policy.model_config, run_policy.tokenizer
-    save_hf_checkpoint(out, config, run_policy.params)
-    written = ["config.json", "model.safetensors"]
+    if adapters_only:
+        written = export_lora.write_adapters(out, run_policy.adapters, run_policy.meta)
+    else:
+        save_hf_checkpoint(out, config, run_policy.params)
+        written = ["config.json", "model.safetensors"]
     atomic_write_json(out / "generation_config.json", generation_config(config, tok))
     written.append("generation_config.json")
     if tok is not None:
@@ -335,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="checkpoint step to export (default: the latest)")
     p.add_argument("--force", action="store_true", help="overwrite the model files of a "
                    "non-empty --out")
+    p.add_argument("--adapters-only", action="store_true", help="a LoRA run: write its "
+                   "adapters alone (PEFT adapter_model.safetensors + adapter_config.json) "
+                   "instead of the merged full weights")
     return p
 
 
@@ -345,7 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
         if out.is_dir() and any(out.iterdir()) and not args.force:
             _prepare_out_dir(out, force=False)  # fail before reading the checkpoint
         policy = load_run(args.run_dir, args.step)
-        written = export_hf(policy, out, force=args.force, run_dir=args.run_dir)
+        written = export_hf(policy, out, force=args.force, run_dir=args.run_dir,
+                            adapters_only=args.adapters_only)
     except ExportError as err:
         sys.exit(f"error: {err}")
     print(f"exported step {policy.step} of {args.run_dir} (model {policy.meta.get('model')!r}) "

@@ -35,6 +35,7 @@ from models.config import get_config
 from models.decoder import init_params
 from rl.learner import NonFiniteError, OptimizerConfig, TrainConfig
 from rl.loops import AsyncConfig, LoopConfig, RunResult, SchedulerOptions, run, run_async
+from rl.loops.adapters import add_lora_flags, lora_train_config
 from rl.loops.asynchronous import MODES, PROXIMAL, ROLLOUTS
 from rl.loops.validation import CHANGEABLE_ON_RESUME, ConfigError, validate_run
 from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
@@ -192,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_distributed_flags(p)
     add_prune_args(p)
     train_env.add_env_flags(p)  # --env NAME, --env-option, --turn-credit
+    add_lora_flags(p)
     v = p.add_argument_group("VCPO (variance-controlled off-policy RL)")
     v.add_argument("--vcpo", nargs="?", const="sqrt", choices=("sqrt", "linear", "none"),
                    help="VCPO: ESS-scaled update (sqrt|linear|none; default sqrt), minimum-variance "
@@ -312,6 +314,7 @@ def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig
     if args.unchecked:
         loop_kw["checked"] = False
     loop = dataclasses.replace(loop, **loop_kw)
+    train = lora_train_config(args, train)
     validate_run(train, loop)  # before any model is loaded or compiled
     return preset, train, loop
 
@@ -478,9 +481,11 @@ def main(argv: list[str] | None = None) -> dict:
         build_parser().error(str(err))
     if is_main_process():  # what experiments.export / evaluate rebuild the policy from
         from experiments.export import model_record
+        from experiments.export_lora import lora_record
 
-        atomic_write_json(run_dir / "model.json", model_record(preset, config, args.seed,
-                                                                task_seed=_task_seed(preset, args.seed)))
+        atomic_write_json(run_dir / "model.json", model_record(
+            preset, config, args.seed, task_seed=_task_seed(preset, args.seed),
+            **lora_record(train.lora, preset.model, preset.init_seed + args.seed)))
     try:
         scheduler = SchedulerOptions(args.prompt_scheduler, pool_size=args.scheduler_pool)
         prune = prune_config_from_args(args)

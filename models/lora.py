@@ -291,6 +291,32 @@ def base_shapes(params: Params) -> Params:
     return _replace_nodes(params, new) if new else params
 
 
+def lora_logical_axes(param_axes: Params, config: LoraConfig) -> Params:
+    """Logical axis names of init_lora's adapters from the params' (models.decoder.
+    param_logical_axes): adapters shard by the rules of the kernel they adapt. For a
+    kernel (layers, in..., out...): A (layers, first in axis, None) and B (layers, None,
+    first out axis): a flattened axis takes its leading name's rule (its contiguous blocks
+    are the blocks of that leading axis when the axis divides by the mesh axis)."""
+    out: dict[str, dict] = {}
+    for name in config.projections:
+        parent, n_in = PROJECTIONS[name]
+        axes = tuple(param_axes["layers"][parent][name]["kernel"])
+        out.setdefault(parent, {})[name] = {"lora_a": (axes[0], axes[1], None),
+                                            "lora_b": (axes[0], None, axes[1 + n_in])}
+    return {"layers": out}
+
+
+def quantized_logical_axes(param_axes: Params, fmt: str) -> Params:
+    """Logical axes of quantize_base(params, fmt)'s tree: qkernel like the kernel (int4
+    packs pairs along the last axis: the same name), qscale unsharded (small)."""
+    new = {}
+    for name, parent, _, node in _projection_nodes(param_axes):
+        rest = {k: v for k, v in node.items() if k != "kernel"}
+        new[(parent, name)] = {**rest, "qkernel": tuple(node["kernel"]),
+                               "qscale": (None,) * len(node["kernel"])}
+    return _replace_nodes(param_axes, new)
+
+
 def count_bytes(tree: Params) -> int:
     """Bytes of a pytree's arrays (e.g. adapters, optimizer state, a quantized base)."""
     return int(sum(np.dtype(x.dtype).itemsize * math.prod(x.shape)

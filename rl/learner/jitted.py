@@ -18,6 +18,7 @@ import optax
 
 from models.config import ModelConfig
 from models.decoder import init_params, param_logical_axes
+from models.lora import init_lora, lora_logical_axes, quantized_logical_axes
 from models.sharding import DEFAULT_RULES, LogicalRules, logical_to_mesh_sharding, mesh_context
 from rl.learner.batch import TrainBatch, TrainState, init_train_state
 from rl.learner.checked import checked_train_step, checkified, throw
@@ -32,15 +33,33 @@ Params = Any
 def abstract_train_state(model_config: ModelConfig, config: TrainConfig) -> TrainState:
     """Shapes and dtypes (jax.ShapeDtypeStruct leaves) of a TrainState; allocates nothing."""
     def build():
-        return init_train_state(init_params(model_config, 0), config, 0)
+        params = init_params(model_config, 0)
+        if config.lora is not None:  # the state holds the adapters only
+            params = init_lora(params, config.lora, 0)
+        return init_train_state(params, config, 0)
     return jax.eval_shape(build)
+
+
+def _param_axes(model_config: ModelConfig, config: TrainConfig) -> Params:
+    axes = param_logical_axes(model_config)
+    return axes if config.lora is None else lora_logical_axes(axes, config.lora)
+
+
+def ref_shardings(model_config: ModelConfig, config: TrainConfig, mesh: jax.sharding.Mesh,
+                  rules: LogicalRules = DEFAULT_RULES) -> Params:
+    """NamedSharding tree of the step's third argument: the KL reference (the params'
+    shardings) or, with config.lora, the frozen base as stored (quantized with qlora)."""
+    axes = param_logical_axes(model_config)
+    if config.lora is not None and config.lora.qlora:
+        axes = quantized_logical_axes(axes, config.lora.qlora)
+    return logical_to_mesh_sharding(axes, mesh, rules)
 
 
 def state_shardings(model_config: ModelConfig, config: TrainConfig, mesh: jax.sharding.Mesh,
                     rules: LogicalRules = DEFAULT_RULES) -> TrainState:
     """NamedSharding tree of a TrainState: params by the logical rules, optimizer moments
     like their params, counters, scalars and rng replicated."""
-    params_sh = logical_to_mesh_sharding(param_logical_axes(model_config), mesh, rules)
+    params_sh = logical_to_mesh_sharding(_param_axes(model_config, config), mesh, rules)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     abstract = abstract_train_state(model_config, config)
     opt_sh = optax.tree_map_params(make_optimizer(config.optimizer, config.vcpo), lambda _, s: s,
@@ -57,9 +76,6 @@ def _jitted(config: TrainConfig, model_config: ModelConfig, mesh: jax.sharding.M
     """One jax.jit object per (configs, mesh, ...): every JittedTrainStep with the same key
     shares its compilations (e.g. a run resumed in the same process compiles nothing).
     checked: the checkify'd rl.learner.checked step, returning (error, (state, metrics))."""
-    if config.lora is not None and mesh is not None:
-        raise ValueError("TrainConfig.lora on a mesh is not supported yet (adapter shardings "
-                         "are not derived); run LoRA without a mesh")
     step = checked_train_step if checked else train_step
     body = partial(step, config=config, model_config=model_config)
     if checked:
@@ -69,7 +85,8 @@ def _jitted(config: TrainConfig, model_config: ModelConfig, mesh: jax.sharding.M
         return jax.jit(body, donate_argnums=0, compiler_options=opts)
     st = state_shardings(model_config, config, mesh, rules)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    ins = (st, batch_sharding(mesh)) + ((st.params,) if with_ref else ())
+    ins = (st, batch_sharding(mesh)) + (
+        (ref_shardings(model_config, config, mesh, rules),) if with_ref else ())
     outs = (rep, (st, rep)) if checked else (st, rep)  # the error's scalars: replicated
     return jax.jit(body, in_shardings=ins, out_shardings=outs, donate_argnums=0,
                    compiler_options=opts)

@@ -308,7 +308,8 @@ def run_async(
     def publish(st: TrainState) -> None:
         v = int(st.version)
         # one assignment: the producer never sees new params with an old version
-        published["latest"] = (snaps.put(v, st.params, device=rollout_device), v)
+        # (LoRA: the ring keeps adapter versions; the sampler gets ctx.policy's params)
+        published["latest"] = (ctx.policy(snaps.put(v, st.params, device=rollout_device)), v)
 
     def latest() -> tuple[Any, int]:
         return published["latest"]
@@ -370,7 +371,7 @@ def run_async(
             ewma = jax.tree.map(jnp.copy, state.params)
         do_eval = make_evaluator(model_config, task, config, loop, logger, on_eval)
         if not resume:
-            do_eval(0, snaps[v0], v0)
+            do_eval(0, *published["latest"])
         if acfg.mode == "threaded":
             producer = RolloutProducer(model_config=model_config, task=task, config=config, loop=loop,
                                  rollout=acfg.rollout, buffer=buffer, latest=latest,
@@ -397,13 +398,14 @@ def run_async(
                         sampler = st.replace(params=snaps[bv], version=jnp.asarray(bv, jnp.int32))
                         try:
                             groups, sampler, pos, stats = sample_batch_groups(
-                                sampler, model_config, task, config, loop, pos, prof)
+                                sampler, model_config, task, config, loop, pos, prof,
+                                policy=ctx.policy)
                         except NonFiniteError as err:  # a task's reward: name the step too
                             raise NonFiniteError(f"step {step + 1}: {err}") from None
                         st = st.replace(rng=sampler.rng)
                     else:
                         with prof.phase("wait_s"):  # a whole APRIL round
-                            groups = april.round(snaps[bv], bv,
+                            groups = april.round(ctx.policy(snaps[bv]), bv,
                                                  b - buffer.stats()["queued_groups"])
                         pos = april.position
                         stats["sampled_tokens"] += april.generated_tokens
@@ -448,12 +450,13 @@ def run_async(
             with prof.phase("proximal_s"):
                 if acfg.proximal == "exact":
                     batch = batch.replace(proximal_logprobs=jax.block_until_ready(
-                        exact_proximal_logprobs(snaps, model_config, batch, config.temperature,
-                                                config.attn_impl)))
+                        exact_proximal_logprobs(snaps if ctx.lora is None else
+                                                ctx.lora.snapshots(snaps), model_config, batch,
+                                                config.temperature, config.attn_impl)))
                 elif acfg.proximal == "ewma":
                     batch = batch.replace(proximal_logprobs=jax.block_until_ready(
-                        policy_logprobs(ewma, model_config, batch, config.temperature,
-                                        config.attn_impl)))
+                        policy_logprobs(ewma if ctx.lora is None else ctx.lora.composed(ewma),
+                                        model_config, batch, config.temperature, config.attn_impl)))
             with prof.phase("host_s"):
                 extra = _batch_metrics(batch, v)
                 extra.update(episodes.take_episode_metrics(task))  # an environment: its episodes
@@ -493,7 +496,7 @@ def run_async(
                             lag=f"{extra.get('version_lag_mean', 0):.1f}")
             is_last = done == loop.steps
             if is_last or (loop.eval_every and done % loop.eval_every == 0):
-                ev = do_eval(done, snaps[int(st.version)], int(st.version))
+                ev = do_eval(done, *published["latest"])  # the policy of st.version
                 if progress:
                     bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
             if is_last or (loop.save_every and done % loop.save_every == 0):

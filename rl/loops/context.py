@@ -19,7 +19,15 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from rl.learner.batch import TrainState, init_train_state
 from rl.learner.config import TrainConfig
-from rl.learner.jitted import make_train_step, state_shardings
+from rl.learner.jitted import make_train_step, ref_shardings, state_shardings
+from rl.loops.adapters import (
+    BASE_KEY,
+    LoraRun,
+    check_base,
+    latest_record,
+    lora_run,
+    policy_fn,
+)
 from rl.loops.validation import (
     ConfigError,
     check_allowed_changes,
@@ -48,6 +56,12 @@ class RunContext:
     start: int
     meta: dict
     config: dict  # config_record of this run: every checkpoint's meta carries it
+    lora: LoraRun | None = None  # a LoRA run's frozen base (= ref) and sampler params
+
+    @property
+    def policy(self) -> Callable[[Any], Any]:
+        """state.params -> the sampler's / evals' params (rl.loops.adapters.policy_fn)."""
+        return policy_fn(self.lora)
 
     def close(self) -> None:
         try:
@@ -65,7 +79,10 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
     of the params (+ frozen reference with KL), fresh or restored state placed for the
     jitted step, checkpointer and logger. Validates the configs first
     (rl.loops.validation); a resume must match the checkpoint's recorded config (but for
-    `allow_config_changes`) and have steps left to run."""
+    `allow_config_changes`) and have steps left to run. With config.lora (rl.loops.adapters):
+    `params` are the frozen base (quantized with qlora, placed on the mesh), which becomes
+    ctx.ref (the step's third argument) and ctx.lora; the state holds fresh or restored
+    adapters; the base hash joins the config record, checked before restoring."""
     validate_run(config, loop)
     record = config_record(config, loop, extra_config)
     check_allowed_changes(allow_config_changes)
@@ -81,16 +98,28 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
         raise
     logger = None
     try:  # any failure from here on releases the checkpointer and with it the lock
-        params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
-        ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
+        lora = None
+        if config.lora is not None:  # state = adapters; the frozen base is the step's ref
+            lora, params = lora_run(params, config, loop.seed)
+            if mesh is not None:  # the base sharded like the params (qkernel like kernel)
+                lora.base = jax.device_put(lora.base, ref_shardings(model_config, config, mesh))
+            ref, record[BASE_KEY] = lora.base, lora.base_hash
+        else:
+            params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
+            ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
         state = init_train_state(params, config, loop.seed)
         data_position, meta = 0, {}
+        if resume and lora is not None:  # before the adapters' shapes meet the checkpoint
+            check_base(latest_record(run_dir / "checkpoints"), record)
+            check_resume_config(latest_record(run_dir / "checkpoints"), record,
+                                allow_config_changes)
         if resume:  # straight onto the mesh (no one-device copy; needed across processes)
             shardings = None if mesh is None else state_shardings(model_config, config, mesh)
             state, meta = ckpt.restore(state, shardings=shardings, fallback=resume_from_last_good)
             data_position = int(meta["data_position"])
         start = int(state.step)
         if resume:
+            check_base(meta.get("config"), record)
             check_resume_config(meta.get("config"), record, allow_config_changes)
             if start >= loop.steps:
                 raise ConfigError(f"nothing to resume: the checkpoint is at step {start} and "
@@ -111,7 +140,8 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
                 logger.close()
         raise
     return RunContext(state=state, ref=ref, ckpt=ckpt, logger=logger, step_fn=step_fn,
-                      data_position=data_position, start=start, meta=meta, config=record)
+                      data_position=data_position, start=start, meta=meta, config=record,
+                      lora=lora)
 
 
 def run_clock(logger: MetricsLogger) -> Callable[[], float]:

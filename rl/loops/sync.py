@@ -286,7 +286,7 @@ def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:
 def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task,
                         config: TrainConfig, loop: LoopConfig, data_position: int,
                         profile=NULL_PROFILE, source: PromptSource | None = None,
-                        pruner: Pruner | None = None
+                        pruner: Pruner | None = None, policy: Callable | None = None
                         ) -> tuple[list[ScoredGroup], TrainState, int, dict]:
     """Sample and score loop.prompts_per_step groups from the train stream at
     `data_position` with state.params (tokens stamped state.version). Returns (groups in
@@ -300,7 +300,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     scheduler (rl.loops.scheduling; None = uniform, the next prompts of the stream); it
     gets each sampled group's "correct" rewards (else the weighted totals). pruner: online
     pruning (rl.rollout.pruning.settle_rollouts: pruned rows get an empty response and
-    their group's survivors' mean rewards; the head learns from the survivors)."""
+    their group's survivors' mean rewards; the head learns from the survivors). policy:
+    state.params -> the sampler's params (a LoRA run's: rl.loops.adapters; None: as they are)."""
     n = loop.group_size
     if source is None:
         source = make_prompt_source(SchedulerOptions(), task, loop, None)
@@ -309,7 +310,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
                          "resample a different number of rounds); run it in one process")
     sampling = SamplingConfig(temperature=config.temperature)
     with profile.phase("transfer_s"):
-        params = process_local(state.params)
+        params = process_local(state.params if policy is None else policy(state.params))
     kept: list[tuple[Trajectory, dict, list[int]]] = []
     dropped: list[tuple[Trajectory, dict, list[int]]] = []
     n_kept = rounds = sampled_tokens = 0
@@ -404,14 +405,15 @@ def build_batch(groups: Sequence[ScoredGroup], *, model_config: ModelConfig, tas
 
 def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, config: TrainConfig,
                   loop: LoopConfig, data_position: int, profile=NULL_PROFILE,
-                  source: PromptSource | None = None, pruner: Pruner | None = None
+                  source: PromptSource | None = None, pruner: Pruner | None = None,
+                  policy: Callable | None = None
                   ) -> tuple[TrainBatch, TrainState, int, dict]:
     """Sample and score one batch of loop.prompts_per_step groups from the train stream
     at `data_position` (sample_batch_groups, then build_batch). Returns (batch, state
     with advanced rng, new data position, rollout stats); profile times the phases."""
     groups, state, data_position, stats = sample_batch_groups(state, model_config, task, config,
                                                               loop, data_position, profile, source,
-                                                              pruner)
+                                                              pruner, policy)
     with profile.phase("host_s"):
         batch = build_batch(groups, model_config=model_config, task=task, config=config,
                             group_size=loop.group_size)
@@ -510,7 +512,7 @@ def run(
             pruner.restore(ctx.meta.get("pruner"))
         do_eval = make_evaluator(model_config, task, config, loop, logger, on_eval)
         if not resume:
-            do_eval(0, process_local(state.params), 0)
+            do_eval(0, process_local(ctx.policy(state.params)), 0)
         bar = tqdm(total=loop.steps, initial=start, disable=not progress, desc="grpo",
                    dynamic_ncols=True)
         prof = StepProfile()
@@ -519,7 +521,8 @@ def run(
             t0 = time.perf_counter()
             try:
                 batch, state, data_position, stats = collect_batch(
-                    state, model_config, task, config, loop, data_position, prof, source, pruner)
+                    state, model_config, task, config, loop, data_position, prof, source, pruner,
+                    ctx.policy)
             except NonFiniteError as err:  # a task's reward: name the step too
                 raise NonFiniteError(f"step {step + 1}: {err}") from None
             stats.update(episodes.take_episode_metrics(task))  # an environment: its episodes
@@ -551,7 +554,7 @@ def run(
             out_of_time = bool(loop.time_limit_s) and metrics["time_s"] >= loop.time_limit_s
             is_last = done == loop.steps or out_of_time
             if is_last or (loop.eval_every and done % loop.eval_every == 0):
-                ev = do_eval(done, process_local(state.params), int(state.version))
+                ev = do_eval(done, process_local(ctx.policy(state.params)), int(state.version))
                 if progress:
                     bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
             if is_last or (loop.save_every and done % loop.save_every == 0):
