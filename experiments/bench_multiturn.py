@@ -16,9 +16,9 @@ reprefill rebuilds the group's KV from prompt + all turns + observations after e
 The two usually draw the same tokens too, but not always here: random weights give an
 almost uniform distribution over 49152 tokens, where a float-rounding change of the
 logits (appended vs re-prefilled keys, ~2e-6 in log-prob; both sides match a
-teacher-forced forward to that) moves the inverse-CDF draw to a neighbouring token a few
-times per thousand; the JSON records the fraction of identical tokens. It does not change
-what is measured (lengths are fixed).
+teacher-forced forward to that) now and then moves the inverse-CDF draw to another token,
+after which the episode's later tokens differ; the JSON records the fraction of identical
+tokens. It does not change what is measured (lengths are fixed).
 
 Per (T, mode): tokens the model processes per episode (prefill + decode + append or
 re-prefill passes, rl.rollout.multiturn's token_counts, padding not counted) and wall
