@@ -10,9 +10,15 @@ with RANDOM weights: the cost of a token pass does not depend on the weights, an
 scripted environment fixes every length: prompts of --prompt-len random ids, turns of
 exactly --turn-len tokens (no stop ids: each turn ends on its turn budget), observations
 of exactly --obs-len ids (a function of the turn's ids), done after T turns. So both
-modes decode the same tokens (checked) and the only difference is how the observations
-enter the cache: append runs just the new tokens at the slot's position, reprefill
-rebuilds the group's KV from prompt + all turns + observations after every turn.
+modes make episodes of the same lengths (checked) and the only difference is how the
+observations enter the cache: append runs just the new tokens at the slot's position,
+reprefill rebuilds the group's KV from prompt + all turns + observations after every turn.
+The two usually draw the same tokens too, but not always here: random weights give an
+almost uniform distribution over 49152 tokens, where a float-rounding change of the
+logits (appended vs re-prefilled keys, ~2e-6 in log-prob; both sides match a
+teacher-forced forward to that) now and then moves the inverse-CDF draw to another token,
+after which the episode's later tokens differ; the JSON records the fraction of identical
+tokens. It does not change what is measured (lengths are fixed).
 
 Per (T, mode): tokens the model processes per episode (prefill + decode + append or
 re-prefill passes, rl.rollout.multiturn's token_counts, padding not counted) and wall
@@ -144,8 +150,9 @@ def main(argv=None):
         ids = {}
         for mode in ("append", "reprefill"):  # warm-up: compile
             _, _, _, ids[mode] = rollout(params, cfg, env, prompts, args, mode)
-        if not np.array_equal(ids["append"], ids["reprefill"]):
-            raise SystemExit(f"turns={turns}: append and reprefill decoded different tokens")
+        if ids["append"].shape != ids["reprefill"].shape:
+            raise SystemExit(f"turns={turns}: append and reprefill made different lengths")
+        same = float((ids["append"] == ids["reprefill"]).mean())
         walls = {"append": [], "reprefill": []}
         for rep in range(args.repeats):
             order = ("append", "reprefill") if rep % 2 == 0 else ("reprefill", "append")
@@ -161,13 +168,14 @@ def main(argv=None):
                          "tokens_per_episode": total / episodes,
                          "token_counts": last["token_counts"],
                          "wall_s_per_episode": statistics.median(walls[mode]) / episodes,
-                         "wall_s_runs": walls[mode]})
+                         "wall_s_runs": walls[mode], "same_tokens_fraction": same})
         a, r = rows[-2], rows[-1]
         print(f"T={turns}: tokens/episode append {a['tokens_per_episode']:.0f} reprefill "
               f"{r['tokens_per_episode']:.0f} (x{r['tokens_per_episode'] / a['tokens_per_episode']:.2f}); "
               f"wall s/episode append {a['wall_s_per_episode']:.3f} reprefill "
               f"{r['wall_s_per_episode']:.3f} "
-              f"(x{r['wall_s_per_episode'] / a['wall_s_per_episode']:.2f})", flush=True)
+              f"(x{r['wall_s_per_episode'] / a['wall_s_per_episode']:.2f}); "
+              f"same tokens {same:.4f}", flush=True)
     print(f"\n{'turns':>5} {'mode':>10} {'tokens/ep':>10} {'wall s/ep':>10} {'token x':>8} "
           f"{'wall x':>7}")
     ratios = {}

@@ -323,3 +323,64 @@ def test_invalid_inputs(params):
         max_episode_tokens = 8
     with pytest.raises(ValueError, match="max_episode_tokens"):
         MultiTurnEngine(CFG, Broken(), MultiTurnConfig(num_slots=4, group_size=2, segment_len=4))
+
+
+@pytest.mark.parametrize("layout", ["segmented", "replicated"])
+def test_append_tokens_against_a_reprefill_of_the_whole_context(params, layout):
+    """The primitive: appending observations to two slots of a block leaves every earlier
+    cache entry (and every other slot) bitwise untouched, and its new entries, pending
+    token and bookkeeping equal load_samples' rebuild of prompt + response + observation."""
+    from rl.rollout.append import append_tokens
+    from rl.rollout.sampler import decode_segment, load_samples, prefill, read_slots
+    from rl.rollout.sampler_state import init_state, sample_keys
+
+    st = init_state(CFG, num_slots=4, max_prompt_len=8, max_new_tokens=40,
+                    sampling=SamplingConfig(temperature=T), group_size=2, kv_layout=layout)
+    st = prefill(params, st, [[5, 17, 33], [9, 10, 11, 12, 13]], np.arange(4).reshape(2, 2),
+                 sample_keys(0, [0, 1], 2), max_new_tokens=7)
+    st = decode_segment(params, st, 7, 3)
+    before = read_slots(st, range(4))
+    obs = {1: [44, 45, 46], 2: [60], 3: [70, 71, 72, 73, 74, 75, 76, 77, 78]}  # ragged
+    slots = sorted(obs)
+    app = append_tokens(params, st, slots, [obs[s] for s in slots], [3, 3, 3], [30, 25, 39])
+    grown = [before[0]] + [
+        grow_sample(before[s], obs[s], 3, b) for s, b in zip(slots, [30, 25, 39])]
+    ref = load_samples(params, st, grown, range(4))
+    a, r = read_slots(app, range(4)), read_slots(ref, range(4))
+    for x, y in zip(a, r):
+        np.testing.assert_array_equal(x.response_ids, y.response_ids)
+        np.testing.assert_array_equal(x.versions, y.versions)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-6)
+        assert (x.budget, x.done, x.stopped) == (y.budget, y.done, y.stopped)
+    np.testing.assert_array_equal(np.asarray(app.pending), np.asarray(ref.pending))
+    old, new, rb = st.cache, app.cache, ref.cache
+    if layout == "segmented":
+        np.testing.assert_array_equal(np.asarray(new.k_prompt), np.asarray(old.k_prompt))
+        np.testing.assert_array_equal(np.asarray(new.resp_lengths), np.asarray(rb.resp_lengths))
+        lens_old = np.asarray(old.resp_lengths).reshape(-1)
+        lens_new = np.asarray(new.resp_lengths).reshape(-1)
+        seg = lambda c, s: np.asarray(c.k_resp)[:, s // 2, s % 2]  # noqa: E731
+        segv = lambda c, s: np.asarray(c.v_resp)[:, s // 2, s % 2]  # noqa: E731
+    else:
+        np.testing.assert_array_equal(np.asarray(new.lengths), np.asarray(rb.lengths))
+        lens_old, lens_new = np.asarray(old.lengths), np.asarray(new.lengths)
+        seg = lambda c, s: np.asarray(c.k)[:, s]  # noqa: E731
+        segv = lambda c, s: np.asarray(c.v)[:, s]  # noqa: E731
+    for s in range(4):
+        lo, hi = lens_old[s], lens_new[s]
+        assert hi - lo == len(obs.get(s, []))
+        # earlier entries never recomputed: bitwise the same as before the append
+        np.testing.assert_array_equal(seg(new, s)[:, :lo], seg(old, s)[:, :lo])
+        # new entries: the same keys/values as the whole-context rebuild
+        np.testing.assert_allclose(seg(new, s)[:, lo:hi], seg(rb, s)[:, lo:hi], atol=1e-5)
+        np.testing.assert_allclose(segv(new, s)[:, lo:hi], segv(rb, s)[:, lo:hi], atol=1e-5)
+
+
+def grow_sample(smp, obs, version, budget):
+    import dataclasses
+    k = len(obs)
+    return dataclasses.replace(
+        smp, response_ids=np.concatenate([smp.response_ids, np.asarray(obs, np.int32)]),
+        logprobs=np.concatenate([smp.logprobs, np.zeros(k, np.float32)]),
+        versions=np.concatenate([smp.versions, np.full(k, version, np.int32)]),
+        budget=budget, done=False, stopped=False)
