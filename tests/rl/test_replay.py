@@ -192,3 +192,21 @@ def test_replay_with_dps_resumes_bit_exactly(policy, tmp_path):
         run(config, params, task, BEHAVIOUR, dataclasses.replace(LOOP, steps=5),
             tmp_path / "split", progress=False, resume=True,
             scheduler=SchedulerOptions("dps", pool_size=6), allow_config_changes=())
+
+
+def test_train_flags_build_the_options_and_async_refuses_them(tmp_path, capsys):
+    from experiments.train import build_parser, main
+    from rl.loops.scheduling import scheduler_from_args
+
+    args = build_parser().parse_args(["--prompt-scheduler", "dars", "--dars-budget", "256",
+                                      "--dars-schedule", "hw"])
+    assert scheduler_from_args(args) == SchedulerOptions("dars", dars_budget=256,
+                                                         dars_schedule="hw")
+    args = build_parser().parse_args(["--replay-fraction", "0.25", "--replay-capacity", "9"])
+    assert scheduler_from_args(args) == SchedulerOptions(replay_fraction=0.25, replay_capacity=9)
+    with pytest.raises(ValueError, match="fresh"):
+        scheduler_from_args(build_parser().parse_args(["--replay-fraction", "1"]))
+    with pytest.raises(SystemExit):
+        main(["--max-staleness", "1", "--replay-fraction", "0.5", "--run-dir",
+              str(tmp_path / "a"), "--steps", "1", "--wandb", "disabled"])
+    assert "synchronous" in capsys.readouterr().err
