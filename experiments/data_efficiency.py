@@ -11,7 +11,11 @@ every run alike); the runs go seed by seed with the method order rotated each se
 
 Per method, over seeds (the accuracy is the eval's greedy accuracy on the preset's eval
 prompts; the wall time is the training time, Σ (rollout_s + train_s) over the steps up to
-the eval, evals excluded; sampled tokens are Σ sampled_tokens):
+the eval, evals excluded, and each one-off XLA compile step (a step over 5x the run's
+median step time: the first step, and the first use of each new batch shape, which DARS
+and replay have two of) counted at the median step time, since on this tiny task one
+compile (~10 s) outweighs hundreds of steps (~0.03 s each); sampled tokens are Σ
+sampled_tokens):
   - final accuracy (mean ± sample std over seeds);
   - wall time and sampled tokens at which the seed-mean accuracy curve first reaches the
     target, 90 % of uniform's final mean accuracy (and the time to uniform's final mean
@@ -39,6 +43,7 @@ import numpy as np
 RESULTS = Path(__file__).resolve().parent / "results"
 LOCK = "/tmp/cpu.lock"
 METRIC = "greedy_accuracy"
+COMPILE_FACTOR = 5.0  # a step over 5x the run's median step time is an XLA compile
 
 # name -> experiments.train flags; one entry per method (add pruning here when it lands)
 METHODS: dict[str, list[str]] = {
@@ -82,20 +87,26 @@ def run_one(method: str, seed: int, args: argparse.Namespace, run_dir: Path) -> 
 
 
 def read_run(run_dir: Path) -> dict:
-    """A run's curve at its evals: step, wall (training s), tokens, accuracy; and its
-    per-step zero-advantage fractions."""
+    """A run's curve at its evals: step, wall_s (training seconds, each compile step
+    counted at the run's median step time), raw_wall_s (as measured), tokens, accuracy;
+    the compile steps and seconds left out; the mean zero-advantage fractions."""
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = sorted((r for r in recs if r["kind"] == "train"), key=lambda r: r["step"])
     evals = sorted((r for r in recs if r["kind"] == "eval"), key=lambda r: r["step"])
-    wall = np.cumsum([r["rollout_s"] + r["train_s"] for r in train])
+    step_s = np.asarray([r["rollout_s"] + r["train_s"] for r in train], np.float64)
+    compiles = step_s > COMPILE_FACTOR * np.median(step_s)
+    wall = np.cumsum(np.where(compiles, np.median(step_s), step_s))
+    raw = np.cumsum(step_s)
     tokens = np.cumsum([r["sampled_tokens"] for r in train])
     at = {r["step"]: i for i, r in enumerate(train)}
     curve = [{"step": e["step"], "wall_s": 0.0 if e["step"] == 0 else float(wall[at[e["step"]]]),
+              "raw_wall_s": 0.0 if e["step"] == 0 else float(raw[at[e["step"]]]),
               "tokens": 0 if e["step"] == 0 else int(tokens[at[e["step"]]]),
               "accuracy": float(e[METRIC])} for e in evals]
     zero = [r["zero_spread_frac"] for r in train]
     fresh = [r.get("fresh_zero_spread_frac", r["zero_spread_frac"]) for r in train]
-    return {"curve": curve, "zero_adv_frac": float(np.mean(zero)),
+    return {"curve": curve, "compile_steps": int(compiles.sum()),
+            "compile_s": float(raw[-1] - wall[-1]), "zero_adv_frac": float(np.mean(zero)),
             "fresh_zero_adv_frac": float(np.mean(fresh))}
 
 
@@ -104,7 +115,7 @@ def mean_curve(runs: list[dict]) -> list[dict]:
     steps = sorted(set.intersection(*[{p["step"] for p in r["curve"]} for r in runs]))
     by = [{p["step"]: p for p in r["curve"]} for r in runs]
     return [{"step": s, **{k: float(np.mean([b[s][k] for b in by]))
-                           for k in ("wall_s", "tokens", "accuracy")}} for s in steps]
+                           for k in ("wall_s", "raw_wall_s", "tokens", "accuracy")}} for s in steps]
 
 
 def first_reach(curve: list[dict], target: float, key: str) -> float | None:
@@ -149,6 +160,8 @@ def summarize(per_method: dict[str, list[dict]], reach: float = 0.9) -> dict:
             "speedup_to_uniform_final": None if t_full is None or base_full is None
             else base_full / t_full,
             "total_wall_s_mean": float(np.mean([r["curve"][-1]["wall_s"] for r in runs])),
+            "compile_s_mean": float(np.mean([r["compile_s"] for r in runs])),
+            "compile_steps_mean": float(np.mean([r["compile_steps"] for r in runs])),
             "total_tokens_mean": float(np.mean([r["curve"][-1]["tokens"] for r in runs])),
             "zero_adv_frac_mean": float(np.mean([r["zero_adv_frac"] for r in runs])),
             "fresh_zero_adv_frac_mean": float(np.mean([r["fresh_zero_adv_frac"] for r in runs])),

@@ -19,12 +19,14 @@ def test_run_order_interleaves_methods_across_seeds():
         ("u", 0), ("a", 0), ("b", 0), ("a", 1), ("b", 1), ("u", 1), ("b", 2), ("u", 2), ("a", 2)]
 
 
-def write_run(path, evals, step_s, tokens=10, zero=0.5):
-    """evals: {step: accuracy}; every train step takes step_s (rollout + train)."""
+def write_run(path, evals, step_s, tokens=10, zero=0.5, slow=()):
+    """evals: {step: accuracy}; every train step takes step_s (rollout + train), the
+    steps in `slow` 100 times longer (compiles)."""
     path.mkdir(parents=True)
     lines = [{"kind": "eval", "step": s, "greedy_accuracy": a, "time_s": 99.0}
              for s, a in evals.items()]
-    lines += [{"kind": "train", "step": s, "rollout_s": step_s / 4, "train_s": 3 * step_s / 4,
+    lines += [{"kind": "train", "step": s, "rollout_s": step_s / 4,
+               "train_s": (3 + 400 * (s in slow)) * step_s / 4,
                "sampled_tokens": tokens, "zero_spread_frac": zero}
               for s in range(1, max(evals) + 1)]
     (path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
@@ -33,10 +35,9 @@ def write_run(path, evals, step_s, tokens=10, zero=0.5):
 
 def test_read_run_curve_and_first_crossing(tmp_path):
     run = write_run(tmp_path / "r", {0: 0.0, 2: 0.4, 4: 0.8}, step_s=1.0, tokens=10)
-    assert run["curve"] == [{"step": 0, "wall_s": 0.0, "tokens": 0, "accuracy": 0.0},
-                            {"step": 2, "wall_s": 2.0, "tokens": 20, "accuracy": 0.4},
-                            {"step": 4, "wall_s": 4.0, "tokens": 40, "accuracy": 0.8}]
-    assert run["zero_adv_frac"] == 0.5
+    assert [(p["step"], p["wall_s"], p["tokens"], p["accuracy"]) for p in run["curve"]] == [
+        (0, 0.0, 0, 0.0), (2, 2.0, 20, 0.4), (4, 4.0, 40, 0.8)]
+    assert run["zero_adv_frac"] == 0.5 and run["compile_steps"] == 0
     # 0.6 lies halfway between the evals at 2 s (0.4) and 4 s (0.8)
     assert first_reach(run["curve"], 0.6, "wall_s") == pytest.approx(3.0)
     assert first_reach(run["curve"], 0.6, "tokens") == pytest.approx(30.0)
@@ -62,3 +63,10 @@ def test_mean_curve_and_speedups(tmp_path):
     assert t["fast"]["speedup_to_uniform_final"] == pytest.approx(4.0)
     assert t["fast"]["final_accuracy_mean"] == pytest.approx(0.8)
     assert t["uniform"]["final_accuracy_std"] == pytest.approx(0.1414213562)
+
+
+def test_compile_steps_count_at_the_median_step_time(tmp_path):
+    run = write_run(tmp_path / "r", {0: 0.0, 2: 0.4, 4: 0.8}, step_s=1.0, slow=(1, 3))
+    assert run["compile_steps"] == 2 and run["compile_s"] == pytest.approx(200.0)
+    assert [p["wall_s"] for p in run["curve"]] == [0.0, 2.0, 4.0]
+    assert [p["raw_wall_s"] for p in run["curve"]] == [0.0, 102.0, 204.0]
