@@ -66,7 +66,7 @@ def test_mean_curve_and_speedups(tmp_path):
 
 
 def test_compile_steps_count_at_the_median_step_time(tmp_path):
-    run = write_run(tmp_path / "r", {0: 0.0, 2: 0.4, 4: 0.8}, step_s=1.0, slow=(1, 3))
+    run = write_run(tmp_path / "r", {0: 0.0, 4: 0.4, 8: 0.8}, step_s=1.0, slow=(1, 5))
     assert run["compile_steps"] == 2 and run["compile_s"] == pytest.approx(200.0)
-    assert [p["wall_s"] for p in run["curve"]] == [0.0, 2.0, 4.0]
-    assert [p["raw_wall_s"] for p in run["curve"]] == [0.0, 102.0, 204.0]
+    assert [p["wall_s"] for p in run["curve"]] == [0.0, 4.0, 8.0]
+    assert [p["raw_wall_s"] for p in run["curve"]] == [0.0, 104.0, 208.0]
