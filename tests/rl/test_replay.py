@@ -2,7 +2,8 @@
 capacity, informative-only admission and bit-exact JSON state; replay refused without an
 off-policy correction; a replayed group keeps its original versions and behaviour
 log-probs and the learner weights it by the clipped ratio π_θ/μ (checked against a
-float64 hand computation); a replay + dps run resumes bit for bit.
+float64 hand computation); replay + dps and replay + dots runs resume bit for bit (the
+buffer, the HMM beliefs, DOTS's reference difficulties all in the checkpoint).
 
 Tiny-synthetic preset, 2 groups of 4, 8 eval prompts (the geometry of test_sync_loop)."""
 import dataclasses
@@ -172,10 +173,11 @@ def records(run_dir):
     return [{k: v for k, v in json.loads(x).items() if not measured(k)} for x in lines]
 
 
-def test_replay_with_dps_resumes_bit_exactly(policy, tmp_path):
+@pytest.mark.parametrize("name", ["dps", "dots"])
+def test_replay_with_a_scheduler_resumes_bit_exactly(policy, tmp_path, name):
     config, params, _ = policy
     _, _, task = load_policy(PRESET, 0)
-    opts = SchedulerOptions("dps", pool_size=6, replay_fraction=0.5)
+    opts = SchedulerOptions(name, pool_size=6, reference_size=3, replay_fraction=0.5)
     full = run(config, params, task, BEHAVIOUR, LOOP, tmp_path / "full", progress=False,
                scheduler=opts)
     assert [r["replayed_groups"] for r in full.train] == [0, 1, 1, 1]
@@ -191,7 +193,7 @@ def test_replay_with_dps_resumes_bit_exactly(policy, tmp_path):
     with pytest.raises(ValueError, match="replay"):  # resuming without replay is refused
         run(config, params, task, BEHAVIOUR, dataclasses.replace(LOOP, steps=5),
             tmp_path / "split", progress=False, resume=True,
-            scheduler=SchedulerOptions("dps", pool_size=6), allow_config_changes=())
+            scheduler=SchedulerOptions(name, pool_size=6, reference_size=3))
 
 
 def test_train_flags_build_the_options_and_async_refuses_them(tmp_path, capsys):
