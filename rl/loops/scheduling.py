@@ -242,10 +242,10 @@ def make_prompt_source(options: SchedulerOptions, task: Task, loop: Any, params:
         sched = make_scheduler("dars", prompts_per_step=b, group_size=n,
                                budget=options.dars_budget, schedule=options.dars_schedule,
                                unit=n)
-        rows = sched.config.budget
-        if config is not None and rows % config.micro_batches:
-            raise ValueError(f"dars: the batch of {rows} rollouts (dars_budget) does not split "
-                             f"into micro_batches={config.micro_batches}")
+        groups = sched.config.budget // n
+        if config is not None and groups % config.micro_batches:
+            raise ValueError(f"dars: the batch of {groups} groups (dars_budget / group_size) "
+                             f"does not split into micro_batches={config.micro_batches}")
         return PromptSource(sched, task, b, None, **extra)
     if options.pool_size < b:
         raise ValueError(f"SchedulerOptions.pool_size {options.pool_size} is below "
