@@ -89,6 +89,9 @@ def test_dars_budget_must_be_whole_groups():
     task = SyntheticTask(**dict(PRESET.task_options))
     with pytest.raises(ValueError, match="multiple of unit"):
         make_prompt_source(SchedulerOptions("dars", dars_budget=2 * 4 + 3), task, LOOP, None)
+    with pytest.raises(ValueError, match="micro_batches=3"):  # 16 rollouts = 4 groups
+        make_prompt_source(SchedulerOptions("dars"), task, LOOP, None,
+                           config=dataclasses.replace(PRESET.train, micro_batches=3))
     with pytest.raises(ValueError, match="replay"):
         SchedulerOptions("dars", replay_fraction=0.5)
 
