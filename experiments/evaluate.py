@@ -89,7 +89,8 @@ def load(args: argparse.Namespace) -> dict:
         from experiments.export import load_run
 
         policy = load_run(args.model, args.step)
-        config, params, tokenizer, meta, step = policy
+        config, params, tokenizer = policy.model_config, policy.params, policy.tokenizer
+        meta, step = policy.meta, policy.step
         kind = "run"
     elif args.step is not None:
         raise ValueError(f"--step is for a training run dir; {args.model!r} is not one "

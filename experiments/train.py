@@ -34,9 +34,11 @@ from experiments.benchmarking import load_average, machine
 from models.config import get_config
 from models.decoder import init_params
 from rl.learner import NonFiniteError, OptimizerConfig, TrainConfig
-from rl.loops import AsyncConfig, LoopConfig, RunResult, SchedulerOptions, run, run_async
+from rl.loops import AsyncConfig, LoopConfig, RunResult, run, run_async
 from rl.loops.adapters import add_lora_flags, lora_train_config
 from rl.loops.asynchronous import MODES, PROXIMAL, ROLLOUTS
+from rl.loops.replay import ReplayConfig, replay_train_config
+from rl.loops.scheduling import add_scheduler_flags, scheduler_from_args
 from rl.loops.validation import CHANGEABLE_ON_RESUME, ConfigError, validate_run
 from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
 from rl.objectives.advantages import ADVANTAGE_PRESETS
@@ -180,12 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, metavar="MINUTES",
                    help="wall-time budget: the step that crosses it is the last (then eval, save)")
     p.add_argument("--dynamic-sampling", action="store_true", help="DAPO dynamic sampling")
-    p.add_argument("--prompt-scheduler", default="uniform", choices=("uniform", "dots", "dps"),
-                   help="which train prompts each step samples (rl.schedulers): uniform (the "
-                        "stream, default), dots (moderate adaptive difficulty), dps (predicted "
-                        "partially solved); synchronous loop only")
-    p.add_argument("--scheduler-pool", type=int, default=256,
-                   help="dots / dps: they choose among the first N train prompts (default 256)")
+    add_scheduler_flags(p)  # --prompt-scheduler, --replay-fraction, ... (rl.loops.scheduling)
     p.add_argument("--results-json", help="also write the headline summary JSON here (+ PNG beside)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--mesh", help=f"learner mesh over all devices: a preset {MESH_PRESETS} or "
@@ -487,15 +484,19 @@ def main(argv: list[str] | None = None) -> dict:
             preset, config, args.seed, task_seed=_task_seed(preset, args.seed),
             **lora_record(train.lora, preset.model, preset.init_seed + args.seed)))
     try:
-        scheduler = SchedulerOptions(args.prompt_scheduler, pool_size=args.scheduler_pool)
+        scheduler = scheduler_from_args(args)
+        train = replay_train_config(train, ReplayConfig(scheduler.replay_fraction))
         prune = prune_config_from_args(args)
     except ValueError as err:
         build_parser().error(str(err))
     if acfg is not None and prune is not None:
         build_parser().error("--prune is for the synchronous loop; drop it or the async flags")
-    if acfg is not None and scheduler.name != "uniform":
-        build_parser().error("--prompt-scheduler is for the synchronous loop; drop it or the "
-                             "async flags")
+    if prune is not None and not scheduler.is_default:
+        build_parser().error("--prune samples the stream uniformly; drop it or "
+                             "--prompt-scheduler / --replay-fraction")
+    if acfg is not None and not scheduler.is_default:
+        build_parser().error("--prompt-scheduler and --replay-fraction are for the synchronous "
+                             "loop; drop them or the async flags")
     if acfg is not None and loop.time_limit_s:
         build_parser().error("--time-limit is for the synchronous loop; drop it or the async flags")
     if multi and acfg is not None:

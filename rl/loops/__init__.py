@@ -14,7 +14,11 @@
                   run dir's lock, state fresh or from the last good checkpoint, logger,
                   the checked jitted step) and release
     scheduling    the prompt scheduler (rl.schedulers) between the train stream and the
-                  sync loop's sampling: SchedulerOptions, make_prompt_source
+                  sync loop's sampling: SchedulerOptions, make_prompt_source (DARS's
+                  extra groups, the replayed groups), the --prompt-scheduler /
+                  --replay-fraction flags
+    replay        rollout replay: the FIFO of recent informative scored groups mixed into
+                  each batch at a fraction, with the behaviour-policy clipped ratio
     scoring       score (a task's rewards of sampled rows, validated; an environment's
                   outcomes) and total_reward, re-exported by sync
     episodes      environments in the loops: EnvTask (an rl.envs environment as a task),

@@ -1,41 +1,76 @@
 """The prompt scheduler (rl.schedulers) inside the synchronous loop: which train prompts
-a step samples, and the rewards it learns from.
+a step samples, how many groups each gets (DARS), the replayed groups mixed in (rollout
+replay, rl.loops.replay), and the rewards the scheduler learns from.
 
-    options = SchedulerOptions("dps", pool_size=256)
-    source = make_prompt_source(options, task, loop, params)
+    options = SchedulerOptions("dps", pool_size=256, replay_fraction=0.5)
+    source = make_prompt_source(options, task, loop, params, config=train_config)
     prompts, data_position = source.next(step, data_position)   # the step's prompts
     source.record(prompts, group_rewards)   # their "correct" rewards (else weighted totals)
+    groups, state, data_position, stats = source.sample_batch(step, state, data_position,
+                                                              draw)   # DARS / replay
 
 "uniform" takes the next prompts_per_step prompts of the train stream from the data
 position, exactly as the loop always did (same prompts, same order: bit-identical runs).
 "dps" and "dots" choose among a fixed pool, the first `pool_size` prompts of the train
 stream (prompt id = stream position), so a prompt's history accumulates; the data
-position still advances by prompts_per_step per step (prompts consumed). DOTS's frozen
-encoder here is the mean of the initial policy's input-embedding rows over the prompt's
-tokens, and its reference set the pool's first `reference_size` prompts.
-"dars" gives prompts groups of different sizes, which the loop's fixed-shape batch does
-not take yet: asking for it is a ValueError.
+position still advances by the prompts consumed per step. DOTS's frozen encoder here is
+the mean of the initial policy's input-embedding rows over the prompt's tokens, and its
+reference set the pool's first `reference_size` prompts.
+
+"dars" in the loop: the learner's batch holds contiguous groups of one fixed group_size
+N, so DARS's stage-2 rollouts come in whole groups: the extra budget E = T − B·N (T =
+`dars_budget` rollouts per step, default 2·B·N, a multiple of N) is apportioned in E/N
+blocks of N (DarsConfig.unit = N), and each block is one more group of N rollouts of the
+same hard prompt, normalised on its own (Â within the block). Every batch then has the
+fixed shape T/N groups (one compiled step); the stage-1 groups come first, in stream
+order, then the extra groups in prompt order. (Pooling a prompt's n + Δn rollouts into
+one variable-size group, as in the paper, would need variable group sizes in the learner.)
+
+Rollout replay (`replay_fraction` α > 0, any scheduler but dars): k = min(round(α·B),
+|buffer|, B − 1) of the B groups come from the replay buffer, B − k are sampled fresh
+(the scheduler's first B − k prompts; the data position advances by B − k); see
+rl.loops.replay for the buffer and the off-policy correction the TrainConfig must carry.
+
+Everything a run needs to decide the same way after a resume (the scheduler's state and
+the replay buffer's groups) is `PromptSource.state()`, which the loop saves with every
+checkpoint; randomness comes from default_rng([seed, step]).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from rl.loops.buffer import ScoredGroup
+from rl.loops.evaluation import accuracy_name, zero_spread_fraction
+from rl.loops.replay import (
+    ReplayBuffer,
+    check_replay_correction,
+    replay_count,
+)
 from rl.schedulers import SCHEDULERS, PromptScheduler, make_scheduler
+from rl.schedulers.dars import SCHEDULES
 from rl.tasks.base import Prompt, Task
 
-LOOP_SCHEDULERS = ("uniform", "dots", "dps")
+LOOP_SCHEDULERS = SCHEDULERS
+
+# draw(state, prompts) -> (one ScoredGroup per prompt, their scheduler rewards [N] each,
+# sampled response tokens, state with advanced rng): the loop's sample-and-score
+Draw = Callable[[Any, Sequence[Prompt]], tuple[list[ScoredGroup], list[np.ndarray], int, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerOptions:
-    """name: "uniform" | "dots" | "dps"; pool_size: the candidate pool (dots, dps);
+    """name: "uniform" | "dots" | "dps" | "dars"; pool_size: the candidate pool (dots, dps);
     reference_size / reference_per_step: DOTS's K and the reference prompts re-measured
-    per step; temperature: DOTS's τ; forgetting: DPS's λ."""
+    per step; temperature: DOTS's τ; forgetting: DPS's λ; dars_budget: DARS's T, rollouts
+    per step in both stages (0 = 2 · prompts_per_step · group_size; a multiple of
+    group_size); dars_schedule: "et" | "hw"; replay_fraction: rollout replay's α (0 =
+    off); replay_capacity: the replay FIFO's C groups (0 = 4 · prompts_per_step)."""
 
     name: str = "uniform"
     pool_size: int = 256
@@ -43,22 +78,38 @@ class SchedulerOptions:
     reference_per_step: int = 1
     temperature: float = 0.1
     forgetting: float = 1.0
+    dars_budget: int = 0
+    dars_schedule: str = "et"
+    replay_fraction: float = 0.0
+    replay_capacity: int = 0
 
     def __post_init__(self):
         if self.name not in SCHEDULERS:
             raise ValueError(f"unknown prompt scheduler {self.name!r}; available: "
                              f"{list(SCHEDULERS)}")
-        if self.name not in LOOP_SCHEDULERS:
-            raise ValueError(f"the {self.name!r} scheduler gives prompts groups of different "
-                             "sizes, which the synchronous loop's fixed-shape batch does not "
-                             f"take yet; use one of {list(LOOP_SCHEDULERS)}")
-        for field, low in (("pool_size", 1), ("reference_size", 1), ("reference_per_step", 0)):
+        for field, low in (("pool_size", 1), ("reference_size", 1), ("reference_per_step", 0),
+                           ("dars_budget", 0), ("replay_capacity", 0)):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"SchedulerOptions.{field} must be an int >= {low}, got {v!r}")
         if self.name == "dots" and self.reference_size > self.pool_size:
             raise ValueError(f"SchedulerOptions.reference_size {self.reference_size} exceeds "
                              f"pool_size {self.pool_size}")
+        if self.dars_schedule not in SCHEDULES:
+            raise ValueError(f"SchedulerOptions.dars_schedule must be one of {SCHEDULES}, got "
+                             f"{self.dars_schedule!r}")
+        f = self.replay_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
+            raise ValueError(f"SchedulerOptions.replay_fraction (--replay-fraction) must be in "
+                             f"[0, 1): at least one group of every batch is fresh; got {f!r}")
+        if self.name == "dars" and f > 0:
+            raise ValueError("rollout replay with the dars scheduler is not supported (DARS's "
+                             "budget counts fresh rollouts); drop --replay-fraction or dars")
+
+    @property
+    def is_default(self) -> bool:
+        """uniform without replay: today's loop, which keeps no scheduler state."""
+        return self.name == "uniform" and self.replay_fraction == 0
 
 
 def prompt_embeddings(params: Any, prompts: Sequence[Prompt]) -> np.ndarray:
@@ -72,16 +123,33 @@ def prompt_embeddings(params: Any, prompts: Sequence[Prompt]) -> np.ndarray:
 
 
 class PromptSource:
-    """A scheduler bound to a task's train stream (see the module docstring)."""
+    """A scheduler bound to a task's train stream, with the optional replay buffer (see
+    the module docstring)."""
 
     def __init__(self, scheduler: PromptScheduler, task: Task, prompts_per_step: int,
-                 pool: list[Prompt] | None):
+                 pool: list[Prompt] | None, replay: ReplayBuffer | None = None,
+                 replay_fraction: float = 0.0, seed: int = 0):
         self.scheduler, self.task, self.pool = scheduler, task, pool
         self.prompts_per_step = prompts_per_step
+        self.replay, self.replay_fraction, self.seed = replay, float(replay_fraction), seed
 
-    def next(self, step: int, data_position: int) -> tuple[list[Prompt], int]:
-        """The step's prompts (in the scheduler's order) and the advanced data position."""
+    @property
+    def mixes_batches(self) -> bool:
+        """True when a batch is more than the step's B fresh groups (DARS, replay)."""
+        return self.scheduler.name == "dars" or self.replay is not None
+
+    def groups_per_step(self, group_size: int) -> int:
+        """Groups in every learner batch: T / N for dars, else prompts_per_step."""
+        if self.scheduler.name == "dars":
+            return self.scheduler.config.budget // group_size
+        return self.prompts_per_step
+
+    def next(self, step: int, data_position: int, count: int | None = None
+             ) -> tuple[list[Prompt], int]:
+        """The step's prompts (in the scheduler's order; its first `count`, default all
+        prompts_per_step) and the data position advanced by that many."""
         b = self.prompts_per_step
+        count = b if count is None else int(count)
         if self.pool is None:
             stream = self.task.train_prompts(data_position, b)
             plan = self.scheduler.select(step, [p.index for p in stream])
@@ -93,23 +161,92 @@ class PromptSource:
         if len(plan) != b or any(n != group_size for _, n in plan):
             raise ValueError(f"scheduler {self.scheduler.name!r} planned {plan}; the loop "
                              f"needs {b} prompts of {group_size} rollouts each")
-        return [by_id[pid] for pid, _ in plan], data_position + b
+        return [by_id[pid] for pid, _ in plan[:count]], data_position + count
 
     def record(self, prompts: Sequence[Prompt], rewards: Sequence[np.ndarray]) -> None:
         self.scheduler.update([p.index for p in prompts], rewards)
 
+    def sample_batch(self, step: int, state: Any, data_position: int, draw: Draw
+                     ) -> tuple[list[ScoredGroup], Any, int, dict]:
+        """One learner batch of groups_per_step groups: the fresh groups (scheduler's
+        prompts, sampled by `draw`, rewards recorded), then DARS's extra groups or the
+        replayed ones; the fresh groups then enter the replay buffer. Returns (groups,
+        state, data position, stats) like rl.loops.sync.sample_batch_groups."""
+        n, b = self.scheduler.config.group_size, self.prompts_per_step
+        k = 0 if self.replay is None else replay_count(self.replay_fraction, b, len(self.replay))
+        prompts, data_position = self.next(step, data_position, b - k)
+        groups, signal, tokens, state = draw(state, prompts)
+        self.record(prompts, signal)
+        fresh_zero = zero_spread_fraction(np.concatenate(signal), n)
+        stats = {"fresh_groups": len(groups), "fresh_zero_spread_frac": fresh_zero}
+        if self.scheduler.name == "dars":
+            by_id = {p.index: p for p in prompts}
+            extra = [by_id[pid] for pid, m in self.scheduler.follow_up(step)
+                     for _ in range(m // n)]
+            if extra:
+                more, _, more_tokens, state = draw(state, extra)
+                groups, tokens = groups + more, tokens + more_tokens
+            stats["dars_extra_groups"] = len(extra)
+        if self.replay is not None:
+            replayed = self.replay.sample(k, np.random.default_rng([self.seed, step]))
+            self.replay.push(groups, step)
+            groups = groups + replayed
+            stats.update(replayed_groups=k, **self.replay.stats())
+        expected = self.groups_per_step(n)
+        if len(groups) != expected:
+            raise ValueError(f"scheduler {self.scheduler.name!r} gave {len(groups)} groups; "
+                             f"the batch needs {expected}")
+        stats.update(sampled_tokens=tokens, resample_rounds=0, kept_groups=len(groups))
+        return groups, state, data_position, stats
+
+    def state(self) -> dict[str, Any]:
+        """The scheduler's state, plus the replay buffer's under "replay" (JSON)."""
+        out = dict(self.scheduler.state())
+        if self.replay is not None:
+            out["replay"] = self.replay.state()
+        return out
+
+    def restore(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        replay = state.pop("replay", None)
+        if (replay is None) != (self.replay is None):
+            raise ValueError("the checkpoint's scheduler state and this run disagree on rollout "
+                             "replay (--replay-fraction); resume with the run's own settings")
+        self.scheduler.restore(state)
+        if replay is not None:
+            self.replay.restore(replay)
+
 
 def make_prompt_source(options: SchedulerOptions, task: Task, loop: Any, params: Any,
-                       seed: int = 0) -> PromptSource:
+                       seed: int = 0, config: Any = None) -> PromptSource:
     """The PromptSource of `options` for a LoopConfig-like `loop` (prompts_per_step,
-    group_size); `params`: the initial policy (DOTS's embeddings)."""
+    group_size); `params`: the initial policy (DOTS's embeddings); `config`: the
+    TrainConfig (checked: replay needs an off-policy correction, DARS's batch must split
+    into its micro-batches)."""
     b, n = loop.prompts_per_step, loop.group_size
-    if options.name != "uniform" and (loop.dynamic_sampling or jax.process_count() > 1):
-        raise ValueError(f"the {options.name!r} prompt scheduler runs without dynamic "
+    if not options.is_default and (loop.dynamic_sampling or jax.process_count() > 1):
+        what = options.name if options.name != "uniform" else "replay"
+        raise ValueError(f"the {what!r} prompt scheduler runs without dynamic "
                          "sampling, in one process; drop one of them")
+    replay = None
+    if options.replay_fraction > 0:
+        if config is not None:
+            check_replay_correction(config)
+        replay = ReplayBuffer(options.replay_capacity or 4 * b,
+                              accuracy_name=accuracy_name(task.reward_names))
+    extra = {"replay": replay, "replay_fraction": options.replay_fraction, "seed": seed}
     if options.name == "uniform":
         return PromptSource(make_scheduler("uniform", prompts_per_step=b, group_size=n),
-                            task, b, None)
+                            task, b, None, **extra)
+    if options.name == "dars":
+        sched = make_scheduler("dars", prompts_per_step=b, group_size=n,
+                               budget=options.dars_budget, schedule=options.dars_schedule,
+                               unit=n)
+        groups = sched.config.budget // n
+        if config is not None and groups % config.micro_batches:
+            raise ValueError(f"dars: the batch of {groups} groups (dars_budget / group_size) "
+                             f"does not split into micro_batches={config.micro_batches}")
+        return PromptSource(sched, task, b, None, **extra)
     if options.pool_size < b:
         raise ValueError(f"SchedulerOptions.pool_size {options.pool_size} is below "
                          f"prompts_per_step {b}")
@@ -123,4 +260,34 @@ def make_prompt_source(options: SchedulerOptions, task: Task, loop: Any, params:
                                prompts_per_step=b, group_size=n,
                                reference_per_step=min(options.reference_per_step, b),
                                temperature=options.temperature, seed=seed)
-    return PromptSource(sched, task, b, pool)
+    return PromptSource(sched, task, b, pool, **extra)
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
+    """experiments.train's data-efficiency flags (synchronous loop only)."""
+    g = parser.add_argument_group("data efficiency (rl.schedulers, rollout replay; sync loop)")
+    g.add_argument("--prompt-scheduler", default="uniform", choices=SCHEDULERS,
+                   help="which train prompts each step samples (rl.schedulers): uniform (the "
+                        "stream, default), dots (moderate adaptive difficulty), dps (predicted "
+                        "partially solved), dars (extra groups for hard prompts)")
+    g.add_argument("--scheduler-pool", type=int, default=256,
+                   help="dots / dps: they choose among the first N train prompts (default 256)")
+    g.add_argument("--dars-budget", type=int, default=0, metavar="T",
+                   help="dars: rollouts per step in both stages (default 2 x stage 1)")
+    g.add_argument("--dars-schedule", choices=SCHEDULES, default="et",
+                   help="dars: equal treatment (et) or hardness weighted (hw)")
+    g.add_argument("--replay-fraction", type=float, default=0.0, metavar="F",
+                   help="rollout replay: this share of each batch's groups comes from a FIFO "
+                        "of recent informative groups (rl.loops.replay; default 0 = off); "
+                        "switches TrainConfig.old_logp to 'behaviour' unless a correction is set")
+    g.add_argument("--replay-capacity", type=int, default=0, metavar="C",
+                   help="rollout replay: groups the FIFO holds (default 4 x prompts per step)")
+
+
+def scheduler_from_args(args: argparse.Namespace) -> SchedulerOptions:
+    """SchedulerOptions from add_scheduler_flags' flags (ValueError on a bad combination)."""
+    return SchedulerOptions(args.prompt_scheduler, pool_size=args.scheduler_pool,
+                            dars_budget=args.dars_budget, dars_schedule=args.dars_schedule,
+                            replay_fraction=args.replay_fraction,
+                            replay_capacity=args.replay_capacity)

@@ -311,6 +311,21 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     sampling = SamplingConfig(temperature=config.temperature)
     with profile.phase("transfer_s"):
         params = process_local(state.params if policy is None else policy(state.params))
+    if source.mixes_batches:  # DARS's extra groups / rollout replay (rl.loops.scheduling)
+        def draw(state, prompts):
+            seed, state = _rollout_seed(state)
+            traj = sample_groups(params, int(state.version), model_config, task, prompts,
+                                 group_size=n, sampling=sampling, segment_len=loop.segment_len,
+                                 seed=seed, profile=profile)
+            with profile.phase("reward_s"):
+                r = score(task, prompts, traj)
+            acc = accuracy_name(task.reward_names)
+            signal = r[acc] if acc in r else total_reward(r, config)
+            blocks = [list(range(g * n, (g + 1) * n)) for g in range(len(prompts))]
+            return ([ScoredGroup(traj=take_rows(traj, rows), rewards={
+                name: r[name][rows] for name in task.reward_names}) for rows in blocks],
+                [signal[rows] for rows in blocks], traj.num_tokens(), state)
+        return source.sample_batch(int(state.step), state, data_position, draw)
     kept: list[tuple[Trajectory, dict, list[int]]] = []
     dropped: list[tuple[Trajectory, dict, list[int]]] = []
     n_kept = rounds = sampled_tokens = 0
@@ -496,16 +511,17 @@ def run(
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
                    compiler_options=compiler_options, allow_config_changes=allow_config_changes,
                    extra_config={"task": task.name, **episodes.episode_config(task), **(
-                       {} if scheduler.name == "uniform" else {"scheduler": scheduler}),
+                       {} if scheduler.is_default else {"scheduler": scheduler}),
                        **({} if prune is None else {"prune": prune})},
                    resume_from_last_good=resume_from_last_good)
     state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn
     data_position, start = ctx.data_position, ctx.start
     try:
-        source = make_prompt_source(scheduler, task, loop, params, seed=loop.seed)
+        source = make_prompt_source(scheduler, task, loop, params, seed=loop.seed,
+                                    config=config)
         if resume and "scheduler" in ctx.meta:
-            source.scheduler.restore(ctx.meta["scheduler"])
-        elif resume and scheduler.name != "uniform":
+            source.restore(ctx.meta["scheduler"])
+        elif resume and not scheduler.is_default:
             raise ValueError(f"the checkpoint holds no {scheduler.name!r} scheduler state")
         pruner = make_pruner(prune, model_config.hidden_size)
         if pruner is not None and resume:
@@ -558,8 +574,8 @@ def run(
                 if progress:
                     bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
             if is_last or (loop.save_every and done % loop.save_every == 0):
-                sched = {} if scheduler.name == "uniform" else {
-                    "scheduler": source.scheduler.state()}  # uniform keeps no state
+                sched = {} if scheduler.is_default else {
+                    "scheduler": source.state()}  # uniform keeps no state
                 if pruner is not None:
                     sched["pruner"] = pruner.state()
                 ckpt.save(done, state, {"data_position": data_position, "task": task.name,

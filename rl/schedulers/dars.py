@@ -22,9 +22,15 @@ schedule's Δn_j by the largest-remainder rule (so Σ_j Δn_j = E exactly, and a
 prompt never gets fewer than an easier one); if no prompt is hard the E rollouts are
 spread evenly.
 
+Whole groups (`unit`): with unit = u the E extra rollouts are apportioned in blocks of u
+(E/u blocks by the same rule, each prompt's Δn_j a multiple of u). The synchronous loop
+uses u = n, so each extra block is one more group of n rollouts of the same prompt with
+its own group-normalised advantages, and every batch has the fixed shape T/n groups of n
+(rl.loops.scheduling).
+
 Hyper-parameters (DarsConfig): B = prompts_per_step, n = group_size, T = budget
 (default 2·B·n), N_max = max_extra, the schedule ("et" | "hw"), the hardness threshold
-1/2 (`hard_below`).
+1/2 (`hard_below`), u = unit.
 """
 from __future__ import annotations
 
@@ -84,7 +90,8 @@ def dars_allocation(accuracy: np.ndarray, n: int, extra_budget: int, schedule: s
 @dataclasses.dataclass(frozen=True)
 class DarsConfig:
     """See the module docstring for the symbols. budget: rollouts per step, both stages
-    (0 = 2 · prompts_per_step · group_size)."""
+    (0 = 2 · prompts_per_step · group_size); unit: extra rollouts come in blocks of it
+    (budget − prompts_per_step · group_size must be a multiple)."""
 
     prompts_per_step: int = 8
     group_size: int = 8
@@ -92,6 +99,7 @@ class DarsConfig:
     schedule: str = "et"
     max_extra: int = 16
     hard_below: float = 0.5
+    unit: int = 1
 
     def __post_init__(self):
         b = check_int("DarsConfig", "prompts_per_step", self.prompts_per_step, 1)
@@ -107,6 +115,11 @@ class DarsConfig:
                              f"{self.schedule!r}")
         check_int("DarsConfig", "max_extra", self.max_extra, 1)
         check_float("DarsConfig", "hard_below", self.hard_below, 0.0, 1.0, low_open=True)
+        u = check_int("DarsConfig", "unit", self.unit, 1)
+        if (self.budget - b * n) % u:
+            raise ValueError(f"DarsConfig: the extra budget budget - prompts_per_step * "
+                             f"group_size = {self.budget - b * n} is not a multiple of unit={u}; "
+                             "make the budget a whole number of units")
 
 
 class DarsScheduler:
@@ -144,9 +157,9 @@ class DarsScheduler:
         if self.awaiting_stage1 or not self.pending_ids:
             raise ValueError("dars: follow_up needs stage 1's rewards first: call select, "
                              "sample, then update with the rewards, then follow_up")
-        extra = dars_allocation(np.asarray(self.pending_accuracy), c.group_size,
-                                c.budget - c.prompts_per_step * c.group_size, c.schedule,
-                                c.max_extra, c.hard_below)
+        extra = c.unit * dars_allocation(np.asarray(self.pending_accuracy), c.group_size,
+                                         (c.budget - c.prompts_per_step * c.group_size) // c.unit,
+                                         c.schedule, c.max_extra, c.hard_below)
         plan = [(pid, int(k)) for pid, k in zip(self.pending_ids, extra) if k > 0]
         self.pending_ids, self.pending_accuracy = [], []
         return plan

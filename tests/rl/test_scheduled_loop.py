@@ -116,7 +116,7 @@ def test_dots_source_embeds_the_pool_and_keeps_the_batch_shape(policy):
     source.record(prompts, [np.ones(4), np.zeros(4)])
 
 
-@pytest.mark.parametrize("kw,match", [({"name": "dars"}, "different sizes"),
+@pytest.mark.parametrize("kw,match", [({"name": "dars", "replay_fraction": 0.5}, "replay"),
                                       ({"name": "x"}, "unknown prompt scheduler"),
                                       ({"name": "dps", "pool_size": 0}, "pool_size")])
 def test_scheduler_options_refuse_what_the_loop_cannot_run(kw, match):

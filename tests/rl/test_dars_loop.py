@@ -1,0 +1,123 @@
+"""DARS in the synchronous loop (rl.loops.scheduling): stage 2 comes in whole groups of N
+for the hard prompts, the allocation sums to the budget (hand-computed largest-remainder
+apportionment in float64), every batch has T/N groups, and a run resumes bit for bit."""
+import dataclasses
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from experiments.train import PRESETS, load_policy
+from rl.loops import SchedulerOptions, run
+from rl.loops.buffer import ScoredGroup
+from rl.loops.scheduling import make_prompt_source
+from rl.tasks import SyntheticTask
+from rl.trajectory import Trajectory
+
+PRESET = PRESETS["tiny-synthetic"]
+LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=4, eval_prompts=8,
+                           eval_every=0, save_every=0, eval_greedy=False)
+
+
+def hand_allocation(acc, n, blocks, max_extra=16):
+    """ET weights n (1 / (2 √(a(1-a))) − 1), capped at max_extra, 0 for a >= 1/2; then
+    `blocks` apportioned by largest remainder (ties to the lower index); no hard prompt:
+    equal shares."""
+    w = []
+    for a in acc:
+        if a >= 0.5:
+            w.append(0.0)
+        elif a == 0:
+            w.append(float(max_extra))
+        else:
+            w.append(min(max(n * (1 / (2 * math.sqrt(a * (1 - a))) - 1), 0.0), max_extra))
+    if sum(w) == 0:
+        w = [1.0] * len(w)
+    quota = [blocks * x / sum(w) for x in w]
+    out = [math.floor(q) for q in quota]
+    order = sorted(range(len(w)), key=lambda i: (-(quota[i] - out[i]), i))
+    for i in order[:blocks - sum(out)]:
+        out[i] += 1
+    return out
+
+
+class FixedRewards:
+    """A fake draw: prompt index -> the group's rewards (stage 1), recording the prompts."""
+
+    def __init__(self, rewards_by_index, n):
+        self.rewards, self.n, self.calls = rewards_by_index, n, []
+
+    def __call__(self, state, prompts):
+        self.calls.append([p.index for p in prompts])
+        n = self.n
+        traj = Trajectory(
+            prompt_ids=np.ones((n, 2), np.int32), prompt_lengths=np.full(n, 2, np.int32),
+            response_ids=np.ones((n, 1), np.int32), response_mask=np.ones((n, 1), bool),
+            behaviour_logprobs=np.zeros((n, 1), np.float32), versions=np.zeros((n, 1), np.int32),
+            group_ids=np.zeros(n, np.int32), finished=np.zeros(n, bool),
+            truncated=np.ones(n, bool))
+        groups, signal = [], []
+        for p in prompts:
+            r = np.asarray(self.rewards[p.index], np.float64)
+            groups.append(ScoredGroup(traj=traj, rewards={"correct": r}))
+            signal.append(r)
+        return groups, signal, n * len(prompts), state
+
+
+@pytest.mark.parametrize("acc", [[0.0, 0.25, 0.5, 1.0], [0.25, 0.25, 0.125, 0.375],
+                                 [1.0, 0.75, 0.5, 1.0]])
+def test_dars_extra_groups_go_to_hard_prompts_and_sum_to_the_budget(acc):
+    n, b, budget = 8, 4, 8 * 4 * 3  # T = 3 · B · N: E = 2 · B · N = 8 extra groups
+    loop = dataclasses.replace(LOOP, prompts_per_step=b, group_size=n)
+    task = SyntheticTask(**dict(PRESET.task_options))
+    source = make_prompt_source(SchedulerOptions("dars", dars_budget=budget), task, loop, None)
+    stream = task.train_prompts(5, b)
+    draw = FixedRewards({p.index: np.repeat([1.0, 0.0], [round(a * n), n - round(a * n)])
+                         for p, a in zip(stream, acc)}, n)
+    groups, _, pos, stats = source.sample_batch(0, None, 5, draw)
+    assert pos == 5 + b and len(groups) == budget // n == source.groups_per_step(n)
+    assert draw.calls[0] == [p.index for p in stream]  # stage 1: the stream, in order
+    extra = [draw.calls[1].count(p.index) for p in stream] if len(draw.calls) > 1 else [0] * b
+    assert extra == hand_allocation(acc, n, (budget - b * n) // n)
+    assert (b + sum(extra)) * n == budget and stats["dars_extra_groups"] == sum(extra)
+    assert stats["sampled_tokens"] == budget  # one token per rollout in the fake draw
+
+
+def test_dars_budget_must_be_whole_groups():
+    task = SyntheticTask(**dict(PRESET.task_options))
+    with pytest.raises(ValueError, match="multiple of unit"):
+        make_prompt_source(SchedulerOptions("dars", dars_budget=2 * 4 + 3), task, LOOP, None)
+    with pytest.raises(ValueError, match="micro_batches=3"):  # 16 rollouts = 4 groups
+        make_prompt_source(SchedulerOptions("dars"), task, LOOP, None,
+                           config=dataclasses.replace(PRESET.train, micro_batches=3))
+    with pytest.raises(ValueError, match="replay"):
+        SchedulerOptions("dars", replay_fraction=0.5)
+
+
+def records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+
+    def measured(k):
+        return k.endswith(("_s", "_mb")) or k == "tokens_per_s"
+
+    return [{k: v for k, v in json.loads(x).items() if not measured(k)} for x in lines]
+
+
+def test_dars_runs_with_a_fixed_batch_shape_and_resumes_bit_exactly(tmp_path):
+    config, params, task = load_policy(PRESET, 0)
+    params = jax.device_put(params, jax.devices()[0])
+    opts = SchedulerOptions("dars")  # T = 2 · B · N: 4 groups per batch
+    full = run(config, params, task, PRESET.train, LOOP, tmp_path / "full", progress=False,
+               scheduler=opts)
+    assert [r["kept_groups"] for r in full.train] == [4, 4, 4]
+    assert [r["dars_extra_groups"] for r in full.train] == [2, 2, 2]
+    run(config, params, task, PRESET.train, dataclasses.replace(LOOP, steps=2),
+        tmp_path / "split", progress=False, scheduler=opts)
+    resumed = run(config, params, task, PRESET.train, LOOP, tmp_path / "split", progress=False,
+                  resume=True, scheduler=opts)
+    train = [r for r in records(tmp_path / "full") if r["kind"] == "train"]
+    assert train == [r for r in records(tmp_path / "split") if r["kind"] == "train"]
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
+               zip(jax.tree.leaves(full.state.params), jax.tree.leaves(resumed.state.params)))
