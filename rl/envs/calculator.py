@@ -178,6 +178,7 @@ SYSTEM_PROMPT = (
     "When you know the result, reply with the final answer as \\boxed{NUMBER}."
 )
 KINDS = ("add", "mul", "muladd")
+EXAMPLES = ("352 * 47", "5802 + 917 + 3409")  # the worked examples of the prompt
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _OPEN_CALL = re.compile(r"<calc>(.*)$", re.DOTALL)
 _HOLE_A, _HOLE_O = "\x00turn\x00", "\x00obs\x00"
@@ -285,12 +286,13 @@ class CalculatorEnv:
     seed: int = 0
     eval_fraction: float = 0.5
     system_prompt: str = SYSTEM_PROMPT
+    shots: int = 1
     tool_role: str = "user"
     turn_end: str = "<|im_end|>"
     max_turns: int = 3
     max_turn_tokens: int = 64
     max_calls_per_turn: int = 4
-    max_prompt_len: int = 160
+    max_prompt_len: int = 256
     max_episode_tokens: int = 512
     name: str = "calculator"
 
@@ -308,6 +310,8 @@ class CalculatorEnv:
         if self.max_digits > 12:
             raise ValueError(f"CalculatorEnv.max_digits must be <= 12, got {self.max_digits}")
         check_count("CalculatorEnv.terms", self.terms, 2)
+        if not 0 <= self.shots <= len(EXAMPLES):
+            raise ValueError(f"CalculatorEnv.shots must be in 0 .. {len(EXAMPLES)}, got {self.shots}")
         for f in ("seed", "max_turns", "max_turn_tokens", "max_calls_per_turn",
                   "max_prompt_len", "max_episode_tokens"):
             check_count(f"CalculatorEnv.{f}", getattr(self, f), 0 if f == "seed" else 1)
@@ -385,9 +389,19 @@ class CalculatorEnv:
     def question(self, expr: str) -> str:
         return f"What is {expr}?"
 
+    def messages(self, expr: str) -> list[dict[str, str]]:
+        """The prompt's chat messages: system, the `shots` worked examples (question, tool
+        call, calculator result, boxed answer), then the question."""
+        out = [{"role": "system", "content": self.system_prompt}]
+        for ex in EXAMPLES[:self.shots]:
+            out += [{"role": "user", "content": self.question(ex)},
+                    {"role": "assistant", "content": f"<calc>{ex}</calc>"},
+                    {"role": self.tool_role, "content": f"Calculator: {ex} = {calculate(ex)}"},
+                    {"role": "assistant", "content": f"The answer is \\boxed{{{calculate(ex)}}}."}]
+        return out + [{"role": "user", "content": self.question(expr)}]
+
     def _prompt(self, expr: str, answer: int, index: int) -> Prompt:
-        messages = [{"role": "system", "content": self.system_prompt},
-                    {"role": "user", "content": self.question(expr)}]
+        messages = self.messages(expr)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = tuple(int(t) for t in self.tokenizer.encode(text))
         if len(ids) > self.max_prompt_len:

@@ -263,7 +263,13 @@ def tok():
 
 
 def _chat(env, expr, *messages):
+    """The conversation written out by hand: system, the one worked example, the question."""
+    assert env.shots == 1
     return [{"role": "system", "content": env.system_prompt},
+            {"role": "user", "content": "What is 352 * 47?"},
+            {"role": "assistant", "content": "<calc>352 * 47</calc>"},
+            {"role": "user", "content": "Calculator: 352 * 47 = 16544"},
+            {"role": "assistant", "content": "The answer is \\boxed{16544}."},
             {"role": "user", "content": f"What is {expr}?"}, *messages]
 
 
