@@ -39,6 +39,7 @@ from rl.loops.validation import CHANGEABLE_ON_RESUME, ConfigError, validate_run
 from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
 from rl.objectives.advantages import ADVANTAGE_PRESETS
 from rl.objectives.losses import LOSS_PRESETS
+from rl.rollout.pruning import add_prune_args, prune_config_from_args
 from rl.runtime.checkpoint import CheckpointError
 from rl.runtime.distributed import add_distributed_flags, initialize_distributed, is_main_process
 from rl.runtime.logging import WANDB_MODES, atomic_write_json, format_profile, profile_summary
@@ -164,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="learning rate")
     p.add_argument("--group-size", type=int, help="samples per prompt")
     p.add_argument("--prompts-per-step", type=int, help="groups per batch")
+    p.add_argument("--segment-len", type=int, help="decode tokens per sampler call")
     p.add_argument("--loss", help=f"loss preset {sorted(LOSS_PRESETS)} or a registered loss name")
     p.add_argument("--advantage", help=f"advantage preset {sorted(ADVANTAGE_PRESETS)} or estimator")
     p.add_argument("--temperature", type=float, help="sampling temperature (learner uses the same)")
@@ -187,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", help=f"learner mesh over all devices: a preset {MESH_PRESETS} or "
                    "'data=N,fsdp=N,tensor=N' (default: one device; 'dp' with several processes)")
     add_distributed_flags(p)
+    add_prune_args(p)
     v = p.add_argument_group("VCPO (variance-controlled off-policy RL)")
     v.add_argument("--vcpo", nargs="?", const="sqrt", choices=("sqrt", "linear", "none"),
                    help="VCPO: ESS-scaled update (sqrt|linear|none; default sqrt), minimum-variance "
@@ -296,7 +299,8 @@ def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig
     loop_kw = {"seed": args.seed}
     for arg, field in (("steps", "steps"), ("group_size", "group_size"),
                        ("prompts_per_step", "prompts_per_step"), ("eval_every", "eval_every"),
-                       ("save_every", "save_every"), ("eval_prompts", "eval_prompts")):
+                       ("save_every", "save_every"), ("eval_prompts", "eval_prompts"),
+                       ("segment_len", "segment_len")):
         if getattr(args, arg) is not None:
             loop_kw[field] = getattr(args, arg)
     if args.time_limit is not None:
@@ -475,8 +479,11 @@ def main(argv: list[str] | None = None) -> dict:
                                                                 task_seed=_task_seed(preset, args.seed)))
     try:
         scheduler = SchedulerOptions(args.prompt_scheduler, pool_size=args.scheduler_pool)
+        prune = prune_config_from_args(args)
     except ValueError as err:
         build_parser().error(str(err))
+    if acfg is not None and prune is not None:
+        build_parser().error("--prune is for the synchronous loop; drop it or the async flags")
     if acfg is not None and scheduler.name != "uniform":
         build_parser().error("--prompt-scheduler is for the synchronous loop; drop it or the "
                              "async flags")
@@ -502,7 +509,7 @@ def main(argv: list[str] | None = None) -> dict:
                          progress=not args.no_progress and is_main_process(),
                          allow_config_changes=args.allow_config_change,
                          resume_from_last_good=args.resume_from_last_good,
-                         scheduler=scheduler)
+                         scheduler=scheduler, prune=prune)
         else:
             result = run_async(config, params, task, train, loop, acfg, run_dir,
                                resume=args.resume, wandb_mode=args.wandb, run_config=run_config,

@@ -22,6 +22,10 @@ class Trajectory:
     response_mask [B, R_max] bool (a prefix per row), behaviour_logprobs [B, R_max] float32,
     versions [B, R_max] int32, group_ids [B] int32, finished [B] bool (ended on a stop id),
     truncated [B] bool (ran out of its token budget), rewards: None or {name: [B] float32}.
+    Multi-turn only (else None): env_mask [B, R_max] bool (True on observation tokens, inside
+    response_mask), turn_ids [B, R_max] int32 (model turn of each response token, 0 on
+    padding), turn_rewards [B, max_turns] float32 (reward of each model turn, 0 past the
+    episode's last turn).
 
     Build with `Trajectory.create(...)` (converts and validates); under jit the fields are
     plain traced arrays and nothing is checked."""
@@ -36,6 +40,9 @@ class Trajectory:
     finished: jax.Array
     truncated: jax.Array
     rewards: dict[str, jax.Array] | None = None
+    env_mask: jax.Array | None = None
+    turn_ids: jax.Array | None = None
+    turn_rewards: jax.Array | None = None
 
     @classmethod
     def create(
@@ -51,6 +58,9 @@ class Trajectory:
         finished: Any,
         truncated: Any,
         rewards: Mapping[str, Any] | None = None,
+        env_mask: Any = None,
+        turn_ids: Any = None,
+        turn_rewards: Any = None,
     ) -> "Trajectory":
         """Convert to the documented dtypes and validate (ValueError on any violation)."""
         traj = cls(
@@ -65,6 +75,9 @@ class Trajectory:
             truncated=jnp.asarray(truncated, bool),
             rewards=None if rewards is None else {
                 str(k): jnp.asarray(v, jnp.float32) for k, v in rewards.items()},
+            env_mask=None if env_mask is None else jnp.asarray(env_mask, bool),
+            turn_ids=None if turn_ids is None else jnp.asarray(turn_ids, jnp.int32),
+            turn_rewards=None if turn_rewards is None else jnp.asarray(turn_rewards, jnp.float32),
         )
         traj.validate()
         return traj
@@ -79,9 +92,26 @@ class Trajectory:
         """[B] int32: number of response tokens per row."""
         return self.response_mask.sum(axis=1).astype(jnp.int32)
 
+    @property
+    def multi_turn(self) -> bool:
+        """True for episodes of an environment (env_mask given)."""
+        return self.env_mask is not None
+
+    @property
+    def model_mask(self) -> jax.Array:
+        """[B, R_max] bool: response tokens the model wrote (response_mask & ~env_mask) —
+        the learner's targets."""
+        if self.env_mask is None:
+            return self.response_mask
+        return self.response_mask & ~self.env_mask
+
     def num_tokens(self) -> int:
-        """Total number of (unmasked) response tokens in the batch."""
+        """Total number of (unmasked) response tokens in the batch (observations included)."""
         return int(np.asarray(self.response_mask).sum())
+
+    def num_model_tokens(self) -> int:
+        """Number of response tokens the model sampled (observations excluded)."""
+        return int(np.asarray(self.model_mask).sum())
 
     def with_rewards(self, rewards: Mapping[str, Any]) -> "Trajectory":
         """A copy with `rewards` ({name: [B]}) attached, validated."""
@@ -106,6 +136,18 @@ class Trajectory:
             got = tuple(getattr(self, name).shape)
             if got != shape:
                 raise ValueError(f"Trajectory.{name} must have shape {shape} (B={b}), got {got}")
+        present = [n for n in ("env_mask", "turn_ids", "turn_rewards") if getattr(self, n) is not None]
+        if present and len(present) != 3:
+            raise ValueError(f"Trajectory multi-turn fields come together: got {present} without "
+                             "the rest of env_mask, turn_ids, turn_rewards")
+        if present:
+            for name in ("env_mask", "turn_ids"):
+                if tuple(getattr(self, name).shape) != (b, r):
+                    raise ValueError(f"Trajectory.{name} must have shape {(b, r)}, got "
+                                     f"{tuple(getattr(self, name).shape)}")
+            if self.turn_rewards.ndim != 2 or self.turn_rewards.shape[0] != b:
+                raise ValueError("Trajectory.turn_rewards must be [B, max_turns], got shape "
+                                 f"{tuple(self.turn_rewards.shape)}")
         if self.rewards is not None:
             for k, v in self.rewards.items():
                 if tuple(v.shape) != (b,):
@@ -128,6 +170,14 @@ class Trajectory:
             raise ValueError("Trajectory.behaviour_logprobs must be finite and <= 0 where response_mask is True")
         if (np.asarray(self.versions)[mask] < 0).any():
             raise ValueError("Trajectory.versions must be >= 0 where response_mask is True")
+        if present:
+            env = np.asarray(self.env_mask)
+            if (env & ~mask).any():
+                raise ValueError("Trajectory.env_mask must be False outside response_mask")
+            if not np.isfinite(np.asarray(self.turn_rewards)).all():
+                raise ValueError("Trajectory.turn_rewards contains non-finite values")
+            if (np.asarray(self.turn_ids)[mask] < 0).any():
+                raise ValueError("Trajectory.turn_ids must be >= 0 where response_mask is True")
         both = np.asarray(self.finished) & np.asarray(self.truncated)
         if both.any():
             raise ValueError(
@@ -156,7 +206,15 @@ def concat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory:
 
     rewards = None if names[0] is None else {
         k: np.concatenate([np.asarray(t.rewards[k]) for t in trajs]) for k in names[0]}
-    return Trajectory.create(
+    kinds = {t.multi_turn for t in trajs}
+    if len(kinds) > 1:
+        raise ValueError("concat_trajectories: cannot mix multi-turn episodes with single-turn batches")
+    multi = {}
+    if kinds == {True}:
+        turns = max(t.turn_rewards.shape[1] for t in trajs)
+        multi = dict(env_mask=cat("env_mask", r), turn_ids=cat("turn_ids", r),
+                     turn_rewards=cat("turn_rewards", turns))
+    return Trajectory.create(**multi,
         prompt_ids=cat("prompt_ids", p), prompt_lengths=cat("prompt_lengths"),
         response_ids=cat("response_ids", r), response_mask=cat("response_mask", r),
         behaviour_logprobs=cat("behaviour_logprobs", r), versions=cat("versions", r),

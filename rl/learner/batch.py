@@ -170,6 +170,7 @@ def batch_from_trajectory(
             "max_prompt_len / max_new_tokens")
     prompt_ids, resp_ids = np.asarray(traj.prompt_ids), np.asarray(traj.response_ids)
     blp, ver = np.asarray(traj.behaviour_logprobs), np.asarray(traj.versions)
+    targets = np.asarray(traj.model_mask)  # multi-turn: observation tokens are context only
     tokens = np.zeros((b, width), np.int32)
     mask = np.zeros((b, width), bool)
     behaviour = np.zeros((b, width), np.float32)
@@ -178,7 +179,7 @@ def batch_from_trajectory(
         p, r = int(plen[i]), int(rlen[i])
         tokens[i, :p] = prompt_ids[i, :p]
         tokens[i, p:p + r] = resp_ids[i, :r]
-        mask[i, p:p + r] = True
+        mask[i, p:p + r] = targets[i, :r]
         behaviour[i, p:p + r] = blp[i, :r]
         versions[i, p:p + r] = ver[i, :r]
     if tokens.max() >= model_config.vocab_size:

@@ -54,6 +54,7 @@ from rl.loops.evaluation import (
 from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_source
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.engine import RolloutConfig, RolloutEngine
+from rl.rollout.pruning import PruneConfig, Pruner, make_pruner, settle_rollouts
 from rl.rollout.sampler_state import SamplingConfig
 from rl.runtime.distributed import process_local, process_shard
 from rl.runtime.logging import NULL_PROFILE, MetricsLogger, StepProfile
@@ -129,13 +130,15 @@ def take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
 def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Task,
                   prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
                   segment_len: int, seed: int, first_group_id: int = 0,
-                  max_new_tokens: int | None = None, profile=NULL_PROFILE) -> Trajectory:
+                  max_new_tokens: int | None = None, profile=NULL_PROFILE,
+                  pruner: Pruner | None = None) -> Trajectory:
     """Sample `group_size` responses for each prompt with the rollout engine (all groups
     decode together). Rows come back grouped in prompt order: group g = prompts[g].
     first_group_id: the global index of prompts[0] (a process's shard of a batch): the
     rng keys follow the global group ids, the returned group ids stay 0..G-1.
     max_new_tokens: the response budget (default task.max_new_tokens). profile: a
-    StepProfile that gets the engine's prefill_s / decode_s and the rest as host_s."""
+    StepProfile that gets the engine's prefill_s / decode_s and the rest as host_s.
+    pruner: online pruning in the engine (rl.rollout.pruning; None = off)."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
     t0 = time.perf_counter()
@@ -145,7 +148,7 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
                        sampling=sampling,
                        stop_ids=tuple(task.stop_ids), seed=int(seed),
                        first_group_id=int(first_group_id))
-    engine = RolloutEngine(model_config, rc)
+    engine = RolloutEngine(model_config, rc, pruner=pruner)
     engine.submit([p.ids for p in prompts])
     parts = []
     while not engine.idle:
@@ -310,7 +313,8 @@ def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:
 
 def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task,
                         config: TrainConfig, loop: LoopConfig, data_position: int,
-                        profile=NULL_PROFILE, source: PromptSource | None = None
+                        profile=NULL_PROFILE, source: PromptSource | None = None,
+                        pruner: Pruner | None = None
                         ) -> tuple[list[ScoredGroup], TrainState, int, dict]:
     """Sample and score loop.prompts_per_step groups from the train stream at
     `data_position` with state.params (tokens stamped state.version). Returns (groups in
@@ -322,7 +326,9 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     share of the prompts (rl.runtime.distributed.process_shard; rng keys by global group id).
     profile: a StepProfile timing the phases (rl.runtime.logging). source: the prompt
     scheduler (rl.loops.scheduling; None = uniform, the next prompts of the stream); it
-    gets each sampled group's "correct" rewards (else the weighted totals)."""
+    gets each sampled group's "correct" rewards (else the weighted totals). pruner: online
+    pruning (rl.rollout.pruning.settle_rollouts: pruned rows get an empty response and
+    their group's survivors' mean rewards; the head learns from the survivors)."""
     n = loop.group_size
     if source is None:
         source = make_prompt_source(SchedulerOptions(), task, loop, None)
@@ -335,6 +341,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     kept: list[tuple[Trajectory, dict, list[int]]] = []
     dropped: list[tuple[Trajectory, dict, list[int]]] = []
     n_kept = rounds = sampled_tokens = 0
+    pstats: dict[str, float] = {}
     while True:
         with profile.phase("host_s"):
             chosen, data_position = source.next(int(state.step), data_position)
@@ -343,13 +350,17 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
             seed, state = _rollout_seed(state)
         traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
-                             seed=seed, first_group_id=offset, profile=profile)
+                             seed=seed, first_group_id=offset, profile=profile, pruner=pruner)
         sampled_tokens += traj.num_tokens()
         with profile.phase("reward_s"):
             rewards = score(task, prompts, traj)
+        acc = accuracy_name(task.reward_names)  # "correct", else the weighted total
+        if pruner is not None:
+            r = rewards[acc] if acc in rewards else total_reward(rewards, config)
+            traj, rewards, st = settle_rollouts(pruner, traj, rewards, r, n)
+            pstats = {k: pstats.get(k, 0.0) + v for k, v in st.items()}
         if not loop.dynamic_sampling:
             kept.append((traj, rewards, list(range(g))))
-            acc = accuracy_name(task.reward_names)  # "correct", else the weighted total
             r = rewards[acc] if acc in rewards else total_reward(rewards, config)
             source.record(prompts, [r[i * n:(i + 1) * n] for i in range(g)])
             break
@@ -375,7 +386,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
             groups.append(ScoredGroup(traj=take_rows(t, rows), live=use,
                                       rewards={name: r[name][rows] for name in task.reward_names}))
     stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
-             "kept_groups": n_kept if loop.dynamic_sampling else loop.prompts_per_step}
+             "kept_groups": n_kept if loop.dynamic_sampling else loop.prompts_per_step,
+             **{f"prune_{k}": v for k, v in pstats.items()}}
     return groups, state, data_position, stats
 
 
@@ -419,12 +431,14 @@ def build_batch(groups: Sequence[ScoredGroup], *, model_config: ModelConfig, tas
 
 def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, config: TrainConfig,
                   loop: LoopConfig, data_position: int, profile=NULL_PROFILE,
-                  source: PromptSource | None = None) -> tuple[TrainBatch, TrainState, int, dict]:
+                  source: PromptSource | None = None, pruner: Pruner | None = None
+                  ) -> tuple[TrainBatch, TrainState, int, dict]:
     """Sample and score one batch of loop.prompts_per_step groups from the train stream
     at `data_position` (sample_batch_groups, then build_batch). Returns (batch, state
     with advanced rng, new data position, rollout stats); profile times the phases."""
     groups, state, data_position, stats = sample_batch_groups(state, model_config, task, config,
-                                                              loop, data_position, profile, source)
+                                                              loop, data_position, profile, source,
+                                                              pruner)
     with profile.phase("host_s"):
         batch = build_batch(groups, model_config=model_config, task=task, config=config,
                             group_size=loop.group_size)
@@ -483,6 +497,7 @@ def run(
     resume_from_last_good: bool = False,
     allow_config_changes: Sequence[str] = (),
     scheduler: SchedulerOptions = SchedulerOptions(),
+    prune: PruneConfig | None = None,
 ) -> RunResult:
     """Train `params` on `task` with synchronous GRPO for loop.steps optimizer steps.
 
@@ -495,7 +510,8 @@ def run(
     a RunLockError (rl.runtime.runlock). compiler_options go to XLA for the train step
     (see make_train_step). scheduler: the prompt scheduler (rl.loops.scheduling; default
     uniform); its state (but uniform's, which keeps none) goes into every checkpoint and
-    comes back on resume.
+    comes back on resume. prune: online rollout pruning (rl.rollout.pruning; None = off);
+    its quality head is checkpointed likewise.
     `params` are the initial weights (also the frozen KL reference when
     config.loss.kl_coef > 0); they are copied, never donated.
     """
@@ -504,7 +520,8 @@ def run(
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
                    compiler_options=compiler_options, allow_config_changes=allow_config_changes,
                    extra_config={"task": task.name, **(
-                       {} if scheduler.name == "uniform" else {"scheduler": scheduler})},
+                       {} if scheduler.name == "uniform" else {"scheduler": scheduler}),
+                       **({} if prune is None else {"prune": prune})},
                    resume_from_last_good=resume_from_last_good)
     state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn
     data_position, start = ctx.data_position, ctx.start
@@ -514,6 +531,9 @@ def run(
             source.scheduler.restore(ctx.meta["scheduler"])
         elif resume and scheduler.name != "uniform":
             raise ValueError(f"the checkpoint holds no {scheduler.name!r} scheduler state")
+        pruner = make_pruner(prune, model_config.hidden_size)
+        if pruner is not None and resume:
+            pruner.restore(ctx.meta.get("pruner"))
         do_eval = make_evaluator(model_config, task, config, loop, logger, on_eval)
         if not resume:
             do_eval(0, process_local(state.params), 0)
@@ -525,7 +545,7 @@ def run(
             t0 = time.perf_counter()
             try:
                 batch, state, data_position, stats = collect_batch(
-                    state, model_config, task, config, loop, data_position, prof, source)
+                    state, model_config, task, config, loop, data_position, prof, source, pruner)
             except NonFiniteError as err:  # a task's reward: name the step too
                 raise NonFiniteError(f"step {step + 1}: {err}") from None
             t1 = time.perf_counter()
@@ -562,6 +582,8 @@ def run(
             if is_last or (loop.save_every and done % loop.save_every == 0):
                 sched = {} if scheduler.name == "uniform" else {
                     "scheduler": source.scheduler.state()}  # uniform keeps no state
+                if pruner is not None:
+                    sched["pruner"] = pruner.state()
                 ckpt.save(done, state, {"data_position": data_position, "task": task.name,
                                         "config": ctx.config, **sched})
             if out_of_time:

@@ -6,9 +6,15 @@
     sharded_sampler  the same sampler on a device mesh (explicit shardings)
     engine           RolloutEngine: continuous batching over the sampler, extract / resume
     april            rollout strategies: APRIL (over-provision + FIFO), static, continuous
+    pruning          online rollout pruning (ARRoL): quality head, balancing rule, Pruner
+    multiturn        MultiTurnEngine: multi-turn episodes of an rl.envs Environment, continuous
+                     batching across turns, observations appended to the KV cache
+    append           append_tokens: a prefill of just the new tokens at a slot's position
+    episodes         guarded environment calls, EpisodeRecord, episodes -> Trajectory
 
-May import: `models`, `kernels`, `rl.trajectory`, `rl.runtime` — not `rl.learner` nor
-`rl.loops` (the learner never runs here; the loops drive both sides).
+May import: `models`, `kernels`, `rl.trajectory`, `rl.runtime`, `rl.envs` (the environment
+protocol, and its Prompt) — not `rl.learner` nor `rl.loops` (the learner never runs here;
+the loops drive both sides).
 
     from rl.rollout import SamplingConfig, generate, RolloutEngine, RolloutConfig
 """
@@ -18,8 +24,12 @@ from rl.rollout.sampler_core import (ReplicatedFill, SegmentedFill, decode_segme
                                      sample_tokens)
 from rl.rollout.sampler import (GenerationResult, PartialSample, decode_segment, generate,
                                 load_samples, prefill, read_slots)
+from rl.rollout.pruning import Pruner, PruneConfig, QualityHead, balanced_prune
 from rl.rollout.engine import PartialGroup, RolloutConfig, RolloutEngine, StepInfo
 from rl.rollout.sharded_sampler import ShardedSampler
+from rl.rollout.append import append_tokens
+from rl.rollout.episodes import EpisodeBatch, EpisodeRecord
+from rl.rollout.multiturn import MultiTurnConfig, MultiTurnEngine, MultiTurnStepInfo
 from rl.rollout.april import (AprilConfig, AprilRollout, ContinuousRollout, StaticRollout,
                               offpolicy_prefix_mask)
 
@@ -29,5 +39,7 @@ __all__ = [
     "sample_tokens", "GenerationResult", "PartialSample", "decode_segment", "generate",
     "load_samples", "prefill", "read_slots", "PartialGroup", "RolloutConfig", "RolloutEngine",
     "StepInfo", "ShardedSampler", "AprilConfig", "AprilRollout", "ContinuousRollout",
-    "StaticRollout", "offpolicy_prefix_mask",
+    "StaticRollout", "offpolicy_prefix_mask", "Pruner", "PruneConfig", "QualityHead",
+    "balanced_prune", "append_tokens", "EpisodeBatch", "EpisodeRecord",
+    "MultiTurnConfig", "MultiTurnEngine", "MultiTurnStepInfo",
 ]

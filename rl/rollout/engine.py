@@ -21,6 +21,16 @@ every slot. Both produce the same tokens for the same seed.
 refill of free slots, prefill and resumed-group loads, waited for when a step refilled
 any slot) and of its decode segments ("decode_s": the segment and the read of its
 progress counters); the loops' step profile reads them.
+
+Online pruning (`pruner`, rl/rollout/pruning.py; None = off, the engine unchanged): after
+each segment, every group whose live samples reached the pruner's pruning point is scored
+once by its quality head on the last position's hidden state, and the samples it picks
+are marked done at once (they draw no more tokens; the group leaves, and its slots take
+new work, as soon as its survivors finish). Harvested pruned rows have finished =
+truncated = False; `prune_counts` counts them ("pruned"), the tokens they had made
+("pruned_tokens") and the budget they had left ("tokens_saved": exact for responses that
+run to their budget, an upper bound where a stop id might have come first). The marks
+live in this engine: an extracted group resumed here keeps them, one resumed elsewhere not.
 """
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
+from rl.rollout.pruning import Pruner
 from rl.rollout.sampler import (
     PartialSample,
     check_prompt,
@@ -41,6 +52,7 @@ from rl.rollout.sampler import (
     prefill,
     read_slots,
 )
+from rl.rollout.sampler_core import pending_hidden
 from rl.rollout.sampler_state import (
     KV_LAYOUTS,
     SamplingConfig,
@@ -107,12 +119,14 @@ class PartialGroup:
 
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
-    """What one `step` did: tokens produced, groups started/resumed, slots still live."""
+    """What one `step` did: tokens produced, groups started/resumed, slots still live,
+    samples pruned."""
 
     new_tokens: int
     started_groups: int
     resumed_groups: int
     live_slots: int
+    pruned: int = 0
 
 
 class RolloutEngine:
@@ -125,7 +139,7 @@ class RolloutEngine:
     """
 
     def __init__(self, config: ModelConfig, rollout: RolloutConfig,
-                 prompts: Iterable[Sequence[int]] | None = None):
+                 prompts: Iterable[Sequence[int]] | None = None, pruner: Pruner | None = None):
         if not isinstance(rollout, RolloutConfig):
             raise ValueError(f"rollout must be a RolloutConfig, got {type(rollout).__name__}")
         check_stop_ids(rollout.stop_ids, config)
@@ -148,6 +162,10 @@ class RolloutEngine:
         self._source: Iterator[Sequence[int]] | None = None if prompts is None else iter(prompts)
         self._next_group_id = rollout.first_group_id
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0}
+        self.pruner = pruner
+        self._decided: set[int] = set()  # groups the pruner has scored
+        self._pruned: set[tuple[int, int]] = set()  # (group id, sample index) pruned
+        self.prune_counts = {"pruned": 0, "pruned_tokens": 0, "tokens_saved": 0}
 
     # ------------------------------------------------------------------ queues
     def _new_group(self, prompt: Sequence[int]) -> int:
@@ -239,8 +257,33 @@ class RolloutEngine:
         t2 = time.perf_counter()
         self.timings["prefill_s"] += t1 - t0
         self.timings["decode_s"] += t2 - t1
+        cut = 0 if self.pruner is None else self._prune(params, n_gen, done)
         return StepInfo(new_tokens=int(n_gen.sum()) - before, started_groups=started,
-                        resumed_groups=resumed, live_slots=int((~done).sum()))
+                        resumed_groups=resumed, live_slots=int((~done).sum()) - cut, pruned=cut)
+
+    def _prune(self, params, n_gen: np.ndarray, done: np.ndarray) -> int:
+        """Score the groups that reached their pruning point; mark the picked samples done."""
+        due = [g for g, s in self._active.items()
+               if g not in self._decided and self.pruner.due(n_gen[s], done[s])]
+        if not due:
+            return 0
+        hidden = np.asarray(jax.device_get(pending_hidden(params, self.state)))
+        cut = []
+        for g in due:
+            slots = self._active[g]
+            self._decided.add(g)
+            for i in self.pruner.decide(g, hidden[slots], ~done[slots]):
+                cut.append(slots[i])
+                self._pruned.add((g, i))
+        if cut:
+            budget = np.asarray(jax.device_get(self.state.budget))[cut]
+            made = int(n_gen[cut].sum())
+            for counts in (self.prune_counts, self.pruner.counts):
+                counts["pruned"] += len(cut)
+                counts["pruned_tokens"] += made
+                counts["tokens_saved"] += int(budget.sum()) - made
+            self.state = self.state.replace(done=self.state.done.at[np.asarray(cut)].set(True))
+        return len(cut)
 
     # ------------------------------------------------------------------ leaving
     def _release(self, gid: int) -> None:
@@ -257,14 +300,15 @@ class RolloutEngine:
         n, p_max, r_max = self.rollout.group_size, self.rollout.max_prompt_len, self.rollout.max_new_tokens
         samples = read_slots(self.state, [s for g in ready for s in self._active[g]])
         b = len(samples)
+        pruned = np.array([(g, i) in self._pruned for g in ready for i in range(n)])
         out = {
             "prompt_ids": np.zeros((b, p_max), np.int32), "prompt_lengths": np.zeros((b,), np.int32),
             "response_ids": np.zeros((b, r_max), np.int32), "response_mask": np.zeros((b, r_max), bool),
             "behaviour_logprobs": np.zeros((b, r_max), np.float32),
             "versions": np.zeros((b, r_max), np.int32),
             "group_ids": np.repeat(np.asarray(ready, np.int32), n),
-            "finished": np.array([s.stopped for s in samples]),
-            "truncated": np.array([not s.stopped for s in samples]),
+            "finished": np.array([s.stopped for s in samples]) & ~pruned,
+            "truncated": np.array([not s.stopped for s in samples]) & ~pruned,
         }
         for i, s in enumerate(samples):
             k, p = s.num_generated, s.prompt_ids.size
@@ -273,6 +317,8 @@ class RolloutEngine:
             out["behaviour_logprobs"][i, :k], out["versions"][i, :k] = s.logprobs, s.versions
         for g in ready:
             self._release(g)
+            self._decided.discard(g)
+            self._pruned.difference_update((g, i) for i in range(n))
         return Trajectory.create(**out)
 
     def extract_unfinished(self) -> list[PartialGroup]:

@@ -1,6 +1,7 @@
 """The sampler's pure, traceable bodies: the token draw (`sample_tokens`) and the jitted
 prefill (`fill_impl`) and segment decode (`decode_segment_impl`) that `rl.rollout.sampler`
-calls and `rl.rollout.sharded_sampler` wraps with explicit shardings.
+calls and `rl.rollout.sharded_sampler` wraps with explicit shardings; `pending_hidden`,
+the last position's hidden state of every slot (online pruning's quality head).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from flax import struct
 
 from models import kv_cache as kvc
 from models.chunked_prefill import prefill_chunks, segments_from_prompt_kv
-from models.decoder import _decode_jit, _prefill_jit, prefill_segments
+from models.decoder import Decoder, _decode_jit, _prefill_jit, prefill_segments
 from models.kv_cache import KVCache
 from rl.rollout.sampler_state import SamplerState, SamplingConfig
 
@@ -307,6 +308,18 @@ def decode_segment_impl(params: Params, state: SamplerState, num_tokens: jax.Arr
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state
+
+
+@jax.jit
+def pending_hidden(params: Params, state: SamplerState) -> jax.Array:
+    """[S, E] float32: the final-normed hidden state at each slot's pending token (its
+    last sampled token, or the prompt's last token before any), i.e. the state the next
+    decode step's logits are read from. One decode forward over the cache as it is; its
+    cache write is discarded, so the state is untouched (done slots give throw-away rows)."""
+    positions, mask, start, kv = kvc.decode_inputs(state.cache, None)
+    h, _ = Decoder(state.config, "decode", state.attn_impl, return_hidden=True).apply(
+        {"params": params}, state.pending[:, None], positions, mask, start, kv)
+    return h[:, 0].astype(jnp.float32)
 
 
 fill_jit = jax.jit(fill_impl)

@@ -1,0 +1,420 @@
+"""`MultiTurnEngine`: multi-turn episodes over the sampler's fixed slots, with continuous
+batching across turns and observations appended to each sample's KV cache.
+
+A *group* is N episodes of one task prompt (`Environment.reset(prompt)` once per sample);
+it enters the slots whole (one prefill of the prompt; segmented layout: the prompt's KV
+stored once for the N samples) and leaves whole (`harvest`). Every `step(params,
+version)`:
+  1. free slots take new groups (prefill; each sample's first-turn budget is set);
+  2. every live slot decodes at most `segment_len` tokens (`decode_segment`, stamped
+     `version`); a slot's turn ends on one of `env.stop_ids` or after
+     `env.max_turn_tokens` tokens of this turn (its budget), which makes it `done`;
+  3. on the host, each slot whose turn ended: the turn is decoded (`env.decode_turn`) and
+     the episode stepped (`Episode.step`); unless the episode ends (done, max_turns, the
+     budget, or a misbehaving environment: rl.rollout.episodes), the observation's ids
+     (`env.encode_observation`) are appended to the slot and it goes live again for the
+     next turn, while every other slot just keeps decoding in the next step.
+An episode's tokens: prompt + turn_1 + obs_1 + turn_2 + ... ; the "response" of its
+Trajectory row is everything after the prompt, with env_mask True on observation tokens
+(behaviour log-prob 0, version = that of the turn they answer).
+
+Two ways to add an observation (`MultiTurnConfig.mode`), the same tokens for the same seed:
+  * "append" (default): `rl.rollout.append.append_tokens` runs just the k new tokens at the
+    slot's position (the pending last turn token + obs[:-1]; obs[-1] becomes pending);
+    earlier tokens are never recomputed, so an episode of L tokens costs L - 1 token
+    passes in all.
+  * "reprefill" (the exact slow twin): the slot's KV is rebuilt by prefilling the whole
+    history, prompt + every turn and observation so far (`load_samples`); segmented
+    layout: the whole block of the group (the prompt once + each sample's response).
+`token_counts` counts the token passes the model made (valid tokens only, padding not
+counted): "prefill" (new groups; replicated: the prompt, once per group; segmented: the
+prompt but its last token, which the first decode step feeds), "decode" (one per token
+sampled), "append" (append mode) and "reprefill" (reprefill mode's rebuilds). `timings`:
+"prefill_s", "decode_s", "append_s" (appends or rebuilds, waited for), "env_s" (host
+time in environment code and bookkeeping at turn boundaries).
+
+Token budget per episode: prompt + every turn + every observation <= max_episode_tokens.
+A turn's budget is min(max_turn_tokens, what is left); an observation that would leave no
+room for one more model token ends the episode with EndReason.TOKEN_BUDGET (it is checked
+before anything is appended). finished = ended DONE, truncated = ended TOKEN_BUDGET.
+Unlike `RolloutEngine` there is no extract / resume of unfinished episodes.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Iterable, Iterator
+
+import jax
+import numpy as np
+
+from models.config import ModelConfig
+from rl.envs.base import (
+    EndReason,
+    Environment,
+    Episode,
+    Prompt,  # rl.tasks.base.Prompt, as the protocol uses it
+)
+from rl.rollout.append import append_tokens
+from rl.rollout.episodes import (
+    EnvCallError,
+    EpisodeBatch,
+    EpisodeRecord,
+    check_ids,
+    end_episode,
+    episodes_to_trajectory,
+    guarded,
+    step_episode,
+)
+from rl.rollout.sampler import (
+    PartialSample,
+    check_prompt,
+    decode_segment,
+    load_samples,
+    prefill,
+    read_slots,
+)
+from rl.rollout.sampler_state import (
+    KV_LAYOUTS,
+    SamplingConfig,
+    as_key_data,
+    check_stop_ids,
+    init_state,
+    sample_keys,
+)
+
+MODES = ("append", "reprefill")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+    """num_slots episodes decode in parallel (rounded down to a multiple of group_size);
+    group_size N episodes per prompt; segment_len S tokens per step; kv_layout
+    "segmented" | "replicated"; mode "append" | "reprefill" (see the module doc). The
+    token limits (stop ids, turns, turn / prompt / episode tokens) come from the
+    environment."""
+
+    num_slots: int
+    group_size: int
+    segment_len: int
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int = 0
+    attn_impl: str | None = None
+    kv_layout: str = "segmented"
+    mode: str = "append"
+    first_group_id: int = 0
+
+    def __post_init__(self):
+        for name in ("num_slots", "group_size", "segment_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MultiTurnConfig.{name} must be an int >= 1, got {v!r}")
+        if self.num_slots < self.group_size:
+            raise ValueError(f"MultiTurnConfig.num_slots={self.num_slots} cannot hold one group "
+                             f"of group_size={self.group_size}; use num_slots >= group_size")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"MultiTurnConfig.kv_layout must be one of {KV_LAYOUTS}, got "
+                             f"{self.kv_layout!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"MultiTurnConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if isinstance(self.first_group_id, bool) or not isinstance(self.first_group_id, int) \
+                or self.first_group_id < 0:
+            raise ValueError(f"MultiTurnConfig.first_group_id must be an int >= 0, got "
+                             f"{self.first_group_id!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnStepInfo:
+    """What one `step` did: tokens decoded / appended / (re)prefilled, groups started,
+    turns that ended, episodes that ended, slots still live."""
+
+    decoded_tokens: int
+    appended_tokens: int
+    prefill_tokens: int
+    started_groups: int
+    turns_ended: int
+    episodes_ended: int
+    live_slots: int
+
+
+def _check_env(env: Any, config: ModelConfig) -> None:
+    for name in ("max_turns", "max_turn_tokens", "max_prompt_len", "max_episode_tokens"):
+        v = getattr(env, name, None)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"environment {getattr(env, 'name', env)!r}: {name} must be an int "
+                             f">= 1, got {v!r}")
+    if env.max_episode_tokens <= env.max_prompt_len:
+        raise ValueError(f"environment {env.name!r}: max_episode_tokens="
+                         f"{env.max_episode_tokens} leaves no room after max_prompt_len="
+                         f"{env.max_prompt_len}; raise max_episode_tokens")
+    check_stop_ids(env.stop_ids, config)
+
+
+class MultiTurnEngine:
+    """Continuous-batching multi-turn rollout of `env` over `rollout.num_slots` slots.
+
+    engine = MultiTurnEngine(config, env, MultiTurnConfig(...))
+    engine.submit(env.train_prompts(0, 8))
+    while not engine.idle:
+        engine.step(params, version)
+        if (batch := engine.harvest()) is not None:
+            batch.trajectory, batch.episodes  # Trajectory (multi-turn fields), records
+    """
+
+    def __init__(self, config: ModelConfig, env: Environment, rollout: MultiTurnConfig,
+                 prompts: Iterable[Prompt] | None = None):
+        if not isinstance(rollout, MultiTurnConfig):
+            raise ValueError(f"rollout must be a MultiTurnConfig, got {type(rollout).__name__}")
+        _check_env(env, config)
+        self.config, self.env, self.rollout = config, env, rollout
+        n = rollout.group_size
+        num_slots = rollout.num_slots // n * n
+        # A response holds everything after the prompt (>= 1 token), turns and observations.
+        self.max_response_len = env.max_episode_tokens - 1
+        self.state = init_state(config, num_slots=num_slots, max_prompt_len=env.max_prompt_len,
+                                max_new_tokens=self.max_response_len, sampling=rollout.sampling,
+                                stop_ids=env.stop_ids, attn_impl=rollout.attn_impl,
+                                group_size=n, kv_layout=rollout.kv_layout)
+        self._key = as_key_data(rollout.seed)
+        self._free = list(range(num_slots))
+        self._active: dict[int, list[int]] = {}  # group id -> its N slots
+        self._new: collections.deque[tuple[int, Prompt]] = collections.deque()
+        self._source: Iterator[Prompt] | None = None if prompts is None else iter(prompts)
+        self._next_group_id = rollout.first_group_id
+        self._records: dict[int, EpisodeRecord] = {}  # slot -> its episode's record
+        self._episodes: dict[int, Episode | None] = {}  # slot -> its live episode
+        self._turn_start: dict[int, int] = {}  # slot -> response index where its turn began
+        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "append_s": 0.0, "env_s": 0.0}
+        self.token_counts = {"prefill": 0, "decode": 0, "append": 0, "reprefill": 0}
+
+    # ------------------------------------------------------------------ queue
+    def _new_group(self, prompt: Prompt) -> int:
+        if not isinstance(prompt, Prompt):
+            raise ValueError(f"submit takes rl.tasks.base.Prompt objects, got "
+                             f"{type(prompt).__name__}")
+        arr = check_prompt(prompt.ids, self.env.max_prompt_len, self.config)
+        if arr.size + 1 > self.env.max_episode_tokens:
+            raise ValueError(f"prompt of {arr.size} tokens leaves no room for a model token in "
+                             f"max_episode_tokens={self.env.max_episode_tokens}")
+        gid = self._next_group_id
+        self._next_group_id += 1
+        self._new.append((gid, prompt))
+        return gid
+
+    def submit(self, prompts: Iterable[Prompt]) -> list[int]:
+        """Queue task prompts (one group of N episodes each); returns their group ids.
+        Prompts are validated now (ValueError: not a Prompt, empty, too long, out of vocab)."""
+        return [self._new_group(p) for p in prompts]
+
+    def _pull_new(self) -> tuple[int, Prompt] | None:
+        if not self._new and self._source is not None:
+            try:
+                self._new_group(next(self._source))
+            except StopIteration:
+                self._source = None
+        return self._new.popleft() if self._new else None
+
+    # ------------------------------------------------------------------ stepping
+    def _fill(self, params) -> int:
+        n = self.rollout.group_size
+        gids, prompts, blocks = [], [], []
+        while len(self._free) >= n:
+            item = self._pull_new()
+            if item is None:
+                break
+            gid, prompt = item
+            # free slots are kept sorted and taken N at a time: one aligned block
+            slots, self._free = self._free[:n], self._free[n:]
+            self._active[gid] = slots
+            gids.append(gid)
+            prompts.append(prompt)
+            blocks.append(slots)
+        if not gids:
+            return 0
+        keys = sample_keys(self._key, gids, n)
+        self.state = prefill(params, self.state, [p.ids for p in prompts], np.asarray(blocks),
+                             keys)
+        self.token_counts["prefill"] += sum(
+            len(p.ids) - (self.rollout.kv_layout == "segmented") for p in prompts)
+        all_slots, budgets, failed = [], [], []
+        for gid, prompt, slots in zip(gids, prompts, blocks):
+            budget = min(self.env.max_turn_tokens, self.env.max_episode_tokens - len(prompt.ids))
+            for i, s in enumerate(slots):
+                rec = EpisodeRecord(group_id=gid, sample=i, prompt=prompt)
+                self._records[s], self._turn_start[s] = rec, 0
+                all_slots.append(s)
+                budgets.append(budget)
+                try:
+                    self._episodes[s] = guarded("reset", self.env.reset, prompt)
+                except EnvCallError as e:
+                    self._episodes[s] = None
+                    end_episode(rec, e.reason, e.message, None, self.env.reward_names)
+                    failed.append(s)
+        st = self.state
+        idx = np.asarray(all_slots)
+        self.state = st.replace(budget=st.budget.at[idx].set(np.asarray(budgets, np.int32)),
+                                done=st.done.at[np.asarray(failed, np.int32)].set(True))
+        return len(gids)
+
+    def step(self, params: Any, version: int) -> MultiTurnStepInfo:
+        """Refill free slots with new groups, decode one segment of at most segment_len
+        tokens per live slot with `params` (stamping `version`), then step the episodes
+        whose turn ended and append their observations (see the module docstring)."""
+        t0 = time.perf_counter()
+        counts0 = dict(self.token_counts)
+        started = self._fill(params)
+        before = int(np.asarray(self.state.num_generated).sum())  # waits for the fill
+        t1 = time.perf_counter()
+        self.state = decode_segment(params, self.state, self.rollout.segment_len, version)
+        n_gen, done = jax.device_get((self.state.num_generated, self.state.done))
+        t2 = time.perf_counter()
+        self.timings["prefill_s"] += t1 - t0
+        self.timings["decode_s"] += t2 - t1
+        self.token_counts["decode"] += int(n_gen.sum()) - before
+        turns, ended = self._boundaries(params, np.asarray(done))
+        done = np.asarray(jax.device_get(self.state.done))
+        c = self.token_counts
+        return MultiTurnStepInfo(
+            decoded_tokens=c["decode"] - counts0["decode"],
+            appended_tokens=c["append"] - counts0["append"],
+            prefill_tokens=c["prefill"] + c["reprefill"] - counts0["prefill"] - counts0["reprefill"],
+            started_groups=started, turns_ended=turns, episodes_ended=ended,
+            live_slots=int((~done).sum()))
+
+    def _boundaries(self, params, done: np.ndarray) -> tuple[int, int]:
+        """Step every episode whose turn has just ended; append (or re-prefill) the
+        observations of those that go on. Returns (turns ended, episodes ended)."""
+        t0 = time.perf_counter()
+        slots = sorted(s for s, rec in self._records.items() if done[s] and not rec.ended)
+        if not slots:
+            return 0, 0
+        env = self.env
+        go_on: list[tuple[int, PartialSample, list[int]]] = []
+        ended = 0
+        for s, smp in zip(slots, read_slots(self.state, slots)):
+            rec, ep = self._records[s], self._episodes[s]
+            start, n = self._turn_start[s], smp.num_generated
+            rec.spans.append(("model", start, n))
+            reason, message = None, None
+            try:
+                obs_text, env_done = step_episode(env, ep, rec, smp.response_ids[start:].tolist())
+                if env_done:
+                    reason = EndReason.DONE
+                elif rec.turns >= env.max_turns:
+                    reason = EndReason.MAX_TURNS
+                else:
+                    obs = check_ids("encode_observation",
+                                    guarded("encode_observation", env.encode_observation,
+                                            obs_text), self.config.vocab_size)
+                    left = env.max_episode_tokens - smp.prompt_ids.size - n
+                    if len(obs) + 1 > left:
+                        reason = EndReason.TOKEN_BUDGET
+                        message = (f"observation of {len(obs)} tokens after turn {rec.turns} "
+                                   f"leaves no room for a model token: {left} of "
+                                   f"max_episode_tokens={env.max_episode_tokens} left")
+                    else:
+                        rec.observations.append(obs_text)
+                        go_on.append((s, smp, obs))
+            except EnvCallError as e:
+                reason, message = e.reason, e.message
+            if reason is not None:
+                end_episode(rec, reason, message, ep, env.reward_names)
+                self._episodes[s] = None
+                ended += 1
+        t1 = time.perf_counter()
+        self.timings["env_s"] += t1 - t0
+        if go_on:
+            budgets, versions = [], []
+            for s, smp, obs in go_on:
+                n = smp.num_generated + len(obs)
+                rec = self._records[s]
+                rec.spans.append(("env", smp.num_generated, n))
+                self._turn_start[s] = n
+                left = self.env.max_episode_tokens - smp.prompt_ids.size - n
+                budgets.append(n + min(self.env.max_turn_tokens, left))
+                versions.append(int(smp.versions[-1]) if smp.num_generated else 0)
+            if self.rollout.mode == "append":
+                self.state = append_tokens(params, self.state, [g[0] for g in go_on],
+                                           [g[2] for g in go_on], versions, budgets)
+                self.token_counts["append"] += sum(len(g[2]) for g in go_on)
+            else:
+                self._reprefill(params, go_on, versions, budgets)
+            jax.block_until_ready(self.state.done)
+        self.timings["append_s"] += time.perf_counter() - t1
+        return len(slots), ended
+
+    def _reprefill(self, params, go_on, versions, budgets) -> None:
+        """The slow twin of append_tokens: rebuild the slots' KV from their whole history."""
+        grown = {}
+        for (s, smp, obs), ver, bud in zip(go_on, versions, budgets):
+            k = len(obs)
+            grown[s] = dataclasses.replace(
+                smp, response_ids=np.concatenate([smp.response_ids, np.asarray(obs, np.int32)]),
+                logprobs=np.concatenate([smp.logprobs, np.zeros((k,), np.float32)]),
+                versions=np.concatenate([smp.versions, np.full((k,), ver, np.int32)]),
+                budget=bud, done=False, stopped=False)
+        if self.rollout.kv_layout == "segmented":
+            n = self.rollout.group_size
+            blocks = sorted({s // n for s in grown})
+            slots = [b * n + j for b in blocks for j in range(n)]
+            others = [s for s in slots if s not in grown]
+            current = dict(zip(others, read_slots(self.state, others))) if others else {}
+            samples = [grown[s] if s in grown else current[s] for s in slots]
+            count = sum(smp.prompt_ids.size - 1 for smp in samples[::n])
+            count += sum(smp.num_generated for smp in samples)
+        else:
+            slots = sorted(grown)
+            samples = [grown[s] for s in slots]
+            count = sum(smp.prompt_ids.size + smp.num_generated for smp in samples)
+        self.state = load_samples(params, self.state, samples, slots)
+        self.token_counts["reprefill"] += count
+
+    # ------------------------------------------------------------------ leaving
+    def harvest(self) -> EpisodeBatch | None:
+        """Groups whose N episodes have all ended, as an EpisodeBatch (a Trajectory with
+        env_mask / turn_ids / turn_rewards and rewards = the outcomes, rows grouped in group
+        id order, plus the episode records); their slots are freed. None if none has."""
+        ready = sorted(g for g, slots in self._active.items()
+                       if all(self._records[s].ended for s in slots))
+        if not ready:
+            return None
+        slots = [s for g in ready for s in self._active[g]]
+        samples = read_slots(self.state, slots)
+        records = [self._records[s] for s in slots]
+        traj = episodes_to_trajectory(records, samples, self.env.max_prompt_len,
+                                      self.max_response_len, self.env.max_turns,
+                                      self.env.reward_names)
+        for g in ready:
+            for s in self._active.pop(g):
+                for d in (self._records, self._episodes, self._turn_start):
+                    d.pop(s, None)
+        self._free = sorted(self._free + slots)
+        return EpisodeBatch(trajectory=traj, episodes=tuple(records))
+
+    # ------------------------------------------------------------------ status
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_active_groups(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_queued(self) -> int:
+        """Groups waiting for slots (submitted; not counting an iterator's rest)."""
+        return len(self._new)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in the slots, nothing queued and the prompt iterator (if any) exhausted."""
+        if self._active or self._new:
+            return False
+        if self._source is not None:
+            item = self._pull_new()
+            if item is None:
+                return True
+            self._new.appendleft(item)
+            return False
+        return True
