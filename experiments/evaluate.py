@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiments.train_env import make_any_task
 from rl.loops import eval_report
 from rl.rollout import SamplingConfig
 from rl.runtime.logging import atomic_write_json
-from rl.tasks import make_task
 
 SEGMENT_LEN = 32  # decode tokens per sampler call
 
@@ -110,7 +110,7 @@ def load(args: argparse.Namespace) -> dict:
     # evaluated on the problems it held out
     seed = args.seed if args.seed is not None else int(meta.get("task_seed", meta.get("seed", 0)))
     kw = {} if tokenizer is None else {"tokenizer": tokenizer}
-    task = make_task(spec, seed=seed, **kw, **options)
+    task = make_any_task(spec, seed=seed, **kw, **options)  # an "env:NAME" spec too
     if kind == "tiny":
         from models.config import get_config
         from models.decoder import init_params

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiments import train_env
 from experiments.benchmarking import load_average, machine
 from models.config import get_config
 from models.decoder import init_params
@@ -45,7 +46,6 @@ from rl.runtime.distributed import add_distributed_flags, initialize_distributed
 from rl.runtime.logging import WANDB_MODES, atomic_write_json, format_profile, profile_summary
 from rl.runtime.mesh import MESH_PRESETS, make_mesh_preset, validate_mesh
 from rl.runtime.runlock import RunLockError, check_run_dir_free
-from rl.tasks import make_task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +121,7 @@ PRESETS: dict[str, Preset] = {
         task_seed=0,  # every seed is measured on the same 256 held-out problems
     ),
 }
+PRESETS.update(train_env.env_presets(Preset))  # environments: tiny-guess
 DEFAULT_PRESET = "tiny-synthetic"
 
 
@@ -190,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "'data=N,fsdp=N,tensor=N' (default: one device; 'dp' with several processes)")
     add_distributed_flags(p)
     add_prune_args(p)
+    train_env.add_env_flags(p)  # --env NAME, --env-option, --turn-credit
     v = p.add_argument_group("VCPO (variance-controlled off-policy RL)")
     v.add_argument("--vcpo", nargs="?", const="sqrt", choices=("sqrt", "linear", "none"),
                    help="VCPO: ESS-scaled update (sqrt|linear|none; default sqrt), minimum-variance "
@@ -275,7 +277,7 @@ def task_override(preset: Preset, task: str | None, options: list[str]) -> Prese
 
 def configure(args: argparse.Namespace) -> tuple[Preset, TrainConfig, LoopConfig]:
     """The preset with the command line's overrides applied (validated by the configs)."""
-    preset = task_override(PRESETS[args.preset], args.task, args.task_option)
+    preset = task_override(PRESETS[args.preset], *train_env.env_overrides(args))
     train, loop = preset.train, preset.loop
     if args.lr is not None:
         train = dataclasses.replace(train, optimizer=dataclasses.replace(train.optimizer,
@@ -318,7 +320,7 @@ def load_policy(preset: Preset, seed: int):
     """(model_config, params, task) for a preset."""
     options = dict(preset.task_options)
     if preset.model == "tiny":
-        task = make_task(preset.task, seed=_task_seed(preset, seed), **options)
+        task = train_env.make_any_task(preset.task, seed=_task_seed(preset, seed), **options)
         if not hasattr(task, "vocab_size"):
             raise ValueError(f"the tiny random model has no tokenizer, so it trains only on "
                              f"token-level tasks ('synthetic'); task {preset.task!r} needs a "
@@ -329,7 +331,8 @@ def load_policy(preset: Preset, seed: int):
     from models.assets import load_model
 
     config, params, tokenizer = load_model(preset.model)
-    task = make_task(preset.task, tokenizer=tokenizer, seed=_task_seed(preset, seed), **options)
+    task = train_env.make_any_task(preset.task, tokenizer=tokenizer,
+                                   seed=_task_seed(preset, seed), **options)
     check_context(config, task)
     return config, params, task
 
@@ -451,6 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
         multi = initialize_distributed(args)  # before any other JAX call
         preset, train, loop = configure(args)
         acfg = async_config(args)
+        train_env.check_env_args(preset.task, acfg, args)
     except ValueError as err:
         build_parser().error(str(err))
     run_dir = Path(args.run_dir or Path("runs") / preset.name)

@@ -15,6 +15,7 @@ from flax import struct
 from models.config import ModelConfig
 from models.packed import PackedGroups, groups_share_prompts, pack_groups
 from rl.learner.config import TrainConfig, make_optimizer
+from rl.objectives.turn_credit import TurnCreditConfig, token_turn_advantages
 from rl.runtime.mesh import batch_sharding, mesh_axes
 from rl.trajectory import Trajectory
 
@@ -81,6 +82,7 @@ class TrainBatch:
     packed: PackedGroups | None = None
     proximal_logprobs: jax.Array | None = None
     loss_weights: jax.Array | None = None
+    token_advantages: jax.Array | None = None
 
 
 class NonFiniteError(ValueError):
@@ -125,6 +127,7 @@ def batch_from_trajectory(
     rewards: Mapping[str, Any] | None = None,
     seq_len: int | None = None,
     packed: bool = False,
+    turn_credit: TurnCreditConfig | None = None,
 ) -> TrainBatch:
     """Host-side: pack a Trajectory into a TrainBatch (numpy on host; jit moves it).
 
@@ -136,6 +139,11 @@ def batch_from_trajectory(
     P_max and R_max of the trajectory: one compiled shape) when every group shares its
     prompt, some response is non-empty and P_max + R_max fits the model; otherwise
     TrainBatch.packed stays None and the step uses the naive rows.
+    Multi-turn episodes (traj.env_mask given): the loss mask holds the model's tokens only
+    (observations are context, never targets); turn_credit (rl.objectives.turn_credit;
+    None or name "outcome": nothing) fills TrainBatch.token_advantages with the turn-level
+    term λ · Â of each model token from traj.turn_rewards (a single-turn trajectory with
+    turn credit on is a ValueError).
     Raises ValueError for an empty batch, bad group layout, missing / NaN / inf /
     wrongly sized rewards, or a sequence longer than seq_len or the model's maximum.
     """
@@ -184,6 +192,18 @@ def batch_from_trajectory(
         versions[i, p:p + r] = ver[i, :r]
     if tokens.max() >= model_config.vocab_size:
         raise ValueError(f"token ids must be < vocab_size={model_config.vocab_size}, got {tokens.max()}")
+    token_adv = None
+    if turn_credit is not None and turn_credit.enabled:
+        if not traj.multi_turn:
+            raise ValueError(f"turn_credit {turn_credit.name!r} needs multi-turn episodes "
+                             "(Trajectory.turn_rewards); this batch is single-turn: use "
+                             "TurnCreditConfig() (outcome only)")
+        per = np.asarray(token_turn_advantages(turn_credit, traj.turn_rewards, traj.turn_ids,
+                                               targets, group_size), np.float32)
+        token_adv = np.zeros((b, width), np.float32)
+        for i in range(b):
+            p, r = int(plen[i]), int(rlen[i])
+            token_adv[i, p:p + r] = per[i, :r]
     positions = np.broadcast_to(np.arange(width, dtype=np.int32), (b, width)).copy()
     groups = None
     p_w, r_w = traj.prompt_ids.shape[1], traj.response_ids.shape[1]
@@ -194,7 +214,8 @@ def batch_from_trajectory(
         groups = pack_groups(tokens, plen, rlen, gid, prompt_width=p_w, response_width=r_w)
     return TrainBatch(tokens=tokens, positions=positions, loss_mask=mask,
                       behaviour_logprobs=behaviour, versions=versions, rewards=reward_cols,
-                      group_size=group_size, reward_names=names, packed=groups)
+                      group_size=group_size, reward_names=names, packed=groups,
+                      token_advantages=token_adv)
 
 
 # ----------------------------------------------------------------------------- many processes

@@ -8,6 +8,8 @@ The step, in the order `train_step` runs it:
     (`rl.learner.rewards.reward_advantages`), or, with VCPO enabled (`TrainConfig.vcpo`),
     VCPO's (R - b_g)/σ_g plus a truncated importance weight per sequence, from log π/μ of
     the WHOLE batch under the step's starting params (`rl.learner.vcpo.vcpo_terms`);
+    with TrainBatch.token_advantages (turn-level credit) the per-token term is added:
+    advantages [B, T-1];
  3. the loss's normaliser over the whole batch (tokens for "token-mean", non-empty
     sequences for the seq-mean modes);
  4. split every per-row field into M = micro_batches `MicroBatch`es (packed: whole groups);
@@ -64,7 +66,7 @@ class MicroBatch(NamedTuple):
     positions: jax.Array  # [b, T] int32
     mask: jax.Array  # [b, T-1] bool: the tokens the loss counts
     behaviour: jax.Array  # [b, T-1] log μ, the sampler's recorded log-probs
-    advantages: jax.Array  # [b]
+    advantages: jax.Array  # [b], or [b, T-1] with TrainBatch.token_advantages
     versions: jax.Array  # [b, T-1] int32: policy version that sampled each token
     proximal: jax.Array | None  # [b, T-1] TrainBatch.proximal_logprobs, or None
     loss_weights: jax.Array | None  # [b, T-1] per-token loss factor (batch's × VCPO's), or None
@@ -112,6 +114,8 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         adv, mask = vcpo.advantages, batch.loss_mask[:, 1:]
     else:
         adv, mask = reward_advantages(config, batch)
+    if batch.token_advantages is not None:  # turn-level credit: a per-token term on top
+        adv = adv[:, None] + batch.token_advantages[:, 1:]
 
     # The normaliser of the WHOLE batch: each micro-batch's loss is scaled by its share of
     # it, which makes micro-batching exact.
@@ -252,7 +256,7 @@ def check_step_inputs(config: TrainConfig, batch: TrainBatch, ref_params: Params
         raise ValueError('TrainConfig.old_logp="proximal" needs TrainBatch.proximal_logprobs '
                          "([B, T], e.g. from rl.learner.proximal); attach them with "
                          "batch.replace(proximal_logprobs=...) or choose another old_logp")
-    for name in ("proximal_logprobs", "loss_weights"):
+    for name in ("proximal_logprobs", "loss_weights", "token_advantages"):
         field = getattr(batch, name)
         if field is not None and tuple(field.shape) != tuple(batch.tokens.shape):
             raise ValueError(f"TrainBatch.{name} has shape {tuple(field.shape)}, expected the "
@@ -320,7 +324,8 @@ def combine_micro_metrics(stacked: dict, shares: jax.Array, n_toks: jax.Array) -
 
 def batch_metrics(config: TrainConfig, batch: TrainBatch, step: jax.Array, grads: Params,
                   n_tok_all: jax.Array, adv: jax.Array) -> dict:
-    """grad_norm (before clipping), lr, tokens, response_len, rewards and advantages."""
+    """grad_norm (before clipping), lr, tokens, response_len, rewards and advantages
+    (adv [B], or [B, T-1] with TrainBatch.token_advantages)."""
     rewards = scalar_rewards(config, batch) if config.advantage.name != "gdpo" \
         else jnp.sum(batch.rewards, axis=1)
     metrics = dict(
@@ -329,9 +334,14 @@ def batch_metrics(config: TrainConfig, batch: TrainBatch, step: jax.Array, grads
         tokens=n_tok_all,
         response_len=jnp.sum(batch.loss_mask).astype(jnp.float32) / batch.tokens.shape[0],
         reward_mean=jnp.mean(rewards),
-        adv_mean=jnp.mean(adv),
-        adv_abs_mean=jnp.mean(jnp.abs(adv)),
     )
+    if adv.ndim == 1:
+        metrics.update(adv_mean=jnp.mean(adv), adv_abs_mean=jnp.mean(jnp.abs(adv)))
+    else:  # per-token advantages [B, T-1]: means over the loss mask's tokens
+        m = batch.loss_mask[:, 1:]
+        n = jnp.maximum(jnp.sum(m), 1).astype(jnp.float32)
+        metrics.update(adv_mean=jnp.sum(jnp.where(m, adv, 0.0)) / n,
+                       adv_abs_mean=jnp.sum(jnp.where(m, jnp.abs(adv), 0.0)) / n)
     for k, name in enumerate(batch.reward_names):
         metrics[f"reward_{name}"] = jnp.mean(batch.rewards[:, k])
     return metrics

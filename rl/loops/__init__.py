@@ -15,6 +15,10 @@
                   the checked jitted step) and release
     scheduling    the prompt scheduler (rl.schedulers) between the train stream and the
                   sync loop's sampling: SchedulerOptions, make_prompt_source
+    scoring       score (a task's rewards of sampled rows, validated; an environment's
+                  outcomes) and total_reward, re-exported by sync
+    episodes      environments in the loops: EnvTask (an rl.envs environment as a task),
+                  multi-turn sampling, outcome rewards, turn credit, episode metrics
     validation    configs that cannot learn or run (validate_run), the config record every
                   checkpoint carries and the resume check against it
 

@@ -83,6 +83,7 @@ from rl.learner.batch import NonFiniteError, TrainBatch, TrainState
 from rl.learner.config import TrainConfig
 from rl.learner.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
 from rl.learner.snapshots import ParamSnapshots
+from rl.loops import episodes
 from rl.loops.buffer import STALE_POLICIES, TrajectoryBuffer
 from rl.loops.context import open_run
 from rl.loops.evaluation import batch_reward_metrics
@@ -277,13 +278,15 @@ def run_async(
     if not isinstance(async_config, AsyncConfig):
         raise ValueError(f"async_config must be an AsyncConfig, got {type(async_config).__name__}")
     acfg = async_config
+    episodes.check_episode_loop(task, acfg.mode, acfg.rollout)  # environments: which modes
     train_cfg = train_config_for(config, acfg)
     run_dir = Path(run_dir)
     rollout_device, mesh = _split_devices(acfg, mesh)
     ctx = open_run(model_config, params, train_cfg, loop, run_dir, resume=resume,
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
                    compiler_options=compiler_options, allow_config_changes=allow_config_changes,
-                   extra_config={"async": acfg, "task": task.name},
+                   extra_config={"async": acfg, "task": task.name,
+                                 **episodes.episode_config(task)},
                    resume_from_last_good=resume_from_last_good)
     state, logger, ckpt = ctx.state, ctx.logger, ctx.ckpt
     b, k = loop.prompts_per_step, acfg.max_staleness
@@ -453,6 +456,7 @@ def run_async(
                                         config.attn_impl)))
             with prof.phase("host_s"):
                 extra = _batch_metrics(batch, v)
+                extra.update(episodes.take_episode_metrics(task))  # an environment: its episodes
                 extra.update(batch_reward_metrics(batch.reward_names, batch.rewards,
                                                   loop.group_size, config.reward_weights),
                              time_s=do_eval.clock())

@@ -19,7 +19,6 @@ rl.loops.evaluation), rollout_seed, run_clock.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +38,7 @@ from rl.learner.batch import (
     global_batch,
 )
 from rl.learner.config import TrainConfig
+from rl.loops import episodes
 from rl.loops.buffer import ScoredGroup
 from rl.loops.context import open_run, run_clock
 from rl.loops.evaluation import (
@@ -52,6 +52,7 @@ from rl.loops.evaluation import (
     solved,
 )
 from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_source
+from rl.loops.scoring import score, total_reward  # re-exported: the loops' task rewards
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.engine import RolloutConfig, RolloutEngine
 from rl.rollout.pruning import PruneConfig, Pruner, make_pruner, settle_rollouts
@@ -139,6 +140,11 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
     max_new_tokens: the response budget (default task.max_new_tokens). profile: a
     StepProfile that gets the engine's prefill_s / decode_s and the rest as host_s.
     pruner: online pruning in the engine (rl.rollout.pruning; None = off)."""
+    if episodes.is_episodic(task):  # an environment: multi-turn episodes (rl.loops.episodes)
+        return episodes.sample_episodes(
+            params, version, model_config, task, prompts, group_size=group_size,
+            sampling=sampling, segment_len=segment_len, seed=seed,
+            first_group_id=first_group_id, profile=profile, pruner=pruner)
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
     t0 = time.perf_counter()
@@ -165,40 +171,6 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
     profile.add("decode_s", dec)
     profile.add("host_s", time.perf_counter() - t0 - fill - dec)
     return traj
-
-
-def score(task: Task, prompts: Sequence[Prompt], traj: Trajectory) -> dict[str, np.ndarray]:
-    """Task rewards for every row of `traj` (row's prompt = prompts[group_id]) as
-    {name: [B] float64}. ValueError if the task returns other names than its
-    reward_names, or a NaN / inf / non-number."""
-    names = tuple(task.reward_names)
-    b = traj.batch_size
-    out = {n: np.zeros((b,), np.float64) for n in names}
-    gids = np.asarray(traj.group_ids)
-    resp, mask = np.asarray(traj.response_ids), np.asarray(traj.response_mask)
-    for i in range(b):
-        prompt = prompts[int(gids[i])]
-        r = task.reward(prompt, resp[i, :int(mask[i].sum())].tolist())
-        if set(r) != set(names):
-            raise ValueError(f"task {task.name!r} returned rewards {sorted(r)} for row {i}, "
-                             f"expected exactly {sorted(names)}")
-        for n in names:
-            v = r[n]
-            try:
-                f = float(v)
-            except (TypeError, ValueError):
-                raise ValueError(f"reward {n!r} of row {i} is not a number: {v!r}") from None
-            if not math.isfinite(f):
-                raise NonFiniteError(f"reward {n!r} of row {i} (group {int(gids[i])}) is {f} "
-                                     "(NaN/inf): the task's reward function must return finite "
-                                     "numbers")
-            out[n][i] = f
-    return out
-
-
-def total_reward(rewards: dict[str, np.ndarray], config: TrainConfig) -> np.ndarray:
-    w = dict(config.reward_weights)
-    return sum(w.get(n, 1.0) * v for n, v in rewards.items())
 
 
 # ----------------------------------------------------------------------------- eval
@@ -410,7 +382,8 @@ def build_batch(groups: Sequence[ScoredGroup], *, model_config: ModelConfig, tas
     traj = traj.replace(group_ids=np.repeat(np.arange(len(groups), dtype=np.int32), n))
     width = task.max_prompt_len + task.max_new_tokens
     batch = batch_from_trajectory(traj, group_size=n, model_config=model_config,
-                                  rewards=rewards, seq_len=width, packed=config.packed)
+                                  rewards=rewards, seq_len=width, packed=config.packed,
+                                  turn_credit=episodes.turn_credit_of(task))
     live = np.repeat(np.asarray([gr.live for gr in groups]), n)
     if not live.all():
         batch = batch.replace(loss_mask=batch.loss_mask & live[:, None])
@@ -468,6 +441,7 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
             res = evaluate(params, version, model_config, task, prompts, sampling=sampling,
                            segment_len=loop.segment_len, seed=(loop.seed * 7919 + step) % (2 ** 31),
                            reward_weights=weights)
+            res.update(episodes.take_episode_metrics(task))  # an environment: its episodes
             rec.update({f"{prefix}{k}": v for k, v in res.items()})
         rec["time_s"] = clock()
         record = logger.log(step, rec, kind="eval")
@@ -519,7 +493,7 @@ def run(
     ctx = open_run(model_config, params, config, loop, run_dir, resume=resume,
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
                    compiler_options=compiler_options, allow_config_changes=allow_config_changes,
-                   extra_config={"task": task.name, **(
+                   extra_config={"task": task.name, **episodes.episode_config(task), **(
                        {} if scheduler.name == "uniform" else {"scheduler": scheduler}),
                        **({} if prune is None else {"prune": prune})},
                    resume_from_last_good=resume_from_last_good)
@@ -548,6 +522,7 @@ def run(
                     state, model_config, task, config, loop, data_position, prof, source, pruner)
             except NonFiniteError as err:  # a task's reward: name the step too
                 raise NonFiniteError(f"step {step + 1}: {err}") from None
+            stats.update(episodes.take_episode_metrics(task))  # an environment: its episodes
             t1 = time.perf_counter()
             with prof.phase("host_s"):
                 stats.update(batch_reward_metrics(batch.reward_names, batch.rewards,

@@ -1,5 +1,6 @@
 """The math of the objectives: advantage estimators, policy losses, off-policy corrections,
-VCPO's ESS / baseline / update scaling, and the registries that name them.
+VCPO's ESS / baseline / update scaling, turn-level credit for multi-turn episodes
+(turn_credit), and the registries that name them.
 
 Pure functions of arrays ([batch, seq] log-probs, masks, rewards): they jit, vmap and take
 no model. May import: jax, optax, chex, numpy — nothing else from `rl`, nor `models`.
@@ -29,6 +30,12 @@ from rl.objectives.registry import (
                                     register_advantage,
                                     register_loss,
 )
+from rl.objectives.turn_credit import (
+                                    TurnCreditConfig,
+                                    token_turn_advantages,
+                                    turn_advantages,
+                                    turn_returns,
+)
 from rl.objectives.vcpo import (
                                     VCPOConfig,
                                     centred_advantages,
@@ -50,5 +57,6 @@ __all__ = [
     "kept_group_indices", "m2po_mask", "overlong_penalty", "ratio_decomposition_metrics",
     "sequence_log_ratio", "truncated_is_weights", "VCPOConfig", "centred_advantages",
     "ess_lr_scale", "ess_ratio", "min_variance_baseline", "scale_by_ess", "sequence_log_weights",
-    "truncated_sequence_weights", "vcpo_advantages", "weight_tail_stats",
+    "truncated_sequence_weights", "vcpo_advantages", "weight_tail_stats", "TurnCreditConfig",
+    "token_turn_advantages", "turn_advantages", "turn_returns",
 ]

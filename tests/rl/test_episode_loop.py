@@ -1,0 +1,181 @@
+"""Environments in the loops: `python -m experiments.train --env NAME` end to end (in
+process) on a scripted token-level environment, the asynchronous loop's deterministic mode
+with exact proximal log-probs on episodes, and the refusals made before anything compiles.
+
+The scripted game: the prompt [1, 3] hides a target id in 8..15; each model turn is one
+token (a guess); the observation is one token, 4 ("higher") or 5 ("lower"); a correct
+guess ends the episode (turn reward 1, info tool_calls 1), any other turn has turn reward
+0.1 · (guess % 2); outcome "score" = 1 − 0.2 (turns − 1) when found, else 0. Every
+outcome is appended to OUTCOMES (in sampling order), so the test can recompute a step's
+reward mean from the episodes themselves."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+import rl.envs
+from experiments.evaluate import main as evaluate_main
+from experiments.train import main
+from rl.envs.base import StepResult
+from rl.learner import OptimizerConfig, TrainConfig
+from rl.loops import AsyncConfig, LoopConfig, run_async
+from rl.loops.episodes import EnvTask, EpisodeOptions, take_episode_metrics
+from rl.objectives import LossConfig
+from rl.tasks.base import Prompt
+
+OUTCOMES: list[float] = []
+TURNS: list[int] = []
+
+
+class ScriptedEpisode:
+    def __init__(self, target):
+        self.target, self.turns, self.found = target, 0, False
+
+    def step(self, text):
+        self.turns += 1
+        guess = int(text)
+        if guess == self.target:
+            self.found = True
+            return StepResult("", 1.0, True, {"tool_calls": 1})
+        return StepResult("higher" if guess < self.target else "lower", 0.1 * (guess % 2), False,
+                          {"tool_calls": 0})
+
+    def outcome(self):
+        score = 1.0 - 0.2 * (self.turns - 1) if self.found else 0.0
+        OUTCOMES.append(score)
+        TURNS.append(self.turns)
+        return {"score": score}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedEnv:
+    seed: int = 0
+    max_turns: int = 3
+    name: str = "scripted"
+    reward_names: tuple = ("score",)
+    stop_ids: tuple = ()
+    max_turn_tokens: int = 1
+    max_prompt_len: int = 2
+    vocab_size: int = 16
+
+    @property
+    def max_episode_tokens(self):
+        return self.max_prompt_len + 2 * self.max_turns
+
+    def train_prompts(self, start, count):
+        return [Prompt(ids=(1, 3), answer=8 + (self.seed + 5 * i) % 8, index=i)
+                for i in range(start, start + count)]
+
+    def eval_prompts(self, count):
+        return [Prompt(ids=(1, 3), answer=8 + j % 8, index=j) for j in range(count)]
+
+    def reset(self, prompt):
+        return ScriptedEpisode(prompt.answer)
+
+    def decode_turn(self, ids):
+        return str(int(ids[0]))
+
+    def encode_observation(self, text):
+        return [4 if text == "higher" else 5]
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    monkeypatch.setitem(rl.envs.ENVS, "scripted", ScriptedEnv)
+    OUTCOMES.clear()
+    TURNS.clear()
+
+
+ARGS = ["--env", "scripted", "--steps", "2", "--group-size", "4", "--prompts-per-step", "2",
+        "--eval-prompts", "4", "--eval-every", "0", "--no-progress", "--wandb", "disabled"]
+
+
+def test_train_env_end_to_end(scripted, tmp_path):
+    run_dir = tmp_path / "run"
+    summary = main(ARGS + ["--run-dir", str(run_dir), "--env-option", "max_turns=3",
+                           "--turn-credit", "turn", "--turn-credit-coef", "0.5"])
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(train) == 2 and len(evals) == 2
+    b = 2 * 4
+    # eval at step 0 (4 sampled + 4 greedy episodes), then 8 episodes per train step
+    n_eval = 8
+    for i, rec in enumerate(train):
+        outcomes = OUTCOMES[n_eval + b * i:n_eval + b * (i + 1)]
+        turns = TURNS[n_eval + b * i:n_eval + b * (i + 1)]
+        assert rec["reward_mean"] == pytest.approx(np.mean(outcomes), abs=1e-6)
+        assert rec["episode_turns"] == pytest.approx(np.mean(turns))
+        # the loss counts the model's tokens only: one per turn (observations are context)
+        assert rec["tokens"] == sum(turns) == rec["episode_model_tokens"] * b
+        # one observation token between turns, none after the last
+        assert rec["episode_obs_tokens"] == pytest.approx(rec["episode_turns"] - 1)
+        ends = sum(rec[f"episode_end_{r}"] for r in ("done", "max_turns", "token_budget",
+                                                    "env_error", "bad_result"))
+        assert ends == pytest.approx(1.0)
+        assert rec["episode_tool_calls"] == pytest.approx(rec["episode_end_done"])
+        assert "episode_turn_reward" in rec and rec["adv_abs_mean"] > 0
+    for rec in evals:  # the environment's outcome is the accuracy (no "correct" reward)
+        assert rec["accuracy"] == pytest.approx(rec["reward"])
+        assert rec["episode_turns"] >= 1 and rec["greedy_episode_turns"] >= 1
+    assert np.mean(OUTCOMES[:4]) == pytest.approx(evals[0]["accuracy"], abs=1e-6)
+    assert summary["steps"] == 2
+    # experiments.evaluate rebuilds the environment from the run dir: greedy accuracy on the
+    # same 4 held-out prompts equals the run's final greedy eval
+    report = evaluate_main(["--model", str(run_dir), "--n", "4", "--no-progress"])
+    assert report["task"] == "env:scripted" and report["n"] == 4
+    assert report["accuracy"] == pytest.approx(evals[-1]["greedy_accuracy"], abs=1e-6)
+    # the episode options are part of the run's recorded config: a resume that changes them
+    # is refused
+    with pytest.raises(SystemExit, match="episodes.turn_credit.coef"):
+        main(ARGS + ["--run-dir", str(run_dir), "--env-option", "max_turns=3", "--resume",
+                     "--steps", "3", "--turn-credit", "turn", "--turn-credit-coef", "0.25"])
+
+
+def test_async_deterministic_runs_episodes(scripted, tmp_path):
+    from experiments.train_env import make_any_task
+    from models.config import get_config
+    from models.decoder import init_params
+
+    task = make_any_task("env:scripted", seed=0, max_turns=3)
+    assert isinstance(task, EnvTask) and task.options == EpisodeOptions()
+    cfg = get_config("tiny", vocab_size=16)
+    train = TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
+                        optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3))
+    loop = LoopConfig(steps=3, prompts_per_step=2, group_size=4, segment_len=1, eval_every=0,
+                      eval_prompts=4)
+    acfg = AsyncConfig(max_staleness=1, mode="deterministic", proximal="exact")
+    res = run_async(cfg, init_params(cfg, 0), task, train, loop, acfg, tmp_path / "a",
+                    progress=False)
+    assert [r["step"] for r in res.train] == [1, 2, 3]
+    for rec in res.train:
+        assert rec["episode_turns"] >= 1
+        # π_prox = the snapshot of each model token's own version: the same policy that
+        # sampled it (observations, log μ = 0, are off the mask), so π_prox / μ is 1
+        assert rec["mismatch_log_ratio_abs_mean"] < 1e-4
+        assert rec["tokens"] == pytest.approx(rec["episode_model_tokens"] * 8)
+    # step 1 samples with version 0; step 3 with version 1 (η = 1)
+    assert res.train[-1]["behaviour_version_max"] == 1
+    assert res.train[-1]["staleness_log_ratio_abs_mean"] > 1e-6  # π_θ (v=2) vs π_prox (v=1)
+    assert take_episode_metrics(task) == {}  # every record drained its episodes
+    with pytest.raises(ValueError, match="deterministic"):
+        run_async(cfg, init_params(cfg, 0), task, train, loop,
+                  AsyncConfig(max_staleness=1, mode="threaded"), tmp_path / "b", progress=False)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--group-size", "1"], "group_size 1"),
+    (["--max-staleness", "1"], "deterministic"),
+    (["--task", "synthetic"], "--env and --task"),
+    (["--prune"], "--prune"),
+])
+def test_refusals_before_compiling(scripted, tmp_path, capsys, extra, match):
+    args = [a for a in ARGS if a not in ()]
+    if extra[0] == "--group-size":
+        i = args.index("--group-size")
+        args = args[:i] + args[i + 2:]
+    with pytest.raises(SystemExit) as err:
+        main(args + extra + ["--run-dir", str(tmp_path / "r")])
+    assert err.value.code == 2
+    assert match in capsys.readouterr().err
