@@ -171,6 +171,7 @@ def env_presets(preset_cls: type) -> dict[str, Any]:
             ),
             loop=LoopConfig(steps=200, prompts_per_step=4, group_size=8, segment_len=16,
                             eval_every=5, eval_prompts=64, eval_greedy=True, save_every=5,
+                            eval_sampled_prompts=16,
                             time_limit_s=20 * 60.0),
             task_seed=0,
         ),
