@@ -168,13 +168,16 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None):
-    p = argparse.ArgumentParser(prog="python -m experiments.calculator_tool")
+    p = argparse.ArgumentParser(prog="python -m experiments.calculator_tool",
+                                epilog="flags after -- go to experiments.train (grpo)")
     p.add_argument("command", choices=("base", "grpo", "report"))
     p.add_argument("--n", type=int, default=64, help="held-out problems (base)")
     p.add_argument("--out", default=OUT)
     p.add_argument("--run-dir", default="runs/calculator_tool")
-    p.add_argument("train_args", nargs="*", metavar="-- TRAIN_FLAGS")
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # flags for experiments.train
+    args = p.parse_args(argv[:cut])
+    args.train_args = argv[cut + 1:]
     return {"base": cmd_base, "grpo": cmd_grpo, "report": cmd_report}[args.command](args)
 
 
