@@ -168,7 +168,9 @@ def env_presets(preset_cls: type) -> dict[str, Any]:
                                           weight_decay=0.0, max_grad_norm=1.0),
                 temperature=0.8,
                 packed=True,
+                micro_batches=4,
             ),
+            # micro_batches 4 (one group each): the whole 32-row step OOMed (26.7 GB) at 543-token rows
             loop=LoopConfig(steps=200, prompts_per_step=4, group_size=8, segment_len=16,
                             eval_every=5, eval_prompts=64, eval_greedy=True, save_every=5,
                             eval_sampled_prompts=16,
