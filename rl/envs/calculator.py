@@ -24,6 +24,10 @@ Bounds, each checked before the work it guards, so every call is fast:
   * every intermediate and the result: |value| <= 10 ** MAX_RESULT_DIGITS, and its
     numerator / denominator within MAX_BITS bits.
 The result prints as an integer when it is one, else with 12 significant digits.
+
+`CalculatorEnv` (below) is the tool environment built on it: arithmetic problems for a chat
+model that answers with the help of `<calc>EXPR</calc>` calls (its docstring has the
+format, the chat wrapping and the reward).
 """
 from __future__ import annotations
 
@@ -177,7 +181,10 @@ SYSTEM_PROMPT = (
     "for example <calc>1234 * 5678</calc>, and the result comes back in the next message. "
     "When you know the result, reply with the final answer as \\boxed{NUMBER}."
 )
+NO_TOOL_SYSTEM_PROMPT = ("You are a math assistant. Reply with the final answer as "
+                         "\\boxed{NUMBER}.")
 KINDS = ("add", "mul", "muladd")
+EXAMPLES = ("352 * 47", "5802 + 917 + 3409")  # the worked examples of the prompt
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _OPEN_CALL = re.compile(r"<calc>(.*)$", re.DOTALL)
 _HOLE_A, _HOLE_O = "\x00turn\x00", "\x00obs\x00"
@@ -227,7 +234,7 @@ class CalculatorEpisode:
         end = self.env.turn_end
         closed = turn_text.endswith(end)
         body = turn_text[:-len(end)] if closed else turn_text
-        calls = find_calls(body)[:self.env.max_calls_per_turn]
+        calls = find_calls(body)[:self.env.max_calls_per_turn] if self.env.tool else []
         if calls:
             results = [calculate(c) for c in calls]
             errors = sum(r.startswith("error:") for r in results)
@@ -259,8 +266,15 @@ class CalculatorEnv:
     rng([seed, 0, i]) until it gets a train item, eval item j from rng([seed, 1, .]),
     distinct expressions only.
 
-    Protocol: the prompt is the chat template of [system: system_prompt, user: question]
-    with the assistant generation prompt. A turn is one assistant message: it ends on
+    Prompt: the chat template of [system: system_prompt, `shots` worked examples (user:
+    "What is 352 * 47?", assistant: "<calc>352 * 47</calc>", tool_role: "Calculator: 352 *
+    47 = 16544", assistant: "The answer is \\boxed{16544}."), user: question] with the
+    assistant generation prompt. With one example SmolLM2-135M-Instruct calls the tool
+    (greedy) on about 5 problems in 8; with none, never. tool=False is the no-tool
+    baseline: NO_TOOL_SYSTEM_PROMPT, examples answered directly, and every turn is the
+    final answer (calls are not run), so the episode is one turn.
+
+    Protocol: a turn is one assistant message: it ends on
     `turn_end` (<|im_end|>, one token; the stop id), or at max_turn_tokens. A turn holding
     `<calc>EXPR</calc>` (up to max_calls_per_turn of them; an unclosed `<calc>EXPR` at the
     end of the turn counts) is a tool call: each expression goes to `calculate` and the
@@ -284,13 +298,15 @@ class CalculatorEnv:
     terms: int = 3
     seed: int = 0
     eval_fraction: float = 0.5
-    system_prompt: str = SYSTEM_PROMPT
+    tool: bool = True
+    system_prompt: str | None = None
+    shots: int = 1
     tool_role: str = "user"
     turn_end: str = "<|im_end|>"
     max_turns: int = 3
     max_turn_tokens: int = 64
     max_calls_per_turn: int = 4
-    max_prompt_len: int = 160
+    max_prompt_len: int = 256
     max_episode_tokens: int = 512
     name: str = "calculator"
 
@@ -308,6 +324,11 @@ class CalculatorEnv:
         if self.max_digits > 12:
             raise ValueError(f"CalculatorEnv.max_digits must be <= 12, got {self.max_digits}")
         check_count("CalculatorEnv.terms", self.terms, 2)
+        if self.system_prompt is None:
+            object.__setattr__(self, "system_prompt",
+                               SYSTEM_PROMPT if self.tool else NO_TOOL_SYSTEM_PROMPT)
+        if not 0 <= self.shots <= len(EXAMPLES):
+            raise ValueError(f"CalculatorEnv.shots must be in 0 .. {len(EXAMPLES)}, got {self.shots}")
         for f in ("seed", "max_turns", "max_turn_tokens", "max_calls_per_turn",
                   "max_prompt_len", "max_episode_tokens"):
             check_count(f"CalculatorEnv.{f}", getattr(self, f), 0 if f == "seed" else 1)
@@ -385,9 +406,21 @@ class CalculatorEnv:
     def question(self, expr: str) -> str:
         return f"What is {expr}?"
 
+    def messages(self, expr: str) -> list[dict[str, str]]:
+        """The prompt's chat messages: system, the `shots` worked examples (question, tool
+        call, calculator result, boxed answer; without the tool: question, boxed answer),
+        then the question."""
+        out = [{"role": "system", "content": self.system_prompt}]
+        for ex in EXAMPLES[:self.shots]:
+            out.append({"role": "user", "content": self.question(ex)})
+            if self.tool:
+                out += [{"role": "assistant", "content": f"<calc>{ex}</calc>"},
+                        {"role": self.tool_role, "content": f"Calculator: {ex} = {calculate(ex)}"}]
+            out.append({"role": "assistant", "content": f"The answer is \\boxed{{{calculate(ex)}}}."})
+        return out + [{"role": "user", "content": self.question(expr)}]
+
     def _prompt(self, expr: str, answer: int, index: int) -> Prompt:
-        messages = [{"role": "system", "content": self.system_prompt},
-                    {"role": "user", "content": self.question(expr)}]
+        messages = self.messages(expr)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = tuple(int(t) for t in self.tokenizer.encode(text))
         if len(ids) > self.max_prompt_len:

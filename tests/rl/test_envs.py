@@ -263,7 +263,13 @@ def tok():
 
 
 def _chat(env, expr, *messages):
+    """The conversation written out by hand: system, the one worked example, the question."""
+    assert env.shots == 1
     return [{"role": "system", "content": env.system_prompt},
+            {"role": "user", "content": "What is 352 * 47?"},
+            {"role": "assistant", "content": "<calc>352 * 47</calc>"},
+            {"role": "user", "content": "Calculator: 352 * 47 = 16544"},
+            {"role": "assistant", "content": "The answer is \\boxed{16544}."},
             {"role": "user", "content": f"What is {expr}?"}, *messages]
 
 
@@ -357,3 +363,17 @@ def test_make_env_specs():
         make_env("guess_number:k=4", k=5)
     with pytest.raises(ValueError, match="not key=value"):
         make_env("guess_number:k")
+
+
+def test_no_tool_baseline_is_one_turn(tok):
+    env = CalculatorEnv(tokenizer=tok, tool=False)
+    prompt = env.eval_prompts(1)[0]
+    want = [{"role": "system", "content": "You are a math assistant. Reply with the final "
+                                          "answer as \\boxed{NUMBER}."},
+            {"role": "user", "content": "What is 352 * 47?"},
+            {"role": "assistant", "content": "The answer is \\boxed{16544}."},
+            {"role": "user", "content": f"What is {prompt.text}?"}]
+    assert list(prompt.ids) == tok.encode(tok.apply_chat_template(want))
+    ep = env.reset(prompt)
+    r = ep.step(f"<calc>{prompt.text}</calc>{env.turn_end}")  # not run: the final answer
+    assert r.done and r.reward == 0.0 and ep.tool_calls == 0
