@@ -61,6 +61,7 @@ from rl.rollout.sampler_state import (
     init_state,
     sample_keys,
 )
+from rl.rollout.slots import GroupSlots
 from rl.trajectory import Trajectory
 
 
@@ -129,7 +130,7 @@ class StepInfo:
     pruned: int = 0
 
 
-class RolloutEngine:
+class RolloutEngine(GroupSlots):
     """Continuous-batching rollout over `rollout.num_slots` sampler slots.
 
     engine = RolloutEngine(config, RolloutConfig(...), prompts=iter(prompt_lists))
@@ -207,15 +208,6 @@ class RolloutEngine:
         slots, self._free = self._free[:n], self._free[n:]
         return slots
 
-    def _pull_new(self) -> tuple[int, np.ndarray] | None:
-        if not self._new and self._source is not None:
-            try:
-                self._new_group(next(self._source))
-            except StopIteration:
-                self._source = None
-        return self._new.popleft() if self._new else None
-
-    # ------------------------------------------------------------------ stepping
     def _fill(self, params) -> tuple[int, int]:
         samples, sample_slots, resumed = [], [], 0
         while self._resumed and len(self._free) >= self.rollout.group_size:
@@ -338,28 +330,5 @@ class RolloutEngine:
         return out
 
     # ------------------------------------------------------------------ status
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_active_groups(self) -> int:
-        return len(self._active)
-
-    @property
-    def num_queued(self) -> int:
-        """Groups waiting for slots (resumed + submitted; not counting an iterator's rest)."""
-        return len(self._resumed) + len(self._new)
-
-    @property
-    def idle(self) -> bool:
-        """Nothing in the slots, nothing queued and the prompt iterator (if any) exhausted."""
-        if self._active or self._resumed or self._new:
-            return False
-        if self._source is not None:
-            item = self._pull_new()
-            if item is None:
-                return True
-            self._new.appendleft(item)
-            return False
-        return True
+    def _other_queued(self) -> int:
+        return len(self._resumed)  # extracted groups waiting to be loaded

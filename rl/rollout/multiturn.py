@@ -83,6 +83,7 @@ from rl.rollout.sampler_state import (
     init_state,
     sample_keys,
 )
+from rl.rollout.slots import GroupSlots
 
 MODES = ("append", "reprefill")
 
@@ -151,7 +152,7 @@ def _check_env(env: Any, config: ModelConfig) -> None:
     check_stop_ids(env.stop_ids, config)
 
 
-class MultiTurnEngine:
+class MultiTurnEngine(GroupSlots):
     """Continuous-batching multi-turn rollout of `env` over `rollout.num_slots` slots.
 
     engine = MultiTurnEngine(config, env, MultiTurnConfig(...))
@@ -206,14 +207,6 @@ class MultiTurnEngine:
         """Queue task prompts (one group of N episodes each); returns their group ids.
         Prompts are validated now (ValueError: not a Prompt, empty, too long, out of vocab)."""
         return [self._new_group(p) for p in prompts]
-
-    def _pull_new(self) -> tuple[int, Prompt] | None:
-        if not self._new and self._source is not None:
-            try:
-                self._new_group(next(self._source))
-            except StopIteration:
-                self._source = None
-        return self._new.popleft() if self._new else None
 
     # ------------------------------------------------------------------ stepping
     def _fill(self, params) -> int:
@@ -391,30 +384,3 @@ class MultiTurnEngine:
                     d.pop(s, None)
         self._free = sorted(self._free + slots)
         return EpisodeBatch(trajectory=traj, episodes=tuple(records))
-
-    # ------------------------------------------------------------------ status
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_active_groups(self) -> int:
-        return len(self._active)
-
-    @property
-    def num_queued(self) -> int:
-        """Groups waiting for slots (submitted; not counting an iterator's rest)."""
-        return len(self._new)
-
-    @property
-    def idle(self) -> bool:
-        """Nothing in the slots, nothing queued and the prompt iterator (if any) exhausted."""
-        if self._active or self._new:
-            return False
-        if self._source is not None:
-            item = self._pull_new()
-            if item is None:
-                return True
-            self._new.appendleft(item)
-            return False
-        return True
