@@ -91,24 +91,21 @@ def main(argv=None) -> dict:
            "prune_flags": args.prune_flags, "seeds": args.seeds, "steps": args.steps, "table": table, "runs": runs}
     path = Path(args.results_json)
     atomic_write_json(path, out)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        from experiments.plots import save_png
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for arm, rs in runs.items():
-            x = np.mean([[c["tokens"] for c in r["curve"]] for r in rs], axis=0)
-            y = np.mean([[c["greedy"] for c in r["curve"]] for r in rs], axis=0)
-            ax.plot(x, y, marker="o", ms=3, label=f"{arm} (mean of {len(rs)} seeds)")
-        ax.set_xlabel("sampled tokens")
-        ax.set_ylabel("greedy eval reward")
-        ax.set_title("tiny-synthetic: online pruning vs plain GRPO")
-        ax.legend()
-        save_png(fig, path.with_suffix(".png"))
-    except ImportError:
-        pass
+    from experiments.plots import save_png
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, rs in runs.items():
+        x = np.mean([[c["tokens"] for c in r["curve"]] for r in rs], axis=0)
+        y = np.mean([[c["greedy"] for c in r["curve"]] for r in rs], axis=0)
+        ax.plot(x, y, marker="o", ms=3, label=f"{arm} (mean of {len(rs)} seeds)")
+    ax.set_xlabel("sampled tokens")
+    ax.set_ylabel("greedy eval reward")
+    ax.set_title("tiny-synthetic: online pruning vs plain GRPO")
+    ax.legend()
+    save_png(fig, path.with_suffix(".png"))
     return out
 
 

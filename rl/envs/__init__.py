@@ -37,7 +37,7 @@ def _option(text: str) -> Any:
         try:
             return kind(text)
         except ValueError:
-            pass
+            continue  # not this kind: try the next
     return tuple(text.split("+")) if "+" in text else text
 
 
