@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 from experiments.benchmarking import RESULTS_DIR, machine
-from experiments.smollm2_rg import PRESET, read_run
+from experiments.smollm2_rg import PRESET, gain_over_seeds, read_run, train_missing
 from rl.runtime.logging import atomic_write_json
 
 RANK, LR = 8, 2e-4
@@ -45,17 +44,10 @@ def train_command(root: Path, seed: int) -> list[str]:
             "--run-dir", str(run_dir_of(root, seed))]
 
 
-def _gains(runs: dict) -> dict:
-    g = [r["gain"] for r in runs.values()]
-    return {"mean": statistics.fmean(g), "std": statistics.stdev(g) if len(g) > 1 else None,
-            "min": min(g), "max": max(g), "seeds": len(g),
-            "steps_mean": statistics.fmean(r["steps"] for r in runs.values())}
-
-
 def collect(root: Path, seeds: list[int], full_json: Path = FULL_JSON) -> dict:
     lora = {str(s): read_run(run_dir_of(root, s)) for s in seeds}
     full = json.loads(full_json.read_text())["runs"]
-    lg, fg = _gains(lora), _gains(full)
+    lg, fg = gain_over_seeds(lora), gain_over_seeds(full)
     return {
         "headline": {
             "metric": f"mean gain in greedy accuracy on 256 held-out chain_sum problems, LoRA "
@@ -122,11 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     root = Path(args.run_root)
     if args.train:
-        from experiments import train
-
-        for seed in args.seeds:
-            if not (run_dir_of(root, seed) / "summary.json").is_file():
-                train.main(train_command(root, seed))
+        train_missing(args.seeds, lambda seed: run_dir_of(root, seed),
+                      lambda seed: train_command(root, seed))
     try:
         result = collect(root, args.seeds, Path(args.full))
     except ValueError as err:

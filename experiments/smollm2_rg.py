@@ -90,21 +90,38 @@ def read_run(run_dir: Path) -> dict:
     }
 
 
+def gain_over_seeds(runs: dict) -> dict:
+    """{mean, std (None for one seed), min, max, seeds, steps_mean} of the runs' gains."""
+    gains = [r["gain"] for r in runs.values()]
+    return {"mean": statistics.fmean(gains),
+            "std": statistics.stdev(gains) if len(gains) > 1 else None,
+            "min": min(gains), "max": max(gains), "seeds": len(gains),
+            "steps_mean": statistics.fmean(r["steps"] for r in runs.values())}
+
+
+def train_missing(seeds: list[int], run_dir_of, train_command) -> None:
+    """Run `experiments.train` for each seed whose run dir has no summary.json yet, one
+    after another (each run has the machine to itself)."""
+    from experiments import train
+
+    for seed in seeds:
+        if not (run_dir_of(seed) / "summary.json").is_file():
+            train.main(train_command(seed))
+
+
 def collect(root: Path, seeds: list[int]) -> dict:
     runs = {str(s): read_run(run_dir_of(root, s)) for s in seeds}
-    gains = [r["gain"] for r in runs.values()]
+    gains = gain_over_seeds(runs)
     out = {
         "headline": {
             "metric": "mean gain in greedy accuracy on 256 held-out chain_sum problems "
                       "(after - before, fraction), over seeds",
-            "value": round(statistics.fmean(gains), 4),
+            "value": round(gains["mean"], 4),
             "target": TARGET_GAIN,
             "machine": machine(),
-            "reached_target": statistics.fmean(gains) >= TARGET_GAIN,
+            "reached_target": gains["mean"] >= TARGET_GAIN,
         },
-        "gain_over_seeds": {"mean": statistics.fmean(gains),
-                            "std": statistics.stdev(gains) if len(gains) > 1 else None,
-                            "min": min(gains), "max": max(gains), "seeds": len(gains)},
+        "gain_over_seeds": gains,
         "before_mean": statistics.fmean(r["before"]["accuracy"] for r in runs.values()),
         "after_mean": statistics.fmean(r["after"]["accuracy"] for r in runs.values()),
         "command": "python -m experiments.smollm2_rg --train --seeds " +
@@ -170,11 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     root = Path(args.run_root)
     if args.train:
-        from experiments import train
-
-        for seed in args.seeds:
-            if not (run_dir_of(root, seed) / "summary.json").is_file():
-                train.main(train_command(root, seed))
+        train_missing(args.seeds, lambda seed: run_dir_of(root, seed),
+                      lambda seed: train_command(root, seed))
     try:
         result = collect(root, args.seeds)
     except ValueError as err:
