@@ -72,7 +72,9 @@ def run_one(method: str, seed: int, args: argparse.Namespace, run_dir: Path) -> 
             f.unlink() if f.is_file() or f.is_symlink() else f.rmdir()
     cmd = [sys.executable, "-m", "experiments.train", "--preset", args.preset, "--seed",
            str(seed), "--run-dir", str(run_dir), "--no-progress", "--wandb", "disabled",
-           "--save-every", "0", "--eval-every", str(args.eval_every), *METHODS[method]]
+           "--save-every", "0", *METHODS[method], *method_flags(args).get(method, [])]
+    if args.eval_every:
+        cmd += ["--eval-every", str(args.eval_every)]
     if args.steps:
         cmd += ["--steps", str(args.steps)]
     if args.lock and os.path.exists(args.lock):
@@ -84,6 +86,27 @@ def run_one(method: str, seed: int, args: argparse.Namespace, run_dir: Path) -> 
                            f"{out.stderr[-4000:]}")
     print(f"  {method:8s} seed {seed}: done in {time.perf_counter() - t0:.0f} s (with lock wait)",
           flush=True)
+
+
+def method_flags(args: argparse.Namespace) -> dict[str, list[str]]:
+    """--method-flag NAME:FLAG=VALUE (repeatable): extra experiments.train flags for one
+    method, e.g. dars:--micro-batches=2 (its doubled batch in two halves, same update)."""
+    out: dict[str, list[str]] = {}
+    for spec in args.method_flag:
+        name, sep, flag = spec.partition(":")
+        if not sep or name not in METHODS or not flag.startswith("--"):
+            raise SystemExit(f"--method-flag {spec!r}: expected NAME:--flag[=value] with NAME in "
+                             f"{list(METHODS)}")
+        out.setdefault(name, []).extend(flag.split("=", 1))
+    return out
+
+
+def run_dirs(method: str, args: argparse.Namespace, out: Path) -> list[Path]:
+    """The run dirs of one method: out/<method>_s<seed>, or for uniform with
+    --uniform-from, that template's dirs (finished runs of the same preset, reused)."""
+    if method == "uniform" and args.uniform_from:
+        return [Path(args.uniform_from.format(seed=s)) for s in range(args.uniform_seeds)]
+    return [out / f"{method}_s{s}" for s in range(args.seeds)]
 
 
 def read_run(run_dir: Path) -> dict:
@@ -222,7 +245,13 @@ def main(argv: list[str] | None = None) -> dict:
                    help=f"comma-separated, from {list(METHODS)} (uniform is required)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=0, help="steps per run (0: the preset's)")
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=0, help="0: the preset's")
+    p.add_argument("--method-flag", action="append", default=[], metavar="NAME:FLAG=VALUE",
+                   help="an extra experiments.train flag for one method (repeatable)")
+    p.add_argument("--uniform-from", default="", metavar="TEMPLATE",
+                   help="reuse finished uniform runs of this preset instead of training them, "
+                        "e.g. 'runs/smollm2-rg-s{seed}' (experiments.smollm2_rg's)")
+    p.add_argument("--uniform-seeds", type=int, default=3, help="with --uniform-from")
     p.add_argument("--out-dir", default="runs/data_efficiency")
     p.add_argument("--lock", default=LOCK, help="flock file per run ('' for none)")
     p.add_argument("--results-json", default=str(RESULTS / "data_efficiency.json"))
@@ -234,11 +263,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.seeds < 3:
         print("note: fewer than 3 seeds: the spread is not meaningful", file=sys.stderr)
     out = Path(args.out_dir) / args.preset
-    order = run_order(methods, list(range(args.seeds)))
+    method_flags(args)  # a bad --method-flag fails before any run
+    trained = [m for m in methods if not (m == "uniform" and args.uniform_from)]
+    order = run_order(trained, list(range(args.seeds)))
     print(f"{len(order)} runs: {order}", flush=True)
     for m, s in order:
         run_one(m, s, args, out / f"{m}_s{s}")
-    per = {m: [read_run(out / f"{m}_s{s}") for s in range(args.seeds)] for m in methods}
+    per = {m: [read_run(d) for d in run_dirs(m, args, out)] for m in methods}
     summary = summarize(per)
     print(format_table(summary))
     from experiments.benchmarking import machine
@@ -251,7 +282,10 @@ def main(argv: list[str] | None = None) -> dict:
         "value": summary["table"][best]["speedup_to_uniform_final"], "target": 1.3,
         "machine": machine()}
     summary["config"] = {"preset": args.preset, "seeds": args.seeds, "steps": args.steps or None,
-                         "eval_every": args.eval_every, "methods": {m: METHODS[m] for m in methods},
+                         "eval_every": args.eval_every or None,
+                         "methods": {m: METHODS[m] + method_flags(args).get(m, [])
+                                     for m in methods},
+                         "uniform_from": args.uniform_from or None,
                          "order": order, "command": "python -m experiments.data_efficiency "
                          + " ".join(sys.argv[1:] if argv is None else argv)}
     path = Path(args.results_json)
