@@ -506,7 +506,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mesh or multi:
         try:
             mesh = make_mesh_preset(args.mesh or "dp")
-            validate_mesh(mesh, config, batch=loop.prompts_per_step * loop.group_size)
+            validate_mesh(mesh, config,
+                          batch=scheduler.batch_rows(loop.prompts_per_step, loop.group_size))
         except ValueError as err:
             build_parser().error(str(err))
     run_config = {"preset": preset.name, "train": repr(train), "loop": dataclasses.asdict(loop)}

@@ -53,7 +53,7 @@ from rl.loops.replay import (
     replay_count,
 )
 from rl.schedulers import SCHEDULERS, PromptScheduler, make_scheduler
-from rl.schedulers.dars import SCHEDULES
+from rl.schedulers.dars import SCHEDULES, DarsConfig
 from rl.tasks.base import Prompt, Task
 
 LOOP_SCHEDULERS = SCHEDULERS
@@ -105,6 +105,13 @@ class SchedulerOptions:
         if self.name == "dars" and f > 0:
             raise ValueError("rollout replay with the dars scheduler is not supported (DARS's "
                              "budget counts fresh rollouts); drop --replay-fraction or dars")
+
+    def batch_rows(self, prompts_per_step: int, group_size: int) -> int:
+        """Rows of the learner's batch per step: B·N, or DARS's budget T (both stages)."""
+        if self.name == "dars":
+            return DarsConfig(prompts_per_step=prompts_per_step, group_size=group_size,
+                              budget=self.dars_budget, unit=group_size).budget
+        return prompts_per_step * group_size
 
     @property
     def is_default(self) -> bool:

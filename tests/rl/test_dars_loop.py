@@ -96,6 +96,18 @@ def test_dars_budget_must_be_whole_groups():
         SchedulerOptions("dars", replay_fraction=0.5)
 
 
+def test_batch_rows_is_what_the_learner_sees():
+    """The row count the CLI validates a mesh against (SchedulerOptions.batch_rows) equals
+    the rows of the batches a DARS / uniform source actually produces."""
+    task = SyntheticTask(**dict(PRESET.task_options))
+    for options, rows in ((SchedulerOptions(), 2 * 4), (SchedulerOptions("dars"), 2 * 2 * 4),
+                          (SchedulerOptions("dars", dars_budget=24), 24),
+                          (SchedulerOptions("dps", pool_size=8), 2 * 4)):
+        assert options.batch_rows(LOOP.prompts_per_step, LOOP.group_size) == rows
+    source = make_prompt_source(SchedulerOptions("dars", dars_budget=24), task, LOOP, None)
+    assert source.scheduler.config.budget == 24
+
+
 def records(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
 
