@@ -1,8 +1,13 @@
-"""Data efficiency: uniform GRPO against the prompt schedulers (DOTS, DPS, DARS) and
-rollout replay, on the tiny synthetic task (issue 22).
+"""Data efficiency: uniform GRPO against the prompt schedulers (DOTS, DPS, DARS), rollout
+replay and online pruning, on the tiny synthetic task and the real-model preset (issue 22).
 
-    python -m experiments.data_efficiency                      # 5 methods x 3 seeds
+    python -m experiments.data_efficiency --method-flag prune:--segment-len=2  # 6 x 3 seeds
     python -m experiments.data_efficiency --seeds 5 --methods uniform,dps
+    python -m experiments.data_efficiency --preset smollm2-rg --seeds 1 \
+        --methods uniform,dps,replay,dots,dars --uniform-from 'runs/smollm2-rg-s{seed}' \
+        --lock /tmp/realmodel.lock --method-flag dars:--micro-batches=2 \
+        --results-json experiments/results/data_efficiency_smollm2.json
+        # SmolLM2-135M, ~32 min per run on 2 cores; uniform = experiments.smollm2_rg's runs
 
 Each run is `python -m experiments.train --preset P --seed s <method's flags>` in its own
 process (under `flock /tmp/cpu.lock` when that file exists, so machine load affects
@@ -45,13 +50,15 @@ LOCK = "/tmp/cpu.lock"
 METRIC = "greedy_accuracy"
 COMPILE_FACTOR = 5.0  # a step over 5x the run's median step time is an XLA compile
 
-# name -> experiments.train flags; one entry per method (add pruning here when it lands)
+# name -> experiments.train flags; one entry per method. Pruning checks groups at segment
+# boundaries: on tiny-synthetic (4-token responses) run it with prune:--segment-len=2.
 METHODS: dict[str, list[str]] = {
     "uniform": [],
     "dots": ["--prompt-scheduler", "dots"],
     "dps": ["--prompt-scheduler", "dps"],
     "dars": ["--prompt-scheduler", "dars"],
     "replay": ["--replay-fraction", "0.5"],
+    "prune": ["--prune"],
 }
 
 

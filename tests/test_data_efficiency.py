@@ -1,14 +1,18 @@
 """experiments.data_efficiency's bookkeeping on hand-made run records: the interleaved
 order, reading a run's metrics.jsonl (training wall time excludes evals), the seed-mean
 curve, the interpolated first crossing of the target and the speedups (hand numbers)."""
+import argparse
 import json
+from pathlib import Path
 
 import pytest
 
 from experiments.data_efficiency import (
     first_reach,
     mean_curve,
+    method_flags,
     read_run,
+    run_dirs,
     run_order,
     summarize,
 )
@@ -70,3 +74,17 @@ def test_compile_steps_count_at_the_median_step_time(tmp_path):
     assert run["compile_steps"] == 2 and run["compile_s"] == pytest.approx(200.0)
     assert [p["wall_s"] for p in run["curve"]] == [0.0, 4.0, 8.0]
     assert [p["raw_wall_s"] for p in run["curve"]] == [0.0, 104.0, 208.0]
+
+
+def test_method_flags_and_reused_uniform_runs():
+    args = argparse.Namespace(method_flag=["dars:--micro-batches=2", "prune:--segment-len=2",
+                                           "dars:--dars-schedule=hw"],
+                              uniform_from="runs/smollm2-rg-s{seed}", uniform_seeds=3, seeds=1)
+    assert method_flags(args) == {"dars": ["--micro-batches", "2", "--dars-schedule", "hw"],
+                                  "prune": ["--segment-len", "2"]}
+    out = Path("runs/de/p")
+    assert run_dirs("uniform", args, out) == [Path(f"runs/smollm2-rg-s{s}") for s in range(3)]
+    assert run_dirs("dps", args, out) == [out / "dps_s0"]
+    for bad in ("nosuch:--x=1", "dars--micro-batches=2", "dars:micro-batches=2"):
+        with pytest.raises(SystemExit, match="method-flag"):
+            method_flags(argparse.Namespace(method_flag=[bad]))
