@@ -1,36 +1,47 @@
 """DARS: difficulty-adaptive rollout sampling (Yang et al., "Depth-Breadth Synergy in RLVR:
-Unlocking LLM Reasoning Gains with Adaptive Exploration", 2025): more rollouts for hard
-prompts, in an extra stage, within a fixed rollout budget.
+Unlocking LLM Reasoning Gains with Adaptive Exploration", 2025; official code
+yangzhch6/DARS, verl/trainer/ppo/ray_dars_trainer.py, `resample_func1` / `resample_func2`
+selected by data.resampling_func, and experiments/DARS-*.sh): more rollouts for hard
+prompts in a second stage.
 
-Why: with group-normalised advantages Â_i = (r_i - mean) / std and binary rewards, a
-group of n rollouts at accuracy a has cumulative advantage Σ_i |Â_i| = 2n √(a(1-a)),
-largest at a = 1/2: GRPO under-weights low-accuracy (hard) prompts. DARS fixes it in two
-stages per step:
+Why: the official runs use un-normalised group advantages Â_i = r_i − mean(r)
+(algorithm.grpo_use_std=False). With binary rewards a group of N rollouts at accuracy a
+then has cumulative advantage Σ_i |Â_i| = 2 N a (1 − a), largest at a = 1/2: low-accuracy
+(hard) prompts are under-weighted. DARS per step:
 
   stage 1: n rollouts for each of the B prompts; accuracy â_j = mean reward of prompt j
-  stage 2: Δn_j extra rollouts for the hard prompts (â_j < 1/2), by a re-balancing schedule
-    equal treatment (ET): bring the cumulative advantage up to that of a = 1/2,
-        2 (n + Δn_j) √(â_j(1-â_j)) = n   ⇒   Δn_j = n (1 / (2 √(â_j(1-â_j))) - 1),
-    hardness weighted (HW): Δn_j = N_max (1 - 2 â_j)  (more, the harder; our reading
-        of the paper's second schedule),
-    each capped at N_max (a prompt with â_j = 0 gets N_max under ET, whose target is
-    unbounded there).
+  stage 2: N_j − n more rollouts of prompt j, N_j from a re-balancing schedule:
+    equal treatment (ET, resampling_func=1): lift a hard prompt's cumulative advantage to
+        that of a = 1/2 with n rollouts, 2 N_j â_j (1 − â_j) = n / 2, i.e.
+        N_j = min(N_max, round(n / (4 â_j (1 − â_j)))),  N_j = N_max at â_j = 0;
+        for n = 8, N_max = 32 this is exactly the official table (â = 0, 1/8, 2/8, 3/8 ->
+        32, 18, 11, 9 rollouts; 8 from â = 4/8 up).
+    hardness weighted (HW, resampling_func=2): the official table for n = 8, N_max = 48:
+        â = 0, <= 1/8, <= 2/8, <= 3/8 -> 48, 24, 12, 9 rollouts, else 8. No closed form is
+        given in the code and we could not check the paper's text; for n != 8 we scale
+        the table by n/8 (our extension).
+  Only hard prompts (â_j < `hard_below` = 1/2) get extra rollouts (both tables give N_j = n
+  from â = 4/8 up). N_max (algorithm.n_max: 32 for ET, 48 for HW in the official scripts)
+  = n + max_extra here (default max_extra: 3n for ET, 5n for HW).
+  The official trainer pools each prompt's n + (N_j − n) rollouts into ONE group (same
+  uid) and drops groups whose pooled accuracy is 0 or 1 before the update.
 
-Fixed budget (this implementation): a step spends exactly T rollouts. Stage 1 takes B·n;
-the remaining E = T - B·n are apportioned over the prompts in proportion to their
-schedule's Δn_j by the largest-remainder rule (so Σ_j Δn_j = E exactly, and a harder
-prompt never gets fewer than an easier one); if no prompt is hard the E rollouts are
-spread evenly.
+Our adaptations (the learner needs a fixed batch shape): a step spends exactly T
+rollouts (`budget`). Stage 1 takes B·n; the remaining E = T − B·n are apportioned over
+the prompts in proportion to their schedule's wanted Δn_j = N_j − n by the
+largest-remainder rule (Σ_j Δn_j = E exactly, a harder prompt never gets fewer than an
+easier one); if no prompt is hard the E rollouts are spread evenly. The official trainer
+instead spends Σ_j (N_j − n), a number that varies from step to step.
 
 Whole groups (`unit`): with unit = u the E extra rollouts are apportioned in blocks of u
 (E/u blocks by the same rule, each prompt's Δn_j a multiple of u). The synchronous loop
 uses u = n, so each extra block is one more group of n rollouts of the same prompt with
-its own group-normalised advantages, and every batch has the fixed shape T/n groups of n
-(rl.loops.scheduling).
+its own group-normalised advantages (not pooled with stage 1), and every batch has the
+fixed shape T/n groups (rl.loops.scheduling).
 
-Hyper-parameters (DarsConfig): B = prompts_per_step, n = group_size, T = budget
-(default 2·B·n), N_max = max_extra, the schedule ("et" | "hw"), the hardness threshold
-1/2 (`hard_below`), u = unit.
+Hyper-parameters (DarsConfig): B = prompts_per_step, n = group_size (8 officially), T =
+budget (default 2·B·n), N_max − n = max_extra, the schedule ("et" | "hw"), the hardness
+threshold 1/2 (`hard_below`), u = unit.
 """
 from __future__ import annotations
 
@@ -43,24 +54,38 @@ import numpy as np
 from rl.schedulers.base import Plan, check_float, check_int, check_updates
 
 SCHEDULES = ("et", "hw")
+# the official resample_func2 (HW) for n = 8: accuracy upper bounds -> total rollouts
+HW_TABLE = ((0.0, 48), (1 / 8, 24), (2 / 8, 12), (3 / 8, 9))
+DEFAULT_EXTRA = {"et": 3, "hw": 5}  # N_max = (1 + this) · n: 32 and 48 for n = 8
 
 
-def schedule_extra(accuracy: np.ndarray, n: int, schedule: str, max_extra: int,
+def _round_half_up(x: np.ndarray) -> np.ndarray:
+    return np.floor(np.asarray(x, np.float64) + 0.5)
+
+
+def schedule_total(accuracy: np.ndarray, n: int, schedule: str, n_max: int,
                    hard_below: float = 0.5) -> np.ndarray:
-    """The schedule's wanted extra rollouts Δn_j [B] (float, before the budget), 0 for
-    prompts at or above `hard_below` accuracy."""
+    """N_j [B]: the schedule's total rollouts per prompt (both stages) from the stage-1
+    accuracies; n for prompts at or above `hard_below`."""
     a = np.asarray(accuracy, np.float64)
-    hard = a < hard_below
-    out = np.zeros_like(a)
     if schedule == "et":
         with np.errstate(divide="ignore"):
-            want = n * (1.0 / (2.0 * np.sqrt(a * (1.0 - a))) - 1.0)
-        out = np.where(hard, np.minimum(np.maximum(want, 0.0), max_extra), 0.0)
+            want = np.where(a > 0, _round_half_up(n / (4.0 * a * (1.0 - a))), np.inf)
     elif schedule == "hw":
-        out = np.where(hard, max_extra * (1.0 - a / hard_below), 0.0)
+        want = np.full_like(a, float(n))
+        for bound, total in reversed(HW_TABLE):  # the tightest bound wins
+            want = np.where(a <= bound + 1e-6, _round_half_up(total * n / 8.0), want)
     else:
         raise ValueError(f"unknown DARS schedule {schedule!r}; use one of {SCHEDULES}")
-    return out
+    return np.where(a < hard_below, np.clip(want, n, n_max), float(n))
+
+
+def schedule_extra(accuracy: np.ndarray, n: int, schedule: str, max_extra: int = 0,
+                   hard_below: float = 0.5) -> np.ndarray:
+    """The schedule's wanted extra rollouts Δn_j = N_j − n [B] (before the budget), 0 for
+    prompts at or above `hard_below`; max_extra = N_max − n (0: the schedule's default)."""
+    extra = max_extra or DEFAULT_EXTRA.get(schedule, 0) * n
+    return schedule_total(accuracy, n, schedule, n + extra, hard_below) - n
 
 
 def apportion(total: int, weights: np.ndarray) -> np.ndarray:
@@ -80,7 +105,7 @@ def apportion(total: int, weights: np.ndarray) -> np.ndarray:
 
 
 def dars_allocation(accuracy: np.ndarray, n: int, extra_budget: int, schedule: str = "et",
-                    max_extra: int = 16, hard_below: float = 0.5) -> np.ndarray:
+                    max_extra: int = 0, hard_below: float = 0.5) -> np.ndarray:
     """Stage-2 rollouts per prompt [B] (ints summing to extra_budget) from the stage-1
     accuracies."""
     return apportion(int(extra_budget),
@@ -97,7 +122,7 @@ class DarsConfig:
     group_size: int = 8
     budget: int = 0
     schedule: str = "et"
-    max_extra: int = 16
+    max_extra: int = 0
     hard_below: float = 0.5
     unit: int = 1
 
@@ -113,7 +138,7 @@ class DarsConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"DarsConfig.schedule must be one of {SCHEDULES}, got "
                              f"{self.schedule!r}")
-        check_int("DarsConfig", "max_extra", self.max_extra, 1)
+        check_int("DarsConfig", "max_extra", self.max_extra, 0)
         check_float("DarsConfig", "hard_below", self.hard_below, 0.0, 1.0, low_open=True)
         u = check_int("DarsConfig", "unit", self.unit, 1)
         if (self.budget - b * n) % u:

@@ -1,33 +1,41 @@
 """DPS: dynamics-predictive sampling (Mao et al., "Dynamics-Predictive Sampling for Active
-RL Finetuning of Large Reasoning Models", ICLR 2026).
+RL Finetuning of Large Reasoning Models", ICLR 2026; official code maoyixiu/DPS,
+recipe/dps/task_sampler.py `BayesianHMMSampler`, whose README states the procedure below).
 
-Each prompt τ has a hidden solving state s_t^τ in S = {U, P, F}: unsolved (all k rollouts
-wrong), partially solved, fully solved (all right). Only partially solved prompts give
-GRPO a non-zero advantage. The state evolves as a Markov chain with a transition matrix A
-shared by all prompts, A[s, s'] = p(s_{t+1} = s' | s_t = s), and a sampled group is an
-observation o of the state with emission E[s, o] = p(o | s) (the paper reads the state
-off the group's rewards exactly: E = I, the default; a noisy E is allowed).
+Each prompt τ has a hidden solving state z_t^τ in {1, 2, 3} = {U, P, F} (here 0, 1, 2):
+unsolved (no rollout of the group correct), partially solved, fully solved. Only State 2
+gives GRPO a non-zero advantage. The observation y_t is the state read off the sampled
+group's success rate (0 -> U, 1 -> F, else P; the official code's deterministic
+observation model, E = I here; a noisy emission E[s, o] = p(o | s) is our extension).
 
-Per prompt, a forward (Bayes) filter over the belief b_t^τ(s) = p(s_t^τ = s | rewards so far):
+Every prompt has its OWN transition model: a Dirichlet α^τ [S, S] over the rows of its
+transition matrix, A^τ[s, s'] = p(z_{t+1} = s' | z_t = s) = α^τ[s, s'] / Σ_s'' α^τ[s, s''].
+At each training step t, for every prompt the sampler knows (README "train", steps i-iii):
 
-    predict, Δ steps with no observation:  b⁻ = b A^Δ
-    update on an observation o:            b(s') ∝ b⁻(s') E[s', o]
+  (i)   posterior:   μ_t^post = μ_t^prior                      if τ was not sampled,
+                     μ_t^post(s) ∝ μ_t^prior(s) E[s, y_t]       if it was (one-hot for E = I)
+  (ii)  transition:  ξ[s, s'] ∝ μ_{t-1}^post(s) A^τ[s, s'] E[s', y_t]   (sampled τ only)
+                     α^τ ← λ α^τ + (1 − λ) α_0 + ξ             (sampled; ξ = 0 otherwise)
+  (iii) prediction:  μ_{t+1}^prior = μ_t^post A^τ(α^τ updated)
 
-A unseen prompt's belief is the prior π_0. A is learned online: the expected count of the
-last transition of a prompt observed at step t after a previous belief b at step t - Δ,
+A new prompt starts at α^τ = α_0, μ^prior = μ^post = π_0 (uniform). λ < 1 forgets old
+transition counts towards the prior (non-stationary dynamics). Selection, before any
+rollout (README "sample_batch"): the B candidates with the largest μ_t^{τ,prior}(2),
 
-    ξ(s, s') ∝ (b A^(Δ-1))(s) A[s, s'] E[s', o],      N ← λ N + ξ,
-    A[s, :] = (α_0[s, :] + N[s, :]) / Σ_s' (α_0[s, s'] + N[s, s'])
+    𝓑_t = Top_B({τ ∈ candidates : μ_t^{τ,prior}(2)}),
 
-(a Dirichlet prior α_0, a forgetting factor λ ≤ 1 for a policy that keeps moving).
-Selection, before any rollout: the predicted informativeness of τ at step t is
-p(s_t^τ = P) = (b^τ A^Δ)(P), and the B prompts with the largest value are sampled (ties
-broken by a seeded shuffle).
+ties broken by a seeded shuffle (the official np.argsort leaves tie order unspecified).
+A prompt is "known" from the first time it is offered as a candidate (as in the official
+sample_batch), so an offered but unsampled prompt's belief also propagates each step.
 
-Hyper-parameters (DpsConfig): k = group_size, B = prompts_per_step, π_0 = `prior`,
-α_0 = `transition_prior` (default: 1 everywhere plus `stay_bonus` on the diagonal),
-λ = `forgetting`, E = `emission`, the solved threshold (a rollout is correct if its
-reward >= `correct_threshold`).
+Hyper-parameters (DpsConfig; the official scripts' values): B = prompts_per_step, k =
+group_size (8), π_0 = `prior` (uniform, hmm_prior_pi="uniform"), α_0 = `transition_prior`
+(all ones, hmm_prior_alpha=1.0; `stay_bonus` adds b·I, 0 by default), λ = `forgetting`
+(hmm_transition_decay_ratio: 0.7 in the MATH scripts, 0.5 in Countdown, 1.0 the config
+default; we default to 0.7), a rollout is correct if its reward >= `correct_threshold`
+(the official acc >= 1). Candidates: the official sampler draws candidate_ratio · B
+prompts (8x-32x) per step from the shuffled dataset; the synchronous loop offers its whole
+fixed pool (rl.loops.scheduling), an adaptation.
 """
 from __future__ import annotations
 
@@ -44,39 +52,38 @@ U, P, F = 0, 1, 2
 
 
 def observe_state(rewards: np.ndarray, correct_threshold: float = 1.0) -> int:
-    """The observed state of one group: U if no rollout is correct, F if all are, else P."""
+    """The observed state y of one group: U if no rollout is correct, F if all are, else P."""
     c = np.asarray(rewards, np.float64) >= correct_threshold
     return U if not c.any() else F if c.all() else P
 
 
-def predict_belief(belief: np.ndarray, transition: np.ndarray, steps: int) -> np.ndarray:
-    """b A^steps."""
-    b = np.asarray(belief, np.float64)
-    for _ in range(int(steps)):
-        b = b @ transition
-    return b
+def expected_transition(alpha: np.ndarray) -> np.ndarray:
+    """A [.., S, S]: the Dirichlet mean, each row of α normalised."""
+    a = np.asarray(alpha, np.float64)
+    return a / a.sum(axis=-1, keepdims=True)
 
 
-def filter_update(belief: np.ndarray, transition: np.ndarray, emission: np.ndarray,
-                  steps: int, obs: int) -> tuple[np.ndarray, np.ndarray]:
-    """One forward-filter step for a prompt last filtered `steps` >= 1 steps ago and now
-    observed as `obs`: (posterior belief [S], expected last transition ξ [S, S])."""
-    if steps < 1:
-        raise ValueError(f"filter_update: steps since the last belief must be >= 1, got {steps}")
-    before = predict_belief(belief, transition, steps - 1)
-    xi = before[:, None] * transition * emission[:, obs][None, :]
-    z = xi.sum()
-    if not z > 0:
-        raise ValueError(f"filter_update: observation {STATES[obs]!r} has probability 0 under "
-                         "the model; the emission matrix must allow every observation")
-    xi /= z
-    return xi.sum(axis=0), xi
-
-
-def transition_from_counts(prior: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Row-normalised α_0 + N."""
-    a = np.asarray(prior, np.float64) + np.asarray(counts, np.float64)
-    return a / a.sum(axis=1, keepdims=True)
+def hmm_step(alpha: np.ndarray, prior: np.ndarray, prev_post: np.ndarray, alpha0: np.ndarray,
+             emission: np.ndarray, forgetting: float, obs: int | None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One training step of one prompt's filter (steps i-iii of the module docstring):
+    α [S, S], μ_t^prior [S], μ_{t-1}^post [S] and the observation y_t (None: not sampled)
+    -> (α updated, μ_{t+1}^prior, μ_t^post)."""
+    a = expected_transition(alpha)
+    decayed = forgetting * alpha + (1.0 - forgetting) * alpha0
+    if obs is None:
+        post, new_alpha = prior, decayed
+    else:
+        lik = emission[:, obs]
+        post = prior * lik
+        if not post.sum() > 0:
+            raise ValueError(f"dps: observation {STATES[obs]!r} has probability 0 under the "
+                             "prompt's prediction; the emission matrix must allow it")
+        post = post / post.sum()
+        xi = prev_post[:, None] * a * lik[None, :]
+        xi = xi / xi.sum()
+        new_alpha = decayed + xi
+    return new_alpha, post @ expected_transition(new_alpha), post
 
 
 def _stochastic(owner: str, name: str, m: Any, shape: tuple[int, ...]) -> tuple:
@@ -99,8 +106,8 @@ class DpsConfig:
     prior: tuple[float, ...] | None = None
     emission: tuple[tuple[float, ...], ...] | None = None
     transition_prior: tuple[tuple[float, ...], ...] | None = None
-    stay_bonus: float = 4.0
-    forgetting: float = 1.0
+    stay_bonus: float = 0.0
+    forgetting: float = 0.7
     seed: int = 0
 
     def __post_init__(self):
@@ -129,7 +136,8 @@ class DpsConfig:
 
 
 class DpsScheduler:
-    """DPS over any int prompt ids: one belief per prompt seen, a shared learned A."""
+    """DPS over any int prompt ids: per known prompt its Dirichlet α^τ [S, S], its
+    prediction μ^prior [S] for the next step and its last posterior μ^post [S]."""
 
     name = "dps"
 
@@ -137,77 +145,70 @@ class DpsScheduler:
         self.config = config
         self.emission = np.asarray(config.emission, np.float64)
         self.alpha0 = np.asarray(config.transition_prior, np.float64)
-        self.counts = np.zeros_like(self.alpha0)
-        self.beliefs: dict[int, np.ndarray] = {}
-        self.last_step: dict[int, int] = {}
-        self.step = 0  # updates seen (the filter's clock)
+        self.pi0 = np.asarray(config.prior, np.float64)
+        self.alpha: dict[int, np.ndarray] = {}
+        self.prior: dict[int, np.ndarray] = {}
+        self.post: dict[int, np.ndarray] = {}
+        self.step = 0  # updates seen
 
-    @property
-    def transition(self) -> np.ndarray:
-        return transition_from_counts(self.alpha0, self.counts)
+    def _register(self, ids: Sequence[int]) -> None:
+        for pid in ids:
+            if pid not in self.alpha:
+                self.alpha[pid] = self.alpha0.copy()
+                self.prior[pid], self.post[pid] = self.pi0.copy(), self.pi0.copy()
+
+    def transition(self, prompt_id: int) -> np.ndarray:
+        """A^τ [S, S] of a known prompt (the prior's mean for an unknown one)."""
+        return expected_transition(self.alpha.get(int(prompt_id), self.alpha0))
 
     def predicted(self, prompt_ids: Sequence[int]) -> np.ndarray:
-        """p(s = P) at the next update for each prompt [n]: b A^Δ with Δ = steps from the
-        prompt's last observation to the next update (π_0 A for a prompt never observed)."""
-        a = self.transition
-        prior = np.asarray(self.config.prior, np.float64)
-        out = np.empty(len(prompt_ids), np.float64)
-        for i, pid in enumerate(prompt_ids):
-            pid = int(pid)
-            if pid in self.beliefs:
-                b = predict_belief(self.beliefs[pid], a, self.step + 1 - self.last_step[pid])
-            else:
-                b = predict_belief(prior, a, 1)
-            out[i] = b[P]
-        return out
+        """μ_t^prior(2) [n] for the coming step (π_0(2) for a prompt never offered)."""
+        return np.asarray([self.prior.get(int(p), self.pi0)[P] for p in prompt_ids],
+                          np.float64)
 
     def select(self, step: int, candidates: Sequence[int]) -> Plan:
         c = self.config
-        ids = [int(q) for q in candidates]
-        if len(set(ids)) < c.prompts_per_step:
-            raise ValueError(f"dps: {len(set(ids))} distinct candidates offered, the batch "
+        ids = list(dict.fromkeys(int(q) for q in candidates))
+        if len(ids) < c.prompts_per_step:
+            raise ValueError(f"dps: {len(ids)} distinct candidates offered, the batch "
                              f"needs prompts_per_step={c.prompts_per_step}")
-        ids = list(dict.fromkeys(ids))
+        self._register(ids)
         score = self.predicted(ids)
         shuffle = np.random.default_rng([c.seed, int(step)]).permutation(len(ids))
         order = np.lexsort((shuffle, -score))
         return [(ids[i], c.group_size) for i in order[:c.prompts_per_step]]
 
     def update(self, prompt_ids: Sequence[int], rewards: Sequence[np.ndarray]) -> None:
-        """One step of the filter: every sampled prompt's belief takes its observation,
-        the transition counts take the expected last transitions, the clock advances."""
-        a = self.transition
-        prior = np.asarray(self.config.prior, np.float64)
+        """One training step for every known prompt: the sampled ones take their
+        observation (and a transition count), the others only propagate."""
+        c = self.config
+        obs = {pid: observe_state(r, c.correct_threshold)
+               for pid, r in check_updates(prompt_ids, rewards)}
+        self._register(list(obs))
+        for pid in self.alpha:
+            self.alpha[pid], self.prior[pid], self.post[pid] = hmm_step(
+                self.alpha[pid], self.prior[pid], self.post[pid], self.alpha0, self.emission,
+                c.forgetting, obs.get(pid))
         self.step += 1
-        xi_sum = np.zeros_like(self.counts)
-        for pid, r in check_updates(prompt_ids, rewards):
-            obs = observe_state(r, self.config.correct_threshold)
-            if pid in self.beliefs:
-                b, steps = self.beliefs[pid], self.step - self.last_step[pid]
-                post, xi = filter_update(b, a, self.emission, steps, obs)
-                xi_sum += xi
-            else:  # first observation: the prior's one-step prediction, no transition seen
-                post, _ = filter_update(prior, a, self.emission, 1, obs)
-            self.beliefs[pid], self.last_step[pid] = post, self.step
-        self.counts = self.config.forgetting * self.counts + xi_sum
 
     def follow_up(self, step: int) -> Plan:
         return []
 
     def state(self) -> dict[str, Any]:
-        ids = sorted(self.beliefs)
-        return {"name": self.name, "step": self.step, "counts": self.counts.tolist(),
-                "ids": ids, "beliefs": [self.beliefs[i].tolist() for i in ids],
-                "last_step": [self.last_step[i] for i in ids]}
+        ids = list(self.alpha)  # registration order (the update order)
+        return {"name": self.name, "step": self.step, "ids": ids,
+                "alpha": [self.alpha[i].tolist() for i in ids],
+                "prior": [self.prior[i].tolist() for i in ids],
+                "post": [self.post[i].tolist() for i in ids]}
 
     def restore(self, state: dict[str, Any]) -> None:
         if state.get("name") != self.name:
             raise ValueError(f"dps: cannot restore the state of scheduler {state.get('name')!r}")
-        counts = np.asarray(state["counts"], np.float64)
-        if counts.shape != self.counts.shape:
-            raise ValueError(f"dps: saved transition counts have shape {counts.shape}, "
-                             f"expected {self.counts.shape}")
-        self.step, self.counts = int(state["step"]), counts
-        self.beliefs = {int(i): np.asarray(b, np.float64)
-                        for i, b in zip(state["ids"], state["beliefs"])}
-        self.last_step = {int(i): int(t) for i, t in zip(state["ids"], state["last_step"])}
+        if "alpha" not in state:
+            raise ValueError("dps: the saved state is from the earlier shared-transition DPS "
+                             "(no per-prompt 'alpha'); start the run afresh")
+        ids = [int(i) for i in state["ids"]]
+        self.step = int(state["step"])
+        self.alpha = {i: np.asarray(a, np.float64) for i, a in zip(ids, state["alpha"])}
+        self.prior = {i: np.asarray(a, np.float64) for i, a in zip(ids, state["prior"])}
+        self.post = {i: np.asarray(a, np.float64) for i, a in zip(ids, state["post"])}
