@@ -14,8 +14,12 @@ position, exactly as the loop always did (same prompts, same order: bit-identica
 "dps" and "dots" choose among a fixed pool, the first `pool_size` prompts of the train
 stream (prompt id = stream position), so a prompt's history accumulates; the data
 position still advances by the prompts consumed per step. DOTS's frozen encoder here is
-the mean of the initial policy's input-embedding rows over the prompt's tokens, and its
-reference set the pool's first `reference_size` prompts.
+the mean of the initial policy's input-embedding rows over the prompt's tokens. At the
+start of each DOTS selection round (every μ = `selection_interval` steps) `measure`
+rolls out its random reference set of K = `reference_size` pool prompts (default μ·B/4,
+the official script's ratio K / (μ·B) = 256 / (2·512)) with the current policy; those
+groups only measure difficulty (never trained on) and their tokens count in the step's
+sampled tokens (`reference_groups` in the stats).
 
 "dars" in the loop: the learner's batch holds contiguous groups of one fixed group_size
 N, so DARS's stage-2 rollouts come in whole groups: the extra budget E = T − B·N (T =
@@ -66,18 +70,18 @@ Draw = Callable[[Any, Sequence[Prompt]], tuple[list[ScoredGroup], list[np.ndarra
 @dataclasses.dataclass(frozen=True)
 class SchedulerOptions:
     """name: "uniform" | "dots" | "dps" | "dars"; pool_size: the candidate pool (dots, dps);
-    reference_size / reference_per_step: DOTS's K and the reference prompts re-measured
-    per step; temperature: DOTS's τ; forgetting: DPS's λ; dars_budget: DARS's T, rollouts
+    reference_size: DOTS's K (0 = max(1, μ·B/4)); selection_interval: DOTS's μ;
+    temperature: DOTS's τ; forgetting: DPS's λ; dars_budget: DARS's T, rollouts
     per step in both stages (0 = 2 · prompts_per_step · group_size; a multiple of
     group_size); dars_schedule: "et" | "hw"; replay_fraction: rollout replay's α (0 =
     off); replay_capacity: the replay FIFO's C groups (0 = 4 · prompts_per_step)."""
 
     name: str = "uniform"
     pool_size: int = 256
-    reference_size: int = 16
-    reference_per_step: int = 1
-    temperature: float = 0.1
-    forgetting: float = 1.0
+    reference_size: int = 0
+    selection_interval: int = 2
+    temperature: float = 1e-3
+    forgetting: float = 0.7
     dars_budget: int = 0
     dars_schedule: str = "et"
     replay_fraction: float = 0.0
@@ -87,7 +91,7 @@ class SchedulerOptions:
         if self.name not in SCHEDULERS:
             raise ValueError(f"unknown prompt scheduler {self.name!r}; available: "
                              f"{list(SCHEDULERS)}")
-        for field, low in (("pool_size", 1), ("reference_size", 1), ("reference_per_step", 0),
+        for field, low in (("pool_size", 1), ("reference_size", 0), ("selection_interval", 1),
                            ("dars_budget", 0), ("replay_capacity", 0)):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -140,6 +144,18 @@ class PromptSource:
         self.prompts_per_step = prompts_per_step
         self.replay, self.replay_fraction, self.seed = replay, float(replay_fraction), seed
 
+    def measure(self, step: int, state: Any, draw: Draw) -> tuple[Any, int, int]:
+        """Roll out the prompts the scheduler asks to measure this step (DOTS's reference
+        set; not trained on) and give it their rewards: (state, sampled tokens, groups)."""
+        if self.pool is None:
+            return state, 0, 0
+        ids = self.scheduler.measure(step, list(range(len(self.pool))))
+        if not ids:
+            return state, 0, 0
+        _, signal, tokens, state = draw(state, [self.pool[i] for i in ids])
+        self.scheduler.update(ids, signal)
+        return state, tokens, len(ids)
+
     @property
     def mixes_batches(self) -> bool:
         """True when a batch is more than the step's B fresh groups (DARS, replay)."""
@@ -181,11 +197,15 @@ class PromptSource:
         state, data position, stats) like rl.loops.sync.sample_batch_groups."""
         n, b = self.scheduler.config.group_size, self.prompts_per_step
         k = 0 if self.replay is None else replay_count(self.replay_fraction, b, len(self.replay))
+        state, ref_tokens, ref_groups = self.measure(step, state, draw)
         prompts, data_position = self.next(step, data_position, b - k)
         groups, signal, tokens, state = draw(state, prompts)
+        tokens += ref_tokens
         self.record(prompts, signal)
         fresh_zero = zero_spread_fraction(np.concatenate(signal), n)
         stats = {"fresh_groups": len(groups), "fresh_zero_spread_frac": fresh_zero}
+        if self.scheduler.name == "dots":
+            stats["reference_groups"] = ref_groups
         if self.scheduler.name == "dars":
             by_id = {p.index: p for p in prompts}
             extra = [by_id[pid] for pid, m in self.scheduler.follow_up(step)
@@ -262,10 +282,14 @@ def make_prompt_source(options: SchedulerOptions, task: Task, loop: Any, params:
         sched = make_scheduler("dps", prompts_per_step=b, group_size=n,
                                forgetting=options.forgetting, seed=seed)
     else:
+        mu = options.selection_interval
+        if mu * b > options.pool_size:
+            raise ValueError(f"dots: a selection round takes selection_interval * "
+                             f"prompts_per_step = {mu * b} distinct prompts, the pool has "
+                             f"{options.pool_size}; raise pool_size or lower the interval")
         sched = make_scheduler("dots", embeddings=prompt_embeddings(params, pool),
-                               reference_ids=tuple(range(options.reference_size)),
-                               prompts_per_step=b, group_size=n,
-                               reference_per_step=min(options.reference_per_step, b),
+                               reference_size=options.reference_size or max(1, mu * b // 4),
+                               selection_interval=mu, prompts_per_step=b, group_size=n,
                                temperature=options.temperature, seed=seed)
     return PromptSource(sched, task, b, pool, **extra)
 

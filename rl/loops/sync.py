@@ -311,25 +311,29 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     sampling = SamplingConfig(temperature=config.temperature)
     with profile.phase("transfer_s"):
         params = process_local(state.params if policy is None else policy(state.params))
+
+    def draw(state, prompts):  # sample and score whole groups (rl.loops.scheduling.Draw)
+        seed, state = _rollout_seed(state)
+        traj = sample_groups(params, int(state.version), model_config, task, prompts,
+                             group_size=n, sampling=sampling, segment_len=loop.segment_len,
+                             seed=seed, profile=profile)
+        with profile.phase("reward_s"):
+            r = score(task, prompts, traj)
+        acc = accuracy_name(task.reward_names)
+        signal = r[acc] if acc in r else total_reward(r, config)
+        blocks = [list(range(g * n, (g + 1) * n)) for g in range(len(prompts))]
+        return ([ScoredGroup(traj=take_rows(traj, rows), rewards={
+            name: r[name][rows] for name in task.reward_names}) for rows in blocks],
+            [signal[rows] for rows in blocks], traj.num_tokens(), state)
+
     if source.mixes_batches:  # DARS's extra groups / rollout replay (rl.loops.scheduling)
-        def draw(state, prompts):
-            seed, state = _rollout_seed(state)
-            traj = sample_groups(params, int(state.version), model_config, task, prompts,
-                                 group_size=n, sampling=sampling, segment_len=loop.segment_len,
-                                 seed=seed, profile=profile)
-            with profile.phase("reward_s"):
-                r = score(task, prompts, traj)
-            acc = accuracy_name(task.reward_names)
-            signal = r[acc] if acc in r else total_reward(r, config)
-            blocks = [list(range(g * n, (g + 1) * n)) for g in range(len(prompts))]
-            return ([ScoredGroup(traj=take_rows(traj, rows), rewards={
-                name: r[name][rows] for name in task.reward_names}) for rows in blocks],
-                [signal[rows] for rows in blocks], traj.num_tokens(), state)
         return source.sample_batch(int(state.step), state, data_position, draw)
     kept: list[tuple[Trajectory, dict, list[int]]] = []
     dropped: list[tuple[Trajectory, dict, list[int]]] = []
-    n_kept = rounds = sampled_tokens = 0
+    n_kept = rounds = 0
     pstats: dict[str, float] = {}
+    # DOTS's reference rollouts at a selection round's start (never trained on; counted)
+    state, sampled_tokens, ref_groups = source.measure(int(state.step), state, draw)
     while True:
         with profile.phase("host_s"):
             chosen, data_position = source.next(int(state.step), data_position)
@@ -375,7 +379,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
                                       rewards={name: r[name][rows] for name in task.reward_names}))
     stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
              "kept_groups": n_kept if loop.dynamic_sampling else loop.prompts_per_step,
-             **{f"prune_{k}": v for k, v in pstats.items()}}
+             **{f"prune_{k}": v for k, v in pstats.items()},
+             **({"reference_groups": ref_groups} if source.scheduler.name == "dots" else {})}
     return groups, state, data_position, stats
 
 

@@ -4,13 +4,16 @@ prompts' reward history (the interface between the task stream and the rollout s
 A leaf like rl.tasks: imports numpy and, from rl, nothing but rl.tasks (no model, no
 loop); the loops import it.
 
-  base     the PromptScheduler protocol (select / update / follow_up / state / restore),
+  base     the PromptScheduler protocol (measure / select / update / follow_up / state /
+           restore),
            uniform (today's behaviour: the next prompts of the stream, group_size each)
-  dots     DOTS: adaptive difficulty from a small reference set by attention-weighted
-           similarity of prompt embeddings, prompts of moderate difficulty drawn first
+  dots     DOTS: every μ steps a random reference set is rolled out (measure), every
+           prompt's adaptive difficulty predicted by attention-weighted similarity of
+           prompt embeddings, μ·B prompts of moderate difficulty drawn
   dps      dynamics-predictive sampling: a hidden Markov model of each prompt's solving
-           state, a forward filter over rewards, the likely partially-solved first
-  dars     DARS: extra rollouts for hard prompts in a second stage, within a fixed budget
+           state with its own learned transitions, the predicted partially-solved first
+  dars     DARS: extra rollouts for hard prompts in a second stage (the official ET / HW
+           schedules), apportioned within a fixed budget
 
     from rl.schedulers import make_scheduler
     sched = make_scheduler("dps", prompts_per_step=8, group_size=8)
@@ -29,7 +32,7 @@ SCHEDULERS = ("uniform", "dots", "dps", "dars")
 
 def make_scheduler(name: str, *, embeddings: Any = None, **options) -> PromptScheduler:
     """A scheduler by name with its config's fields as keyword options (prompts_per_step,
-    group_size, ...); "dots" also needs `embeddings` [P, h] and `reference_ids`."""
+    group_size, ...); "dots" also needs `embeddings` [P, h] (row = prompt id)."""
     if name == "uniform":
         return UniformScheduler(UniformConfig(**options))
     if name == "dps":
@@ -39,7 +42,7 @@ def make_scheduler(name: str, *, embeddings: Any = None, **options) -> PromptSch
     if name == "dots":
         if embeddings is None:
             raise ValueError("the dots scheduler needs prompt embeddings [P, h] (row = prompt "
-                             "id) and reference_ids; pass embeddings=... and reference_ids=...")
+                             "id); pass embeddings=...")
         return DotsScheduler(DotsConfig(**options), embeddings)
     raise ValueError(f"unknown prompt scheduler {name!r}; available: {list(SCHEDULERS)}")
 

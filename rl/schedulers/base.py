@@ -4,6 +4,8 @@ uniform scheduler (today's behaviour).
 A scheduler sees each prompt's reward history and decides, every step, which prompts to
 sample next and how many rollouts each gets:
 
+    probe = scheduler.measure(step, candidates)   # prompts to roll out only to measure (DOTS)
+    ... sample and score probe, scheduler.update(probe, their rewards) ...
     plan = scheduler.select(step, candidates)     # [(prompt id, n_rollouts), ...]
     ... sample and score plan ...
     scheduler.update(ids, rewards)                # one reward array per sampled group
@@ -32,6 +34,8 @@ class PromptScheduler(Protocol):
     """Which prompts to roll out and how many rollouts each (see the module docstring)."""
 
     name: str
+
+    def measure(self, step: int, candidates: Sequence[int]) -> list[int]: ...
 
     def select(self, step: int, candidates: Sequence[int]) -> Plan: ...
 
@@ -107,6 +111,9 @@ class UniformScheduler:
 
     def __init__(self, config: UniformConfig = UniformConfig()):
         self.config = config
+
+    def measure(self, step: int, candidates: Sequence[int]) -> list[int]:
+        return []
 
     def select(self, step: int, candidates: Sequence[int]) -> Plan:
         b = self.config.prompts_per_step

@@ -160,6 +160,9 @@ class DarsScheduler:
         self.pending_accuracy: list[float] = []
         self.awaiting_stage1 = False
 
+    def measure(self, step: int, candidates: Sequence[int]) -> list[int]:
+        return []
+
     def select(self, step: int, candidates: Sequence[int]) -> Plan:
         c = self.config
         if len(candidates) < c.prompts_per_step:

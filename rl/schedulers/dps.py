@@ -166,6 +166,9 @@ class DpsScheduler:
         return np.asarray([self.prior.get(int(p), self.pi0)[P] for p in prompt_ids],
                           np.float64)
 
+    def measure(self, step: int, candidates: Sequence[int]) -> list[int]:
+        return []
+
     def select(self, step: int, candidates: Sequence[int]) -> Plan:
         c = self.config
         ids = list(dict.fromkeys(int(q) for q in candidates))

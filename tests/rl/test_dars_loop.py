@@ -21,18 +21,19 @@ LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=
                            eval_every=0, save_every=0, eval_greedy=False)
 
 
-def hand_allocation(acc, n, blocks, max_extra=16):
-    """ET weights n (1 / (2 √(a(1-a))) − 1), capped at max_extra, 0 for a >= 1/2; then
-    `blocks` apportioned by largest remainder (ties to the lower index); no hard prompt:
-    equal shares."""
+def hand_allocation(acc, n, blocks):
+    """ET weights N − n with N = min(4n, round(n / (4 a (1 − a)))) (the official table for
+    n = 8: 32, 18, 11, 9 rollouts at a = 0, 1/8, 2/8, 3/8), 3n at a = 0, 0 for a >= 1/2;
+    then `blocks` apportioned by largest remainder (ties to the lower index); no hard
+    prompt: equal shares."""
     w = []
     for a in acc:
         if a >= 0.5:
             w.append(0.0)
         elif a == 0:
-            w.append(float(max_extra))
+            w.append(3.0 * n)
         else:
-            w.append(min(max(n * (1 / (2 * math.sqrt(a * (1 - a))) - 1), 0.0), max_extra))
+            w.append(min(4 * n, math.floor(n / (4 * a * (1 - a)) + 0.5)) - n)
     if sum(w) == 0:
         w = [1.0] * len(w)
     quota = [blocks * x / sum(w) for x in w]

@@ -101,19 +101,50 @@ def test_resume_without_the_scheduler_in_the_record_is_refused(policy, tmp_path)
             scheduler=SchedulerOptions("dps", pool_size=6))
 
 
-def test_dots_source_embeds_the_pool_and_keeps_the_batch_shape(policy):
+def test_dots_source_embeds_the_pool_and_measures_its_reference_set(policy):
     _, params = policy
     task = RecordingTask()
-    source = make_prompt_source(SchedulerOptions("dots", pool_size=8, reference_size=3,
-                                                 reference_per_step=1), task, LOOP, params)
+    source = make_prompt_source(SchedulerOptions("dots", pool_size=8, reference_size=3),
+                                task, LOOP, params)
     table = np.asarray(params["embed"]["embedding"], np.float64)
     pool = task.train_prompts(0, 8)
     np.testing.assert_allclose(source.scheduler.embeddings[5],
                                [sum(table[t, j] for t in pool[5].ids) / len(pool[5].ids)
                                 for j in range(table.shape[1])], rtol=1e-12)
+    drawn = []
+
+    def draw(state, prompts):  # the reference rollouts: 1 token each, all correct
+        drawn.append([p.index for p in prompts])
+        return [], [np.ones(LOOP.group_size) for _ in prompts], len(prompts), state
+
+    state, tokens, groups = source.measure(0, "s", draw)
+    assert state == "s" and tokens == groups == 3 and len(set(drawn[0])) == 3
+    np.testing.assert_array_equal(source.scheduler.ref_difficulty, [0.0] * 3)
     prompts, pos = source.next(0, 10)
-    assert len(prompts) == 2 and pos == 12 and prompts[0].index == 0  # reference prompt first
+    assert len(prompts) == 2 and pos == 12
     source.record(prompts, [np.ones(4), np.zeros(4)])
+    assert source.measure(1, "s", draw) == ("s", 0, 0)  # μ = 2: the round's second step
+    second, _ = source.next(1, 12)
+    assert len({p.index for p in prompts + second}) == 4
+    assert source.scheduler.config.reference_size == 3
+    auto = make_prompt_source(SchedulerOptions("dots", pool_size=8), task, LOOP, params)
+    assert auto.scheduler.config.reference_size == 1  # μ·B/4 = 2·2/4
+    with pytest.raises(ValueError, match="selection_interval"):
+        make_prompt_source(SchedulerOptions("dots", pool_size=3), task, LOOP, params)
+
+
+def test_dots_runs_and_resumes_bit_exactly(policy, tmp_path):
+    config, params = policy
+    opts = SchedulerOptions("dots", pool_size=6, reference_size=2)
+    full = run(config, params, RecordingTask(), PRESET.train, LOOP, tmp_path / "full",
+               progress=False, scheduler=opts)
+    assert [r["reference_groups"] for r in full.train] == [2, 0, 2]
+    run(config, params, RecordingTask(), PRESET.train, dataclasses.replace(LOOP, steps=1),
+        tmp_path / "split", progress=False, scheduler=opts)  # stops mid-round
+    resumed = run(config, params, RecordingTask(), PRESET.train, LOOP, tmp_path / "split",
+                  progress=False, resume=True, scheduler=opts)
+    assert same_params(full.state.params, resumed.state.params)
+    assert [r["reference_groups"] for r in resumed.train][-2:] == [0, 2]
 
 
 @pytest.mark.parametrize("kw,match", [({"name": "dars", "replay_fraction": 0.5}, "replay"),
