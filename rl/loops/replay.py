@@ -29,6 +29,15 @@ also see the recorded μ and versions and are accepted: old_logp "versions" (ARe
 interpolated proximal policy from the per-token versions) or "proximal", an
 OffPolicyConfig correction (truncated IS weights min(π_prox/μ, c)), or VCPO.
 
+Checked against the official code (ASTRAL-Group/data-efficient-llm-rl): its replay run
+script (rl_training/run_bash/final_ds_teacher_replay.sh) sets sigma = 0.5,
+buffer_size = 512 with train_batch_size = 512 and replay_strategy = "random" (uniform
+draws, as here), but the replay trainer itself is published only as compiled bytecode
+(ray_trainer_final.cpython-310.pyc), so the buffer's unit (groups or rollouts), which of
+σ / 1 − σ is the replayed share, the informative-only filter and the correction above
+could not be read from source; they follow the paper's description as issue 22 records it.
+Our default capacity 4·B is our choice (the script's 512 = one batch of B = 512 prompts).
+
 The buffer's contents are part of the run's state: `state()` encodes every stored array
 exactly (npz, base64) as JSON for the checkpoint record and `restore` gives them back, so
 a resumed run replays the same groups (bit-exact resume).
