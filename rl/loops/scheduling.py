@@ -28,7 +28,8 @@ blocks of N (DarsConfig.unit = N), and each block is one more group of N rollout
 same hard prompt, normalised on its own (Â within the block). Every batch then has the
 fixed shape T/N groups (one compiled step); the stage-1 groups come first, in stream
 order, then the extra groups in prompt order. (Pooling a prompt's n + Δn rollouts into
-one variable-size group, as in the paper, would need variable group sizes in the learner.)
+one variable-size group, as the official trainer does, would need variable group sizes in
+the learner.)
 
 Rollout replay (`replay_fraction` α > 0, any scheduler but dars): k = min(round(α·B),
 |buffer|, B − 1) of the B groups come from the replay buffer, B − k are sampled fresh

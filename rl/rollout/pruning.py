@@ -43,6 +43,9 @@ survivors' mean. (A std-normalised estimator sees the survivors' spread scaled b
 sqrt(K/N) for K survivors, sqrt((K-1)/(N-1)) with the unbiased std: their advantages keep
 sign and order but grow by the inverse factor, a per-group step size.)
 
+Nothing below could be checked against code: the official repository (Hsu1023/ARRoL)
+holds, as stored, only a README announcing the code "soon". Secondary summaries of the
+paper confirm only the target positive ratio ρ = 0.5 and a quality head trained online.
 What was assumed (the paper's text was not at hand beyond its abstract and summary): the
 head's input (the last position's final hidden state, L2-normalised), its training
 (online logistic regression by full-batch gradient steps, η = 1, 4 steps per batch,
