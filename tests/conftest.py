@@ -3,6 +3,16 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# The suite's time is mostly XLA:CPU compiling thousands of small programs; at backend
+# optimisation level 0 (the level tests/rl/test_trainer.py and test_sharded_sampling.py
+# already use) they compile far faster (tests/rl/test_multiturn.py: 71 s -> 40 s), and
+# results differ from the default level's by float rounding only (the LoRA mesh step's
+# outputs: at most 1 ulp).
+# Set before jax creates its CPU client; an XLA_FLAGS that names a level is respected, and
+# a subprocess test passes its own XLA_FLAGS or inherits this one.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_backend_optimization_level=0").strip()
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

@@ -105,6 +105,20 @@ def params():
     return init_params(CFG, 0)
 
 
+@pytest.fixture(scope="module")
+def rollout(params):
+    """rollout(layout, mode) -> (engine, rows) of the plain scripted env at temperature T,
+    run once per (layout, mode) and shared by the tests that read that same rollout (each
+    test only reads it; the engine is seeded, so a rerun would give the same rows)."""
+    done = {}
+
+    def get(layout, mode="append"):
+        if (layout, mode) not in done:
+            done[layout, mode] = run(params, ScriptedEnv(), layout=layout, mode=mode)
+        return done[layout, mode]
+    return get
+
+
 def run(params, env, *, layout="segmented", mode="append", sampling=SamplingConfig(temperature=T),
         n=2, slots=4, ps=None):
     eng = MultiTurnEngine(CFG, env, MultiTurnConfig(num_slots=slots, group_size=n, segment_len=5,
@@ -195,9 +209,9 @@ def check_structure(rows, env):
 
 
 @pytest.mark.parametrize("layout", ["segmented", "replicated"])
-def test_rollout_matches_teacher_forced_forward(params, layout):
+def test_rollout_matches_teacher_forced_forward(params, rollout, layout):
     env = ScriptedEnv()
-    eng, rows = run(params, env, layout=layout)
+    eng, rows = rollout(layout)
     assert len(rows) == 2 * len(prompts())
     assert sorted({int(t.group_ids[i]) for t, i, _ in rows}) == list(range(len(prompts())))
     check_against_forward(params, rows)
@@ -235,28 +249,26 @@ def test_greedy_eval_and_versions(params):
 
 
 @pytest.mark.parametrize("layout", ["segmented", "replicated"])
-def test_reprefill_twin_gives_the_same_tokens(params, layout):
-    env = ScriptedEnv()
-    _, a = run(params, env, layout=layout, mode="append")
-    _, b = run(params, env, layout=layout, mode="reprefill")
+def test_reprefill_twin_gives_the_same_tokens(rollout, layout):
+    _, a = rollout(layout, "append")
+    _, b = rollout(layout, "reprefill")
     assert len(a) == len(b)
     for (ta, i, ra), (tb, j, rb) in zip(a, b):
         assert_rows_equal(row_arrays(ta, i), row_arrays(tb, j))
         assert ra.turn_texts == rb.turn_texts and ra.end_reason == rb.end_reason
 
 
-def test_observation_tokens_processed_once(params):
+def test_observation_tokens_processed_once(rollout):
     """Append mode: the model passes over an episode's tokens once each, but the last:
     segmented prefill P - 1 per group, decode = model tokens, append = observation tokens."""
-    env = ScriptedEnv()
     for layout in ("segmented", "replicated"):
-        eng, rows = run(params, env, layout=layout)
+        eng, rows = rollout(layout)
         model = sum(int(np.asarray(t.model_mask[i]).sum()) for t, i, _ in rows)
         obs = sum(int(np.asarray(t.env_mask[i]).sum()) for t, i, _ in rows)
         prompt = sum(len(p.ids) - (layout == "segmented") for p in prompts())
         assert eng.token_counts == {"prefill": prompt, "decode": model, "append": obs,
                                     "reprefill": 0}
-    eng_r, rows_r = run(params, env, mode="reprefill", layout="replicated")
+    eng_r, rows_r = rollout("replicated", "reprefill")
     # reprefill: at each boundary the slot's whole context (prompt + response so far + obs)
     hand = 0
     for traj, i, rec in rows_r:
@@ -267,8 +279,8 @@ def test_observation_tokens_processed_once(params):
 
 
 @pytest.fixture(scope="module")
-def clean(params):
-    return run(params, ScriptedEnv(), layout="replicated")[1]
+def clean(rollout):
+    return rollout("replicated")[1]
 
 
 @pytest.mark.parametrize("behaviour,reason", [
