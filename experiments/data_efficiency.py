@@ -4,10 +4,12 @@ replay and online pruning, on the tiny synthetic task and the real-model preset 
     python -m experiments.data_efficiency --method-flag prune:--segment-len=2  # 6 x 3 seeds
     python -m experiments.data_efficiency --seeds 5 --methods uniform,dps
     python -m experiments.data_efficiency --preset smollm2-rg --seeds 1 \
-        --methods uniform,dps,replay,dots,dars --uniform-from 'runs/smollm2-rg-s{seed}' \
-        --lock /tmp/realmodel.lock --method-flag dars:--micro-batches=2 \
+        --methods uniform,dars,replay --lock /tmp/realmodel.lock \
+        --method-flag dars:--micro-batches=2 \
         --results-json experiments/results/data_efficiency_smollm2.json
-        # SmolLM2-135M, ~32 min per run on 2 cores; uniform = experiments.smollm2_rg's runs
+        # SmolLM2-135M, ~32 min per run on 2 cores; compare runs made on an equally loaded
+        # machine (--uniform-from reuses finished uniform runs of the preset, but only when
+        # they were made by the same code on the same machine load)
 
 Each run is `python -m experiments.train --preset P --seed s <method's flags>` in its own
 process (under `flock /tmp/cpu.lock` when that file exists, so machine load affects
