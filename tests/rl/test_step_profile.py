@@ -3,6 +3,7 @@ run logs every phase and the phases cover the step's wall time; the rollout engi
 prefill / decode timings; the per-step memory high-water mark is reset between steps;
 the summary's means, shares and steps/hour."""
 import dataclasses
+import mmap
 import time
 
 import jax
@@ -70,9 +71,12 @@ def test_engine_times_prefill_and_decode(policy):
 def test_peak_memory_is_per_step():
     prof = StepProfile()
     prof.start()
-    big = np.ones(300_000_000 // 8)  # 300 MB resident
-    big[::512] += 1.0
-    del big
+    # 300 MB of fresh anonymous pages: a fresh mapping always adds resident memory (a numpy
+    # array could reuse heap pages the long-running test process already has resident)
+    big = mmap.mmap(-1, 300_000_000)
+    for offset in range(0, len(big), mmap.PAGESIZE):
+        big[offset] = 1
+    big.close()
     first = prof.finish()
     prof.start()
     second = prof.finish()
