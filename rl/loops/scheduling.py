@@ -145,17 +145,17 @@ class PromptSource:
         self.prompts_per_step = prompts_per_step
         self.replay, self.replay_fraction, self.seed = replay, float(replay_fraction), seed
 
-    def measure(self, step: int, state: Any, draw: Draw) -> tuple[Any, int, int]:
+    def measure(self, step: int, state: Any, draw: Draw) -> tuple[Any, int, dict]:
         """Roll out the prompts the scheduler asks to measure this step (DOTS's reference
-        set; not trained on) and give it their rewards: (state, sampled tokens, groups)."""
-        if self.pool is None:
-            return state, 0, 0
-        ids = self.scheduler.measure(step, list(range(len(self.pool))))
-        if not ids:
-            return state, 0, 0
-        _, signal, tokens, state = draw(state, [self.pool[i] for i in ids])
-        self.scheduler.update(ids, signal)
-        return state, tokens, len(ids)
+        set; not trained on) and give it their rewards: (state, sampled tokens, stats;
+        stats = {"reference_groups": groups rolled out} for DOTS, else {})."""
+        ids = [] if self.pool is None else self.scheduler.measure(step, range(len(self.pool)))
+        tokens = 0
+        if ids:
+            _, signal, tokens, state = draw(state, [self.pool[i] for i in ids])
+            self.scheduler.update(ids, signal)
+        return state, tokens, ({"reference_groups": len(ids)}
+                               if self.scheduler.name == "dots" else {})
 
     @property
     def mixes_batches(self) -> bool:
@@ -198,15 +198,14 @@ class PromptSource:
         state, data position, stats) like rl.loops.sync.sample_batch_groups."""
         n, b = self.scheduler.config.group_size, self.prompts_per_step
         k = 0 if self.replay is None else replay_count(self.replay_fraction, b, len(self.replay))
-        state, ref_tokens, ref_groups = self.measure(step, state, draw)
+        state, ref_tokens, ref_stats = self.measure(step, state, draw)
         prompts, data_position = self.next(step, data_position, b - k)
         groups, signal, tokens, state = draw(state, prompts)
         tokens += ref_tokens
         self.record(prompts, signal)
         fresh_zero = zero_spread_fraction(np.concatenate(signal), n)
-        stats = {"fresh_groups": len(groups), "fresh_zero_spread_frac": fresh_zero}
-        if self.scheduler.name == "dots":
-            stats["reference_groups"] = ref_groups
+        stats = {"fresh_groups": len(groups), "fresh_zero_spread_frac": fresh_zero,
+                 **ref_stats}
         if self.scheduler.name == "dars":
             by_id = {p.index: p for p in prompts}
             extra = [by_id[pid] for pid, m in self.scheduler.follow_up(step)

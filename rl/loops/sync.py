@@ -333,7 +333,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     n_kept = rounds = 0
     pstats: dict[str, float] = {}
     # DOTS's reference rollouts at a selection round's start (never trained on; counted)
-    state, sampled_tokens, ref_groups = source.measure(int(state.step), state, draw)
+    state, sampled_tokens, ref_stats = source.measure(int(state.step), state, draw)
     while True:
         with profile.phase("host_s"):
             chosen, data_position = source.next(int(state.step), data_position)
@@ -380,7 +380,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
              "kept_groups": n_kept if loop.dynamic_sampling else loop.prompts_per_step,
              **{f"prune_{k}": v for k, v in pstats.items()},
-             **({"reference_groups": ref_groups} if source.scheduler.name == "dots" else {})}
+             **ref_stats}
     return groups, state, data_position, stats
 
 

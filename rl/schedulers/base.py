@@ -84,6 +84,11 @@ def check_updates(prompt_ids: Sequence[int], rewards: Sequence[np.ndarray]
     return out
 
 
+def distinct_ids(candidates: Sequence[int]) -> list[int]:
+    """The candidates as ints, duplicates dropped, first occurrence order kept."""
+    return list(dict.fromkeys(int(q) for q in candidates))
+
+
 def sample_without_replacement(weights: np.ndarray, count: int, rng: np.random.Generator
                                ) -> np.ndarray:
     """`count` distinct indices drawn with probability proportional to `weights` (> 0)."""

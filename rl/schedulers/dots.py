@@ -49,6 +49,7 @@ from rl.schedulers.base import (
     check_float,
     check_int,
     check_updates,
+    distinct_ids,
     sample_without_replacement,
 )
 
@@ -170,7 +171,7 @@ class DotsScheduler:
         if self.queue:
             return []
         c = self.config
-        cands = list(dict.fromkeys(int(q) for q in candidates))
+        cands = distinct_ids(candidates)
         self._check_ids(cands)
         if len(cands) < c.reference_size:
             raise ValueError(f"dots: {len(cands)} candidates, the reference set needs "
@@ -188,7 +189,7 @@ class DotsScheduler:
             if not self.measured:
                 raise ValueError("dots: a selection round starts with a measured reference "
                                  "set; call measure, roll its prompts out and update first")
-            cands = list(dict.fromkeys(int(q) for q in candidates))
+            cands = distinct_ids(candidates)
             need = c.selection_interval * c.prompts_per_step
             if len(cands) < need:
                 raise ValueError(f"dots: {len(cands)} candidates, a round of "

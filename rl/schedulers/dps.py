@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from rl.schedulers.base import Plan, check_float, check_int, check_updates
+from rl.schedulers.base import Plan, check_float, check_int, check_updates, distinct_ids
 
 STATES = ("unsolved", "partial", "solved")
 U, P, F = 0, 1, 2
@@ -171,7 +171,7 @@ class DpsScheduler:
 
     def select(self, step: int, candidates: Sequence[int]) -> Plan:
         c = self.config
-        ids = list(dict.fromkeys(int(q) for q in candidates))
+        ids = distinct_ids(candidates)
         if len(ids) < c.prompts_per_step:
             raise ValueError(f"dps: {len(ids)} distinct candidates offered, the batch "
                              f"needs prompts_per_step={c.prompts_per_step}")

@@ -117,13 +117,14 @@ def test_dots_source_embeds_the_pool_and_measures_its_reference_set(policy):
         drawn.append([p.index for p in prompts])
         return [], [np.ones(LOOP.group_size) for _ in prompts], len(prompts), state
 
-    state, tokens, groups = source.measure(0, "s", draw)
-    assert state == "s" and tokens == groups == 3 and len(set(drawn[0])) == 3
+    state, tokens, stats = source.measure(0, "s", draw)
+    assert state == "s" and tokens == stats["reference_groups"] == 3 and len(set(drawn[0])) == 3
     np.testing.assert_array_equal(source.scheduler.ref_difficulty, [0.0] * 3)
     prompts, pos = source.next(0, 10)
     assert len(prompts) == 2 and pos == 12
     source.record(prompts, [np.ones(4), np.zeros(4)])
-    assert source.measure(1, "s", draw) == ("s", 0, 0)  # μ = 2: the round's second step
+    # μ = 2: the round's second step measures nothing
+    assert source.measure(1, "s", draw) == ("s", 0, {"reference_groups": 0})
     second, _ = source.next(1, 12)
     assert len({p.index for p in prompts + second}) == 4
     assert source.scheduler.config.reference_size == 3
