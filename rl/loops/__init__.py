@@ -1,8 +1,12 @@
 """The loops that wire rollout and learner together.
 
-    sync          the synchronous GRPO loop: run(...) (sample -> score -> batch -> step,
-                  eval, checkpoints, metrics) and its reusable pieces
-    asynchronous  run_async(...): producer and learner under a staleness bound η, threaded
+    config        RunConfig: the whole run's configuration as one tree of frozen
+                  dataclasses (LoopConfig, AsyncConfig and the other sections), its JSON
+                  round trip, dotted overrides and cross-section checks; Resume, RunHooks
+    sync          the synchronous GRPO loop: run(model_config, params, task, config, *,
+                  resume, hooks) (sample -> score -> batch -> step, eval, checkpoints,
+                  metrics) and its reusable pieces
+    asynchronous  run_async(...) with the same parameters: producer and learner under a staleness bound η, threaded
                   or deterministic, with APRIL rollouts and exact proximal log-probs
     producer      the asynchronous loop's rollout thread and APRIL source
     buffer        TrajectoryBuffer: scored groups between producer and learner (AReaL's
@@ -15,8 +19,7 @@
                   the checked jitted step) and release
     scheduling    the prompt scheduler (rl.schedulers) between the train stream and the
                   sync loop's sampling: SchedulerOptions, make_prompt_source (DARS's
-                  extra groups, the replayed groups), the --prompt-scheduler /
-                  --replay-fraction flags
+                  extra groups, the replayed groups)
     replay        rollout replay: the FIFO of recent informative scored groups mixed into
                   each batch at a fraction, with the behaviour-policy clipped ratio
     scoring       score (a task's rewards of sampled rows, validated; an environment's
@@ -26,19 +29,21 @@
     validation    configs that cannot learn or run (validate_run), the config record every
                   checkpoint carries and the resume check against it
 
-May import anything in `rl` (the top of the import direction); nothing imports `rl.loops`
-except `experiments`.
+May import anything in `rl` but rl.run; only rl.run and experiments import `rl.loops`.
 
-    from rl.loops import LoopConfig, run, AsyncConfig, run_async
+    from rl.loops import RunConfig, run, run_async
+    run(model_config, params, task, RunConfig(loop=LoopConfig(steps=10), run_dir="runs/a"))
 """
 from rl.loops.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer  # noqa: I001
-from rl.loops.sync import (LoopConfig, RunResult, build_batch, collect_batch, eval_report,
+from rl.loops.config import AsyncConfig, LoopConfig, Resume, RunConfig, RunHooks
+from rl.loops.sync import (RunResult, build_batch, collect_batch, eval_report,
                            evaluate, run, sample_batch_groups, sample_groups, score)
-from rl.loops.asynchronous import AsyncConfig, run_async, train_config_for
+from rl.loops.asynchronous import run_async, train_config_for
 from rl.loops.scheduling import SchedulerOptions
 
 __all__ = [
-    "STALE_POLICIES", "ScoredGroup", "TrajectoryBuffer", "LoopConfig", "RunResult", "build_batch",
+    "STALE_POLICIES", "ScoredGroup", "TrajectoryBuffer", "LoopConfig", "Resume", "RunConfig",
+    "RunHooks", "RunResult", "build_batch",
     "collect_batch", "eval_report", "evaluate", "run", "sample_batch_groups", "sample_groups",
     "score",
     "AsyncConfig", "run_async", "train_config_for", "SchedulerOptions",
