@@ -66,8 +66,8 @@ class Tokenizer:
       eos_token_ids: tuple of ids that end a generation.
       vocab_size: ids in [0, vocab_size) are valid (added tokens included).
       chat_template: the jinja2 template source, or None.
-      backend: the `tokenizers.Tokenizer` that encodes and decodes (what an export writes
-        as tokenizer.json).
+      backend (read-only): the `tokenizers.Tokenizer` that encodes and decodes (what an
+        export writes as tokenizer.json).
     """
 
     def __init__(
@@ -79,7 +79,7 @@ class Tokenizer:
         eos_tokens: Sequence[str] = (),
         pad_token: str | None = None,
     ):
-        self.backend = backend
+        self._tok = backend
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_tokens[0] if eos_tokens else None
@@ -90,10 +90,14 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self._template = None if chat_template is None else _compile_template(chat_template)
 
+    @property
+    def backend(self) -> HFTokenizer:
+        return self._tok
+
     def _id_of(self, token: str | None, what: str) -> int | None:
         if token is None:
             return None
-        tid = self.backend.token_to_id(token)
+        tid = self._tok.token_to_id(token)
         if tid is None:
             raise ValueError(f"{what} {token!r} is not in the vocabulary")
         return tid
@@ -198,7 +202,7 @@ class Tokenizer:
         `add_special_tokens` adds the BOS the model's post-processor asks for, if any."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text (special tokens dropped unless skip_special_tokens=False)."""
@@ -206,10 +210,10 @@ class Tokenizer:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
+        return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render chat messages ([{"role": ..., "content": ...}, ...]) with the model's
