@@ -33,7 +33,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from experiments.benchmarking import RESULTS_DIR, load_average, machine, write_results
+from experiments.common.benchmarking import RESULTS_DIR, load_average, machine, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = RESULTS_DIR / "bench_long_prefill.json"

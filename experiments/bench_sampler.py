@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from experiments.benchmarking import load_average, machine
+from experiments.common.benchmarking import load_average, machine
 from models.assets import load_model, smollm2_gguf_path
 from rl.rollout import SamplingConfig, generate
 from rl.runtime.distributed import add_distributed_flags, initialize_distributed, is_main_process

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.benchmarking import load_average, machine, time_calls, write_results
+from experiments.common.benchmarking import load_average, machine, time_calls, write_results
 from models.config import get_config
 from models.decoder import init_params
 from models.kv_cache import cache_bytes

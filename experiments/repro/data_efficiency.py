@@ -1,9 +1,9 @@
 """Data efficiency: uniform GRPO against the prompt schedulers (DOTS, DPS, DARS), rollout
 replay and online pruning, on the tiny synthetic task and the real-model preset (issue 22).
 
-    python -m experiments.data_efficiency --method-flag prune:--segment-len=2  # 6 x 3 seeds
-    python -m experiments.data_efficiency --seeds 5 --methods uniform,dps
-    python -m experiments.data_efficiency --preset smollm2-rg --seeds 1 \
+    python -m experiments.repro.data_efficiency --method-flag prune:--segment-len=2  # 6 x 3 seeds
+    python -m experiments.repro.data_efficiency --seeds 5 --methods uniform,dps
+    python -m experiments.repro.data_efficiency --preset smollm2-rg --seeds 1 \
         --methods uniform,dars,replay --lock /tmp/realmodel.lock \
         --method-flag dars:--micro-batches=2 \
         --results-json experiments/results/data_efficiency_smollm2.json
@@ -47,7 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments.common.benchmarking import machine, results_path
+
 LOCK = "/tmp/cpu.lock"
 METRIC = "greedy_accuracy"
 COMPILE_FACTOR = 5.0  # a step over 5x the run's median step time is an XLA compile
@@ -229,7 +230,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.plots import save_png
+    from experiments.common.plots import save_png
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in summary["table"].items():
@@ -247,7 +248,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m experiments.data_efficiency",
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.data_efficiency",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny-synthetic")
     p.add_argument("--methods", default=",".join(METHODS),
@@ -259,11 +260,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="an extra experiments.train flag for one method (repeatable)")
     p.add_argument("--uniform-from", default="", metavar="TEMPLATE",
                    help="reuse finished uniform runs of this preset instead of training them, "
-                        "e.g. 'runs/smollm2-rg-s{seed}' (experiments.smollm2_rg's)")
+                        "e.g. 'runs/smollm2-rg-s{seed}' (experiments.repro.smollm2_rg's)")
     p.add_argument("--uniform-seeds", type=int, default=3, help="with --uniform-from")
     p.add_argument("--out-dir", default="runs/data_efficiency")
     p.add_argument("--lock", default=LOCK, help="flock file per run ('' for none)")
-    p.add_argument("--results-json", default=str(RESULTS / "data_efficiency.json"))
+    p.add_argument("--results-json", default=str(results_path(__file__)))
     args = p.parse_args(argv)
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
@@ -281,8 +282,6 @@ def main(argv: list[str] | None = None) -> dict:
     per = {m: [read_run(d) for d in run_dirs(m, args, out)] for m in methods}
     summary = summarize(per)
     print(format_table(summary))
-    from experiments.benchmarking import machine
-
     best = max((n for n in methods if n != "uniform"),
                key=lambda n: summary["table"][n]["speedup_to_uniform_final"] or 0.0)
     summary["headline"] = {
@@ -295,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "methods": {m: METHODS[m] + method_flags(args).get(m, [])
                                      for m in methods},
                          "uniform_from": args.uniform_from or None,
-                         "order": order, "command": "python -m experiments.data_efficiency "
+                         "order": order, "command": "python -m experiments.repro.data_efficiency "
                          + " ".join(sys.argv[1:] if argv is None else argv)}
     path = Path(args.results_json)
     path.parent.mkdir(parents=True, exist_ok=True)

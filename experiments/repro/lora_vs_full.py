@@ -1,10 +1,10 @@
 """LoRA vs full fine-tuning on the real-model preset: SmolLM2-135M-Instruct, GRPO on
-reasoning-gym chain_sum (experiments.smollm2_rg's preset, the same 30-minute budget and the
+reasoning-gym chain_sum (experiments.repro.smollm2_rg's preset, the same 30-minute budget and the
 same 256 held-out problems), with rank-8 adapters on every projection.
 
-    python -m experiments.lora_vs_full --seeds 0 1 --train   # run the LoRA seeds (~33 min
+    python -m experiments.repro.lora_vs_full --seeds 0 1 --train   # run the LoRA seeds (~33 min
                                                              # each on 2 CPU cores), collect
-    python -m experiments.lora_vs_full --seeds 0 1           # collect finished runs only
+    python -m experiments.repro.lora_vs_full --seeds 0 1           # collect finished runs only
 
 Each seed is `python -m experiments.train --preset smollm2-rg --seed S --lora-rank 8
 --lr 2e-4 --run-dir runs/smollm2-rg-lora-r8-sS`. The learning rate is 10x the full
@@ -14,7 +14,7 @@ fine-tune's 2e-5: with Adam each entry of B moves ~lr per step, and the weight u
 full fine-tune's 2e-5 inside an 8-dimensional subspace per matrix (no sweep was run).
 
 The full fine-tune's runs are read from experiments/results/smollm2_rg.json (its seeds);
-the LoRA runs from their run dirs (experiments.smollm2_rg.read_run: before / after greedy
+the LoRA runs from their run dirs (experiments.repro.smollm2_rg.read_run: before / after greedy
 accuracy with standard errors, eval and train curves). Writes
 experiments/results/lora_vs_full.json, headline = LoRA's mean gain in greedy accuracy
 (after - before) with the full fine-tune's mean gain as the target, and lora_vs_full.png:
@@ -27,8 +27,8 @@ import json
 import sys
 from pathlib import Path
 
-from experiments.benchmarking import RESULTS_DIR, machine
-from experiments.smollm2_rg import PRESET, gain_over_seeds, read_run, train_missing
+from experiments.common.benchmarking import RESULTS_DIR, machine, results_path
+from experiments.repro.smollm2_rg import PRESET, gain_over_seeds, read_run, train_missing
 from rl.runtime.logging import atomic_write_json
 
 RANK, LR = 8, 2e-4
@@ -65,7 +65,7 @@ def collect(root: Path, seeds: list[int], full_json: Path = FULL_JSON) -> dict:
         "full": {"gain_over_seeds": fg, "lr": 2e-5, "source": str(full_json),
                  "curves": {s: {"eval_curve": r["eval_curve"], "steps": r["steps"]}
                             for s, r in full.items()}},
-        "command": "python -m experiments.lora_vs_full --train --seeds "
+        "command": "python -m experiments.repro.lora_vs_full --train --seeds "
                    + " ".join(map(str, seeds)),
         "per_seed_command": "python -m experiments.train " + " ".join(
             train_command(Path("runs"), 0)).replace("-s0", "-sS").replace("--seed 0", "--seed S"),
@@ -80,7 +80,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.plots import save_png
+    from experiments.common.plots import save_png
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
     arms = [("full FT", result["full"]["curves"], "tab:gray", "s--", 1.0),
@@ -103,14 +103,14 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m experiments.lora_vs_full", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.lora_vs_full", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--train", action="store_true", help="train the LoRA seeds that have no "
                    "summary.json yet (one after another) before collecting")
     p.add_argument("--run-root", default="runs", help="where the run dirs live (default runs/)")
     p.add_argument("--full", default=str(FULL_JSON), help="the full fine-tune's results JSON")
-    p.add_argument("--out", default=str(RESULTS_DIR / "lora_vs_full.json"))
+    p.add_argument("--out", default=str(results_path(__file__)))
     args = p.parse_args(argv)
     root = Path(args.run_root)
     if args.train:

@@ -1,9 +1,9 @@
 """The real-model result: SmolLM2-135M-Instruct made better at a reasoning-gym task by
 GRPO on a CPU, over several seeds.
 
-    python -m experiments.smollm2_rg --seeds 0 1 --train   # run each seed (~32 min each on
+    python -m experiments.repro.smollm2_rg --seeds 0 1 --train   # run each seed (~32 min each on
                                                             # 2 CPU cores), then collect
-    python -m experiments.smollm2_rg --seeds 0 1           # collect finished runs only
+    python -m experiments.repro.smollm2_rg --seeds 0 1           # collect finished runs only
 
 Each seed is `python -m experiments.train --preset smollm2-rg --seed S --run-dir
 runs/smollm2-rg-sS` (seeds run one after another, so each has the machine to itself).
@@ -25,7 +25,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from experiments.benchmarking import RESULTS_DIR, machine
+from experiments.common.benchmarking import machine, results_path
 from rl.runtime.logging import atomic_write_json
 
 PRESET = "smollm2-rg"
@@ -124,7 +124,7 @@ def collect(root: Path, seeds: list[int]) -> dict:
         "gain_over_seeds": gains,
         "before_mean": statistics.fmean(r["before"]["accuracy"] for r in runs.values()),
         "after_mean": statistics.fmean(r["after"]["accuracy"] for r in runs.values()),
-        "command": "python -m experiments.smollm2_rg --train --seeds " +
+        "command": "python -m experiments.repro.smollm2_rg --train --seeds " +
                    " ".join(map(str, seeds)),
         "per_seed_command": "python -m experiments.train --preset smollm2-rg --seed S "
                             "--run-dir runs/smollm2-rg-sS",
@@ -140,7 +140,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.plots import _smooth, save_png
+    from experiments.common.plots import _smooth, save_png
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=110)
     colors = ("tab:blue", "tab:red", "tab:green", "tab:purple")
@@ -177,13 +177,13 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m experiments.smollm2_rg", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.smollm2_rg", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--train", action="store_true", help="train the seeds that have no "
                    "summary.json yet (one after another) before collecting")
     p.add_argument("--run-root", default="runs", help="where the run dirs live (default runs/)")
-    p.add_argument("--out", default=str(RESULTS_DIR / "smollm2_rg.json"))
+    p.add_argument("--out", default=str(results_path(__file__)))
     args = p.parse_args(argv)
     root = Path(args.run_root)
     if args.train:

@@ -1,7 +1,7 @@
 """Guess the number, learned from scratch: the tiny model over seeds vs the exact baselines.
 
-    python -m experiments.guess_number                        # preset tiny-guess, seeds 0 1 2
-    python -m experiments.guess_number --seeds 0 1 2 3 -- --steps 300
+    python -m experiments.repro.guess_number                        # preset tiny-guess, seeds 0 1 2
+    python -m experiments.repro.guess_number --seeds 0 1 2 3 -- --steps 300
 
 Runs `experiments.train` (preset tiny-guess: `--env guess_number`, the multi-turn engine,
 GRPO on episode outcomes) for each seed in turn, each in <runs-root>/seed_<s>, then
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.benchmarking import load_average, machine
+from experiments.common.benchmarking import load_average, machine, results_path
 from experiments.train import PRESETS
 from experiments.train import main as train_main
 from experiments.train_seeds import check_train_args, spread
@@ -34,12 +34,12 @@ PRESET = "tiny-guess"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.guess_number",
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.guess_number",
                                 description="guess_number over seeds vs exact baselines")
     p.add_argument("--preset", default=PRESET, choices=sorted(PRESETS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--runs-root", default="runs/guess_number")
-    p.add_argument("--results-json", default="experiments/results/guess_number.json")
+    p.add_argument("--results-json", default=str(results_path(__file__)))
     p.add_argument("train_args", nargs="*", metavar="-- TRAIN_FLAGS",
                    help="flags passed to every experiments.train run (after --)")
     return p
@@ -67,7 +67,7 @@ def run_seed(preset: str, seed: int, run_dir: Path, train_args: list[str]) -> di
 
 
 def plot(res: dict, path: Path) -> None:
-    from experiments.plots import plt, save_png
+    from experiments.common.plots import plt, save_png
 
     fig, ax = plt.subplots(figsize=(7.2, 4.4))
     for key, color, label in (("eval_reward", "tab:blue", "sampled"),
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_train_args(args.train_args)
     except ValueError as err:
         parser.error(str(err))
-    command = "python -m experiments.guess_number " + " ".join(
+    command = "python -m experiments.repro.guess_number " + " ".join(
         sys.argv[1:] if argv is None else argv)
     load_before, t0 = load_average(), time.perf_counter()
     records = [run_seed(args.preset, s, Path(args.runs_root) / f"seed_{s}", args.train_args)

@@ -1,8 +1,8 @@
 """The VCPO staleness ablation ("Stable Asynchrony", issue 9) on the tiny synthetic task.
 
-    python -m experiments.staleness_ablation                       # the grid (resumable)
-    python -m experiments.staleness_ablation --report-only          # tables + plots from the runs
-    nohup python -m experiments.staleness_ablation > ablation.log 2>&1 &
+    python -m experiments.repro.staleness_ablation                       # the grid (resumable)
+    python -m experiments.repro.staleness_ablation --report-only          # tables + plots from the runs
+    nohup python -m experiments.repro.staleness_ablation > ablation.log 2>&1 &
 
 Each run trains the `tiny-synthetic` preset of experiments.train (tiny decoder from random
 init, "reverse 4 symbols") with rl.loops.run_async in deterministic mode: step v trains on a
@@ -38,14 +38,15 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.benchmarking import RESULTS_DIR, load_average, machine, write_results
+from experiments.common.benchmarking import RESULTS_DIR, load_average, machine, results_path, write_results
 from experiments.train import PRESETS, load_policy
 from rl.learner import OffPolicyConfig, TrainConfig
 from rl.objectives import VCPOConfig
 
 PRESET = "tiny-synthetic"
 NAME = "staleness_ablation"
-RUNS_DIR = RESULTS_DIR / NAME
+RUNS_DIR = RESULTS_DIR / NAME  # one JSON per run
+RESULT = results_path(__file__)
 METHODS = ("grpo", "grpo_tis", "decoupled_ppo", "vcpo")
 LABELS = {"grpo": "GRPO (no correction)", "grpo_tis": "GRPO + seq. TIS (cap 8)",
           "decoupled_ppo": "decoupled PPO (AReaL)", "vcpo": "VCPO"}
@@ -109,7 +110,7 @@ def run_one(method: str, k: int, seed: int, steps: int, eval_every: int, eval_pr
                        progress=False, on_step=on_step)
     wall = time.perf_counter() - t0
     shutil.rmtree(run_dir, ignore_errors=True)
-    loop_src = Path(__file__).resolve().parents[1] / "rl" / "loops" / "asynchronous.py"
+    loop_src = Path(__file__).resolve().parents[2] / "rl" / "loops" / "asynchronous.py"
     train_rows = [[r["step"]] + [None if r.get(key) is None else round(float(r[key]), 5)
                                  for key in TRAIN_KEYS] for r in result.train]
     return {
@@ -227,7 +228,7 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.plots import save_png
+    from experiments.common.plots import save_png
 
     cells = _cells(runs)
     ks = sorted({k for k, _ in cells})
@@ -302,13 +303,13 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
     return paths
 
 
-def report(runs_dir: Path = RUNS_DIR, out: Path = RESULTS_DIR / f"{NAME}.json",
+def report(runs_dir: Path = RUNS_DIR, out: Path = RESULT,
            command: str | None = None) -> dict:
     runs = load_runs(runs_dir)
     if not runs:
         raise SystemExit(f"no runs under {runs_dir}; run the grid first")
     summary = summarize(runs)
-    summary["command"] = command or f"python -m experiments.{NAME}"
+    summary["command"] = command or f"python -m experiments.repro.{NAME}"
     summary["load_average_1_5_15min"] = load_average()
     summary["plots"] = [p.name for p in plot(runs, out.with_suffix(""))]
     write_results(out, summary)
@@ -330,7 +331,7 @@ def print_table(summary: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=f"python -m experiments.{NAME}", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=f"python -m experiments.repro.{NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--ks", nargs="+", type=int, default=[0, 4, 16, 64])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
@@ -339,12 +340,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-prompts", type=int, default=128)
     p.add_argument("--runs-dir", default=str(RUNS_DIR), help="one JSON per run (resumable)")
     p.add_argument("--work-dir", default="runs/staleness_ablation", help="scratch run dirs")
-    p.add_argument("--out", default=str(RESULTS_DIR / f"{NAME}.json"),
+    p.add_argument("--out", default=str(RESULT),
                    help="summary JSON (the PNGs are written beside it)")
     p.add_argument("--report-only", action="store_true", help="summarise the runs on disk")
     args = p.parse_args(argv)
     runs_dir, out = Path(args.runs_dir), Path(args.out)
-    command = f"python -m experiments.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"python -m experiments.repro.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     if not args.report_only:
         runs_dir.mkdir(parents=True, exist_ok=True)
         grid = [(m, k, s) for s in args.seeds for k in args.ks for m in args.methods]
