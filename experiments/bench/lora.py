@@ -33,7 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common.benchmarking import load_average, machine, results_path, time_calls, write_results
+from experiments.common.benchmarking import (
+    load_average,
+    machine,
+    results_path,
+    time_calls,
+    write_results,
+)
 from models.config import get_config
 from models.decoder import decode_step, init_params, prefill
 from models.kv_cache import init_cache

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common.benchmarking import machine, results_path
+from experiments.common.seeds import read_metrics
 from rl.runtime.logging import atomic_write_json
 
 OUT = str(results_path(__file__))
@@ -108,16 +109,10 @@ def cmd_grpo(args) -> dict:
                        *args.train_args])
 
 
-def read_evals(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-    return [r for r in rows if r.get("kind") == "eval"]
-
-
 def cmd_report(args) -> dict:
     base = json.loads(Path(args.out).with_suffix(".base.json").read_text())
     run_dir = Path(args.run_dir)
-    evals = read_evals(run_dir)
+    _, evals = read_metrics(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     curve = [{"step": e["step"], "minutes": round(e.get("time_s", 0) / 60, 1),
               "greedy_accuracy": e.get("greedy_accuracy"),

@@ -14,7 +14,7 @@ fine-tune's 2e-5: with Adam each entry of B moves ~lr per step, and the weight u
 full fine-tune's 2e-5 inside an 8-dimensional subspace per matrix (no sweep was run).
 
 The full fine-tune's runs are read from experiments/results/smollm2_rg.json (its seeds);
-the LoRA runs from their run dirs (experiments.repro.smollm2_rg.read_run: before / after greedy
+the LoRA runs from their run dirs (experiments.common.seeds.read_before_after: before / after greedy
 accuracy with standard errors, eval and train curves). Writes
 experiments/results/lora_vs_full.json, headline = LoRA's mean gain in greedy accuracy
 (after - before) with the full fine-tune's mean gain as the target, and lora_vs_full.png:
@@ -28,9 +28,10 @@ import sys
 from pathlib import Path
 
 from experiments.common.benchmarking import RESULTS_DIR, machine, results_path
-from experiments.repro.smollm2_rg import PRESET, gain_over_seeds, read_run, train_missing
+from experiments.common.seeds import gain_over_seeds, over_seeds, read_before_after
 from rl.runtime.logging import atomic_write_json
 
+PRESET = "smollm2-rg"  # experiments.repro.smollm2_rg's
 RANK, LR = 8, 2e-4
 FULL_JSON = RESULTS_DIR / "smollm2_rg.json"
 
@@ -44,8 +45,11 @@ def train_command(root: Path, seed: int) -> list[str]:
             "--run-dir", str(run_dir_of(root, seed))]
 
 
-def collect(root: Path, seeds: list[int], full_json: Path = FULL_JSON) -> dict:
-    lora = {str(s): read_run(run_dir_of(root, s)) for s in seeds}
+def collect(root: Path, seeds: list[int], full_json: Path = FULL_JSON, train=None) -> dict:
+    """The results JSON from the LoRA seeds' run dirs under `root` and the full fine-tune's
+    results; with `train` (the train job's main), unfinished LoRA seeds are trained first."""
+    lora = over_seeds(seeds, lambda s: run_dir_of(root, s), read_before_after,
+                      train=None if train is None else lambda s: train(train_command(root, s)))
     full = json.loads(full_json.read_text())["runs"]
     lg, fg = gain_over_seeds(lora), gain_over_seeds(full)
     return {
@@ -113,11 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(results_path(__file__)))
     args = p.parse_args(argv)
     root = Path(args.run_root)
+    train = None
     if args.train:
-        train_missing(args.seeds, lambda seed: run_dir_of(root, seed),
-                      lambda seed: train_command(root, seed))
+        from experiments.train import main as train
     try:
-        result = collect(root, args.seeds, Path(args.full))
+        result = collect(root, args.seeds, Path(args.full), train)
     except ValueError as err:
         sys.exit(f"error: {err}")
     out = Path(args.out)

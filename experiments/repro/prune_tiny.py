@@ -15,7 +15,6 @@ tokens, mean over seeds per arm).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common.benchmarking import machine, results_path
+from experiments.common.seeds import read_metrics, spread
 from experiments.train import main as train_main
 from rl.runtime.logging import atomic_write_json
 
@@ -35,9 +35,7 @@ def one_run(arm: str, seed: int, steps: int, root: Path, extra: list[str]) -> di
             str(run_dir), "--wandb", "disabled", "--no-progress", *ARMS[arm],
             *(extra if ARMS[arm] else [])]
     summary = train_main(argv)
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r["kind"] == "train"]
-    evals = [r for r in recs if r["kind"] == "eval"]
+    train, evals = read_metrics(run_dir)
     tokens = np.cumsum([r["sampled_tokens"] for r in train])
     at = {r["step"]: int(tokens[r["step"] - 1]) if r["step"] else 0 for r in evals}
     return {
@@ -54,9 +52,8 @@ def one_run(arm: str, seed: int, steps: int, root: Path, extra: list[str]) -> di
 
 
 def stats(xs) -> dict:
-    a = np.asarray(xs, np.float64)
-    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else 0.0,
-            "min": float(a.min()), "max": float(a.max())}
+    """mean, std, min, max over seeds (as computed, not rounded)."""
+    return {k: v for k, v in spread(xs, digits=None).items() if k != "ci95"}
 
 
 def main(argv=None) -> dict:

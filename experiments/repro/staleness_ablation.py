@@ -38,7 +38,14 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common.benchmarking import RESULTS_DIR, load_average, machine, results_path, write_results
+from experiments.common.benchmarking import (
+    RESULTS_DIR,
+    load_average,
+    machine,
+    results_path,
+    write_results,
+)
+from experiments.common.seeds import spread, train_missing
 from experiments.train import PRESETS, load_policy
 from rl.learner import OffPolicyConfig, TrainConfig
 from rl.objectives import VCPOConfig
@@ -177,13 +184,13 @@ def summarize(runs: list[dict]) -> dict:
     table = []
     by_k: dict[int, dict[str, dict]] = {}
     for (k, method), rs in sorted(_cells(runs).items()):
-        finals = [r["final_eval_reward"] for r in rs]
+        final = spread([r["final_eval_reward"] for r in rs], digits=None)
         ess = np.concatenate([_column(r, "vcpo_ess") for r in rs])
         lwmax = np.concatenate([_column(r, "vcpo_logw_max") for r in rs])
         after = np.concatenate([_column(r, "vcpo_ess")[k:] for r in rs])  # lag exactly k
         row = {"k": k, "method": method, "seeds": sorted(r["seed"] for r in rs),
-               "final_eval_mean": float(np.mean(finals)), "final_eval_min": float(np.min(finals)),
-               "final_eval_max": float(np.max(finals)),
+               "final_eval_mean": final["mean"], "final_eval_min": final["min"],
+               "final_eval_max": final["max"],
                "final_eval_per_seed": {str(r["seed"]): r["final_eval_reward"] for r in rs},
                # a collapse shows as a final eval well below the run's best eval
                "peak_eval_mean": float(np.mean([max(e[1] for e in r["eval"]) for r in rs])),
@@ -349,9 +356,15 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.report_only:
         runs_dir.mkdir(parents=True, exist_ok=True)
         grid = [(m, k, s) for s in args.seeds for k in args.ks for m in args.methods]
-        todo = [c for c in grid if not (runs_dir / f"{run_name(*c)}.json").exists()]
-        bar = tqdm(total=len(grid), initial=len(grid) - len(todo), desc="ablation", dynamic_ncols=True)
-        for method, k, seed in todo:
+
+        def record_of(cell) -> Path:
+            return runs_dir / f"{run_name(*cell)}.json"
+
+        done = sum(record_of(c).exists() for c in grid)
+        bar = tqdm(total=len(grid), initial=done, desc="ablation", dynamic_ncols=True)
+
+        def train_cell(cell) -> None:
+            method, k, seed = cell
             name = run_name(method, k, seed)
 
             def on_step(rec, name=name):
@@ -368,6 +381,8 @@ def main(argv: list[str] | None = None) -> dict:
             bar.write(f"{name}: final eval reward {rec['final_eval_reward']:.3f} "
                       f"({rec['wall_s']:.0f} s, load {rec['load_average_after'][0]})")
             report(runs_dir, out, command.strip())
+
+        train_missing(grid, record_of, train_cell, finished=Path.exists)
         bar.close()
     summary = report(runs_dir, out, command.strip())
     print_table(summary)
