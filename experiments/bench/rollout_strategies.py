@@ -37,23 +37,6 @@ from pathlib import Path
 import numpy as np
 
 MODULE = "experiments.bench.rollout_strategies"
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
-
-
-class CompileClock:
-    """Seconds spent tracing / lowering / compiling since construction (process-wide)."""
-
-    def __init__(self):
-        import jax
-
-        self.seconds = 0.0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-
-    def _listen(self, event: str, duration: float, **_):
-        if event in COMPILE_EVENTS:
-            self.seconds += duration
 
 
 def prompt_stream(seed: int, stops: tuple[int, ...]):
@@ -68,6 +51,7 @@ def prompt_stream(seed: int, stops: tuple[int, ...]):
 def run_strategies(args) -> dict:
     from tqdm.auto import tqdm
 
+    from experiments.common.benchmarking import compile_seconds
     from models.config import get_config
     from models.decoder import init_params
     from rl.rollout import (
@@ -94,17 +78,17 @@ def run_strategies(args) -> dict:
            for op in args.over_provision},
     }
     rollouts = {name: fn(prompt_stream(1, stops)) for name, fn in make.items()}
-    clock = CompileClock()
     rows = {name: collections.defaultdict(float) for name in rollouts}
     lengths: list[int] = []
     total = (args.warmup + args.rounds) * len(rollouts)
-    with tqdm(total=total, desc="rounds", dynamic_ncols=True) as bar:
+    with tqdm(total=total, desc="rounds", dynamic_ncols=True) as bar, \
+            compile_seconds() as compiled:
         for r in range(args.warmup + args.rounds):
             timed = r >= args.warmup
             for name, ro in rollouts.items():
-                c0, t0 = clock.seconds, time.perf_counter()
+                c0, t0 = compiled[0], time.perf_counter()
                 traj = ro.collect(params[r % 2], r, args.groups)
-                wall, comp = time.perf_counter() - t0, clock.seconds - c0
+                wall, comp = time.perf_counter() - t0, compiled[0] - c0
                 bar.update(1)
                 if not timed:
                     continue

@@ -7,6 +7,7 @@ holding a top-level "headline" {"metric", "value", "target", "machine"} beside i
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -30,6 +31,31 @@ def machine() -> str:
     dev = jax.devices()[0]
     where = f"{cpu}, {os.cpu_count()} cores" if dev.platform == "cpu" else dev.device_kind
     return f"{where}; jax {jax.__version__} on {dev.platform}"
+
+
+COMPILE_EVENTS = frozenset({  # jax.monitoring duration events that make up a compilation
+    "/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration"})
+
+
+@contextlib.contextmanager
+def compile_seconds():
+    """Yield a one-element list that accumulates the seconds jax spends tracing, lowering
+    and compiling inside the block (its compile events; they run on the calling thread,
+    so wall time minus this is run time)."""
+    import jax
+
+    total = [0.0]
+
+    def listener(event, duration, **_):
+        if event in COMPILE_EVENTS:
+            total[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield total
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def load_average() -> list[float]:
