@@ -37,6 +37,14 @@ def test_smooth_is_the_trailing_window_mean(window):
     np.testing.assert_allclose(smooth(values, window), naive, rtol=1e-12)
 
 
+def test_smooth_leaves_nans_out():
+    values = [1.0, float("nan"), 3.0, float("nan"), float("nan"), float("nan"), 8.0]
+    got = smooth(values, 3)
+    expected = [1.0, 1.0, 2.0, 3.0, 3.0, None, 8.0]  # means of the non-NaN in each window
+    for g, e in zip(got, expected):
+        assert math.isnan(g) if e is None else g == pytest.approx(e, rel=1e-12)
+
+
 def test_spread_against_hand_numbers():
     s = spread([1.0, 2.0, 3.0, 4.0], digits=None)
     std = math.sqrt(5 / 3)  # squares of (-1.5, -0.5, 0.5, 1.5) sum to 5, over n - 1 = 3

@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -27,14 +28,16 @@ _COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab
 
 
 def smooth(values: Sequence[float], window: int) -> list[float]:
-    """Trailing moving mean: out[i] = mean(values[max(0, i - window + 1) : i + 1])."""
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
+    """Trailing moving mean: out[i] = mean of values[max(0, i - window + 1) : i + 1], NaNs
+    left out (NaN where the window holds nothing else)."""
+    x = np.asarray(values, dtype=np.float64)
+    ok = ~np.isnan(x)
+    total = np.concatenate([[0.0], np.cumsum(np.where(ok, x, 0.0))])
+    count = np.concatenate([[0], np.cumsum(ok)])
+    end = np.arange(1, x.size + 1)
+    start = np.maximum(0, end - window)
+    n = count[end] - count[start]
+    return np.where(n > 0, (total[end] - total[start]) / np.maximum(n, 1), np.nan).tolist()
 
 
 def reward_names_of(train: Sequence[dict], evals: Sequence[dict]) -> list[str]:

@@ -219,14 +219,7 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-def _smooth(x: np.ndarray, w: int) -> np.ndarray:
-    out = np.empty_like(x)
-    for i in range(len(x)):
-        out[i] = np.nanmean(x[max(0, i - w + 1):i + 1])
-    return out
-
-
-def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
+def plot(runs: list[dict], out_prefix: Path, window: int = 10) -> list[Path]:
     """reward vs step and ESS vs step (one panel per k, methods overlaid: mean over seeds,
     band = min..max), and final eval reward vs k. Returns the PNG paths."""
 
@@ -235,7 +228,7 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.common.plots import save_png
+    from experiments.common.plots import save_png, smooth
 
     cells = _cells(runs)
     ks = sorted({k for k, _ in cells})
@@ -255,8 +248,8 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
     # rows: eval reward of the learner's params; train reward (the batch's, sampled k
     # versions earlier); ESS ratio of the batch. One column per k; bands = min..max over seeds.
     rows = (("eval", "eval reward (learner)", False, "_reward.png"),
-            ("reward_mean", f"batch reward ({smooth}-step mean)", False, "_reward.png"),
-            ("vcpo_ess", f"ESS ratio ρ ({smooth}-step mean)", True, "_ess.png"))
+            ("reward_mean", f"batch reward ({window}-step mean)", False, "_reward.png"),
+            ("vcpo_ess", f"ESS ratio ρ ({window}-step mean)", True, "_ess.png"))
     for suffix in ("_reward.png", "_ess.png"):
         spec = [r for r in rows if r[3] == suffix]
         fig, axes = plt.subplots(len(spec), len(ks), figsize=(3.4 * len(ks), 3.0 * len(spec)),
@@ -275,7 +268,7 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
                     else:
                         n = min(len(r["train"]) for r in rs)
                         steps = np.array([row[0] for row in rs[0]["train"][:n]])
-                        band(ax, steps, np.stack([_smooth(_column(r, key)[:n], smooth) for r in rs]),
+                        band(ax, steps, np.stack([smooth(_column(r, key)[:n], window) for r in rs]),
                              m, len(rs))
                 if k > 0:
                     ax.axvline(k, color="k", ls=":", lw=0.8)
