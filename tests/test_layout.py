@@ -5,9 +5,9 @@ another script, no private name crossing a package boundary, no module over ~600
 Imports are read with `ast` (nothing is imported), every import statement counts, those
 inside functions too: a lazy import that closes a circle is still a circle.
 
-Direction (docs "Architecture"): kernels <- models <- rl <- experiments, and inside rl
+Direction (README "Layout"): kernels <- models <- rl <- experiments, and inside rl
 objectives <- learner / rollout <- loops, with tasks, trajectory and runtime as leaves.
-experiments/ has three rooms: entry points at the top, bench/ (benchmarks) and repro/
+experiments/ has three rooms: the entry points at the top, bench/ (benchmarks) and repro/
 (reproductions) are scripts; common/ holds the helpers scripts share. Scripts import the
 library and experiments.common only, never each other; nothing imports experiments.
 """

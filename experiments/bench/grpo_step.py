@@ -1,6 +1,6 @@
 """Steps per hour of the main job, this tree against an older commit, side by side.
 
-    python -m experiments.bench.grpo_step                       # smollm2-rg, 6 steps, vs 2991625
+    python -m experiments.bench.grpo_step                 # smollm2-rg, 6 steps, vs 2991625
     python -m experiments.bench.grpo_step --steps 3 --repeats 1 --baseline HEAD
     python -m experiments.bench.grpo_step --preset tiny-synthetic --steps 2 --baseline none
 

@@ -17,7 +17,7 @@ Part 2 — wall-clock per training step of rl.loops.run vs rl.loops.run_async (t
 XLA_FLAGS), on the tiny-synthetic preset, plus a cost model projecting the async speedup
 to separate accelerators: t_sync = t_roll + t_train, t_async ≈ max(t_roll, t_train) + swap.
 
-    python -m experiments.bench.rollout_strategies            # both parts, ~20 min on 2 loaded cores
+    python -m experiments.bench.rollout_strategies   # both parts, ~20 min on 2 loaded cores
     python -m experiments.bench.rollout_strategies --skip-async
 Writes experiments/results/bench_rollout_strategies.json and .png.
 """

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct with a calculator tool: accuracy without it, with it, and after GRPO.
 
-    python -m experiments.repro.calculator_tool base                 # base accuracies (N held-out)
+    python -m experiments.repro.calculator_tool base           # base accuracies (N held-out)
     python -m experiments.repro.calculator_tool grpo --run-dir runs/calc -- --steps 40
     python -m experiments.repro.calculator_tool report --run-dir runs/calc
 

@@ -179,7 +179,8 @@ def summarize(per_method: dict[str, list[dict]], reach: float = 0.9) -> dict:
         t_full = first_reach(mc, uni_final, "wall_s")
         seeds_reached = sum(first_reach(r["curve"], target, "wall_s") is not None for r in runs)
         table[name] = {
-            "seeds": len(runs), "final_accuracy_mean": fin["mean"], "final_accuracy_std": fin["std"],
+            "seeds": len(runs),
+            "final_accuracy_mean": fin["mean"], "final_accuracy_std": fin["std"],
             "wall_s_to_target": t, "tokens_to_target": tok,
             "seeds_reaching_target": seeds_reached,
             "speedup_to_target": None if t is None or base_t is None else base_t / t,

@@ -1,10 +1,10 @@
 """LoRA vs full fine-tuning on the real-model preset: SmolLM2-135M-Instruct, GRPO on
-reasoning-gym chain_sum (experiments.repro.smollm2_rg's preset, the same 30-minute budget and the
-same 256 held-out problems), with rank-8 adapters on every projection.
+reasoning-gym chain_sum (experiments.repro.smollm2_rg's preset, the same 30-minute budget
+and the same 256 held-out problems), with rank-8 adapters on every projection.
 
-    python -m experiments.repro.lora_vs_full --seeds 0 1 --train   # run the LoRA seeds (~33 min
-                                                             # each on 2 CPU cores), collect
-    python -m experiments.repro.lora_vs_full --seeds 0 1           # collect finished runs only
+    python -m experiments.repro.lora_vs_full --seeds 0 1 --train  # run the LoRA seeds (~33
+                                                                  # min each on 2 cores), collect
+    python -m experiments.repro.lora_vs_full --seeds 0 1          # collect finished runs only
 
 Each seed is `python -m experiments.train --preset smollm2-rg --seed S --lora-rank 8
 --lr 2e-4 --run-dir runs/smollm2-rg-lora-r8-sS`. The learning rate is 10x the full
@@ -14,8 +14,8 @@ fine-tune's 2e-5: with Adam each entry of B moves ~lr per step, and the weight u
 full fine-tune's 2e-5 inside an 8-dimensional subspace per matrix (no sweep was run).
 
 The full fine-tune's runs are read from experiments/results/smollm2_rg.json (its seeds);
-the LoRA runs from their run dirs (experiments.common.seeds.read_before_after: before / after greedy
-accuracy with standard errors, eval and train curves). Writes
+the LoRA runs from their run dirs (experiments.common.seeds.read_before_after: before /
+after greedy accuracy with standard errors, eval and train curves). Writes
 experiments/results/lora_vs_full.json, headline = LoRA's mean gain in greedy accuracy
 (after - before) with the full fine-tune's mean gain as the target, and lora_vs_full.png:
 held-out greedy accuracy against step and against minutes, LoRA next to full FT.
@@ -107,7 +107,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m experiments.repro.lora_vs_full", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.lora_vs_full",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--train", action="store_true", help="train the LoRA seeds that have no "

@@ -1,9 +1,9 @@
 """The real-model result: SmolLM2-135M-Instruct made better at a reasoning-gym task by
 GRPO on a CPU, over several seeds.
 
-    python -m experiments.repro.smollm2_rg --seeds 0 1 --train   # run each seed (~32 min each on
-                                                            # 2 CPU cores), then collect
-    python -m experiments.repro.smollm2_rg --seeds 0 1           # collect finished runs only
+    python -m experiments.repro.smollm2_rg --seeds 0 1 --train  # run each seed (~32 min each
+                                                                # on 2 CPU cores), then collect
+    python -m experiments.repro.smollm2_rg --seeds 0 1          # collect finished runs only
 
 Each seed is `python -m experiments.train --preset smollm2-rg --seed S --run-dir
 runs/smollm2-rg-sS` (seeds run one after another, so each has the machine to itself).

@@ -1,7 +1,7 @@
 """The VCPO staleness ablation ("Stable Asynchrony", issue 9) on the tiny synthetic task.
 
-    python -m experiments.repro.staleness_ablation                       # the grid (resumable)
-    python -m experiments.repro.staleness_ablation --report-only          # tables + plots from the runs
+    python -m experiments.repro.staleness_ablation                  # the grid (resumable)
+    python -m experiments.repro.staleness_ablation --report-only    # tables + plots from the runs
     nohup python -m experiments.repro.staleness_ablation > ablation.log 2>&1 &
 
 Each run trains the `tiny-synthetic` preset of experiments.train (tiny decoder from random
