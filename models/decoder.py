@@ -442,7 +442,10 @@ def _check_logits_at(logits_at, shape: tuple[int, int]) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("config", "attn_impl"))
-def _prefill_jit(params, tokens, lengths, cache, *, config, attn_impl):
+def prefill_jit(params, tokens, lengths, cache, *, config, attn_impl):
+    """`prefill`'s jitted core, without its host-side checks (the caller vouches for the
+    shapes): tokens [batch, T] int32, lengths [batch] int32 -> (logits [batch, T, vocab]
+    float32, the cache holding the prompts). One compile per shape, config and attn_impl."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     logits, (k, v) = Decoder(config, "prefill", attn_impl).apply(
@@ -486,12 +489,15 @@ def prefill(
         arr = np.asarray(lengths)
         if arr.min() < 1 or arr.max() > t:
             raise ValueError(f"lengths must be in [1, T={t}] (prompt width), got {arr.tolist()}")
-    return _prefill_jit(params, tokens, jnp.asarray(lengths, jnp.int32), cache,
+    return prefill_jit(params, tokens, jnp.asarray(lengths, jnp.int32), cache,
                         config=config, attn_impl=attn_impl)
 
 
 @partial(jax.jit, static_argnames=("config", "attn_impl", "kv_bound"))
-def _decode_jit(params, tokens, cache, *, config, attn_impl, kv_bound=None):
+def decode_jit(params, tokens, cache, *, config, attn_impl, kv_bound=None):
+    """`decode_step`'s jitted core, without its host-side checks (the caller vouches that
+    no row is full and that kv_bound, if an int, exceeds every row's length): tokens
+    [batch] int32 -> (logits [batch, vocab] float32, the cache one token longer)."""
     # kv_bound None: the masked path (exact slow twin); int: the bounded path, attending to
     # the first kv_bound slots only (models/kv_cache.py).
     positions, mask, start, kv = kvc.decode_inputs(cache, kv_bound)
@@ -538,7 +544,7 @@ def decode_step(
             raise ValueError(f"kv_bound={kv_bound} must exceed every row's {what} (max "
                              f"{arr.max()}): the new token's slot must lie inside the bound")
     kv_bound = kvc.check_kv_bound(kv_bound, limit)
-    return _decode_jit(params, tokens, cache, config=config, attn_impl=attn_impl,
+    return decode_jit(params, tokens, cache, config=config, attn_impl=attn_impl,
                        kv_bound=kv_bound)
 
 

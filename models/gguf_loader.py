@@ -345,6 +345,16 @@ class _Reader(GGUFReader):
         self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
 
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Every key/value of a GGUF file's metadata (tokenizer.ggml.*, tokenizer.chat_template,
+    <arch>.*) as plain Python values, without reading its tensors (for
+    `Tokenizer.from_gguf_metadata`)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"path {path!r} is not a file; pass the path of a .gguf file")
+    return read_metadata(_Reader(path))
+
+
 def _numpy_shape(tensor) -> tuple[int, ...]:
     """GGUF lists dims innermost first; numpy wants them outermost first."""
     return tuple(int(d) for d in reversed(tensor.shape))

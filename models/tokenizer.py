@@ -66,6 +66,8 @@ class Tokenizer:
       eos_token_ids: tuple of ids that end a generation.
       vocab_size: ids in [0, vocab_size) are valid (added tokens included).
       chat_template: the jinja2 template source, or None.
+      backend (read-only): the `tokenizers.Tokenizer` that encodes and decodes (what an
+        export writes as tokenizer.json).
     """
 
     def __init__(
@@ -87,6 +89,10 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(self._id_of(t, "eos_token") for t in eos_tokens))
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self._template = None if chat_template is None else _compile_template(chat_template)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        return self._tok
 
     def _id_of(self, token: str | None, what: str) -> int | None:
         if token is None:

@@ -1,4 +1,4 @@
-"""experiments.bench_grpo_step: a 2-step tiny-synthetic run (no baseline) writes the JSON
+"""experiments.bench.grpo_step: a 2-step tiny-synthetic run (no baseline) writes the JSON
 with its headline, table, per-step rewards and a step profile whose phases sum to each
 step's time and match the step's wall time from metrics.jsonl; the pieces that compare
 two sides (step walls from time_s, steps/hour, reward differences) on known records."""
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments import bench_grpo_step as bench
+from experiments.bench import grpo_step as bench
 from rl.runtime.logging import read_jsonl
 
 PHASES = ("prefill_s", "decode_s", "reward_s", "learner_s", "host_s", "transfer_s", "other_s")

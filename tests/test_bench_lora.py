@@ -1,9 +1,9 @@
-"""experiments/bench_lora.py, bytes only (shapes, nothing allocated): the adapter and
+"""experiments/bench/lora.py, bytes only (shapes, nothing allocated): the adapter and
 optimizer-state bytes equal a hand count from the model configs, and the headline holds
 the full / LoRA r=8 optimizer-state ratio."""
 import json
 
-from experiments import bench_lora
+from experiments.bench import lora as bench_lora
 from models.config import get_config
 
 

@@ -1,4 +1,4 @@
-"""experiments.data_efficiency's bookkeeping on hand-made run records: the interleaved
+"""experiments.repro.data_efficiency's bookkeeping on hand-made run records: the interleaved
 order, reading a run's metrics.jsonl (training wall time excludes evals), the seed-mean
 curve, the interpolated first crossing of the target and the speedups (hand numbers)."""
 import argparse
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.data_efficiency import (
+from experiments.repro.data_efficiency import (
     first_reach,
     mean_curve,
     method_flags,

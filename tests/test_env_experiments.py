@@ -1,13 +1,13 @@
-"""experiments.guess_number's baselines and experiments.calculator_tool's summaries and
+"""experiments.repro.guess_number's baselines and experiments.repro.calculator_tool's summaries and
 report, against hand computations on hand-written records and run files."""
 import json
 from fractions import Fraction
 
 import pytest
 
-from experiments.calculator_tool import main as calc_main
-from experiments.calculator_tool import summarize
-from experiments.guess_number import baselines
+from experiments.repro.calculator_tool import main as calc_main
+from experiments.repro.calculator_tool import summarize
+from experiments.repro.guess_number import baselines
 from rl.envs.base import EndReason
 from rl.rollout.episodes import EpisodeRecord
 from rl.tasks.base import Prompt

@@ -183,7 +183,7 @@ def test_load_model_from_hf_directory(tiny, tmp_path):
 
     config, params, tok = tiny
     save_hf_checkpoint(tmp_path, config, params)
-    tok._tok.save(str(tmp_path / "tokenizer.json"))
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": tok.chat_template, "eos_token": "<|im_end|>", "bos_token": None}))
     config2, params2, tok2 = load_model(tmp_path)

@@ -1,11 +1,15 @@
-"""The package layout holds: no import circle anywhere in rl/, models/, kernels/, no import
-against the stated direction, no module over ~600 lines.
+"""The package layout holds in the whole tree (kernels/, models/, rl/, experiments/): no
+import circle, no import against the stated direction, no script in experiments/ importing
+another script, no private name crossing a package boundary, no module over ~600 lines.
 
 Imports are read with `ast` (nothing is imported), every import statement counts, those
 inside functions too: a lazy import that closes a circle is still a circle.
 
 Direction (README "Layout"): kernels <- models <- rl <- experiments, and inside rl
 objectives <- learner / rollout <- loops, with tasks, trajectory and runtime as leaves.
+experiments/ has three rooms: the entry points at the top, bench/ (benchmarks) and repro/
+(reproductions) are scripts; common/ holds the helpers scripts share. Scripts import the
+library and experiments.common only, never each other; nothing imports experiments.
 """
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "models", "rl")
+PACKAGES = ("kernels", "models", "rl", "experiments")
 MAX_LINES = 620  # "no module over ~600 lines"
+ROOMS = ("common", "bench", "repro")  # experiments/<room>/
 
 # layer -> the layers it may import (itself always included)
 ALLOWED = {
@@ -34,6 +39,11 @@ ALLOWED = {
     "rl.loops": {"rl.objectives", "rl.trajectory", "rl.runtime", "rl.rollout", "rl.learner",
                  "rl.tasks", "rl.envs", "rl.schedulers", "models", "kernels"},
 }
+LIBRARY = set(ALLOWED) | {"rl.run"}  # rl.run: the run layer (lead), on top of rl.loops
+ALLOWED["rl.run"] = LIBRARY - {"rl.run"}
+ALLOWED["experiments.common"] = set(LIBRARY)  # the shared helpers: the library only
+for _scripts in ("experiments", "experiments.bench", "experiments.repro"):
+    ALLOWED[_scripts] = LIBRARY | {"experiments.common"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -125,10 +135,20 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def layer(module: str) -> str:
+    """rl.<subpackage>, experiments.<room>, experiments (the entry points at the top), or
+    the top-level package."""
     parts = module.split(".")
     if parts[0] == "rl" and len(parts) > 1:
         return ".".join(parts[:2])
+    if parts[0] == "experiments" and len(parts) > 1 and (len(parts) > 2 or parts[1] in ROOMS):
+        return ".".join(parts[:2])
     return parts[0]
+
+
+def is_script(module: str, path: Path) -> bool:
+    """A module of experiments/ outside experiments/common/ (package __init__s aside)."""
+    return (module.split(".")[0] == "experiments" and layer(module) != "experiments.common"
+            and path.name != "__init__.py")
 
 
 def direction_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -146,6 +166,81 @@ def direction_violations(graph: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def script_imports(root: Path, packages=PACKAGES) -> list[str]:
+    """'a imports b' for every script of experiments/ that imports another script."""
+    modules = collect_modules(root, packages)
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    return [f"{src} imports {t} (a script: move what they share into experiments.common)"
+            for src in sorted(graph) if is_script(src, modules[src])
+            for t in sorted(graph[src]) if is_script(t, modules[t])]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """'a.b.c' for the expression a.b.c (names and attributes only), else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def private_imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """Private names (`_x`, dunders aside) that module `name` takes from an internal module
+    of another layer (package boundary: rl.<subpackage>, experiments.<room>, or a top-level
+    package): `from m import _x` and `m._x` on an imported module m. 'line: what' each."""
+    is_pkg = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bound: dict[str, str] = {}  # local name -> internal module it is bound to
+    found = []
+
+    def crosses(target: str) -> bool:
+        return layer(target) != layer(name)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    bound[a.asname] = a.name
+                else:  # `import a.b.c` binds `a`; a.b.c is reached by attributes
+                    bound[a.name.split(".")[0]] = a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                pkg = pkg[:len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([base] if base else []))
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if full in modules:
+                    bound[a.asname or a.name] = full
+                if base in modules and _is_private(a.name) and crosses(base):
+                    found.append(f"{node.lineno}: from {base} import {a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            dotted = _dotted(node.value)
+            if dotted is None:
+                continue
+            head, _, rest = dotted.partition(".")
+            if head not in bound:
+                continue
+            target = ".".join(filter(None, [bound[head], rest]))
+            if target in modules and crosses(target):
+                found.append(f"{node.lineno}: {target}.{node.attr}")
+    return sorted(set(found), key=lambda x: int(x.split(":")[0]))
+
+
+def private_name_violations(root: Path, packages=PACKAGES) -> list[str]:
+    modules = collect_modules(root, packages)
+    return [f"{modules[name].relative_to(root)}:{hit}" for name in sorted(modules)
+            for hit in private_imports_of(name, modules[name], modules)]
+
+
 # ----------------------------------------------------------------------------- the checks
 def test_no_import_circle():
     cycles = find_cycles(import_graph(ROOT))
@@ -155,6 +250,16 @@ def test_no_import_circle():
 def test_imports_follow_the_direction():
     bad = direction_violations(import_graph(ROOT))
     assert not bad, "imports against the stated direction:\n" + "\n".join(bad)
+
+
+def test_no_script_imports_another_script():
+    bad = script_imports(ROOT)
+    assert not bad, "scripts importing scripts:\n" + "\n".join(bad)
+
+
+def test_no_private_name_crosses_a_package_boundary():
+    bad = private_name_violations(ROOT)
+    assert not bad, "private names used across a package boundary:\n" + "\n".join(bad)
 
 
 def test_every_rl_subpackage_says_what_lives_there_and_what_it_may_import():
@@ -229,3 +334,83 @@ def test_checker_learner_may_read_trajectory_but_not_rollout(tmp_path, src, ok):
                             "rl/learner/__init__.py": src + "\n",
                             "models/__init__.py": "", "kernels/__init__.py": ""})
     assert (direction_violations(import_graph(root)) == []) == ok
+
+
+def test_checker_finds_a_circle_through_experiments(tmp_path):
+    root = _tree(tmp_path, {
+        "experiments/__init__.py": "",
+        "experiments/export.py": "from experiments import export_lora\n",
+        "experiments/export_lora.py": "def f():\n    from experiments.export import E\n",
+        "experiments/common/__init__.py": "", "experiments/common/plots.py": "import rl\n",
+        "rl/__init__.py": "", "models/__init__.py": "", "kernels/__init__.py": "",
+    })
+    assert [sorted(set(c)) for c in find_cycles(import_graph(root))] == [
+        ["experiments.export", "experiments.export_lora"]]
+
+
+def test_checker_flags_the_library_or_a_helper_importing_experiments(tmp_path):
+    root = _tree(tmp_path, {
+        "experiments/__init__.py": "", "experiments/train.py": "from rl.loops import run\n",
+        "experiments/common/__init__.py": "",
+        "experiments/common/seeds.py": "from experiments.train import main\n",
+        "experiments/common/plots.py": "from rl.runtime.logging import w\n",
+        "experiments/repro/__init__.py": "",
+        "experiments/repro/x.py": "from experiments.common.plots import p\nimport models\n",
+        "experiments/bench/__init__.py": "",
+        "experiments/bench/y.py": "from experiments.common import seeds\nimport kernels\n",
+        "experiments/attic/z.py": "import rl\n",
+        "rl/__init__.py": "", "rl/loops/__init__.py": "from experiments.common import plots\n",
+        "rl/runtime/__init__.py": "", "rl/runtime/logging.py": "w = 1\n",
+        "models/__init__.py": "", "kernels/__init__.py": "",
+    })
+    bad = direction_violations(import_graph(root))
+    assert [b.split(" (")[0] for b in bad] == [
+        "experiments.attic.z: layer 'experiments.attic' has no stated place in the import "
+        "direction",
+        "experiments.common.seeds imports experiments.train",
+        "rl.loops imports experiments.common.plots"], bad
+
+
+def test_checker_flags_a_script_importing_a_script(tmp_path):
+    root = _tree(tmp_path, {
+        "experiments/__init__.py": "", "experiments/train.py": "x = 1\n",
+        "experiments/common/__init__.py": "", "experiments/common/seeds.py": "y = 1\n",
+        "experiments/repro/__init__.py": "",
+        "experiments/repro/a.py": "from experiments.common.seeds import y\n",  # fine
+        "experiments/repro/b.py": "def f():\n    from experiments.repro import a\n",
+        "experiments/bench/__init__.py": "",
+        "experiments/bench/c.py": "import experiments.train\nimport experiments.bench\n",
+    })
+    assert script_imports(root) == [
+        "experiments.bench.c imports experiments.train (a script: move what they share into "
+        "experiments.common)",
+        "experiments.repro.b imports experiments.repro.a (a script: move what they share into "
+        "experiments.common)"]
+
+
+def test_checker_flags_private_names_across_a_boundary_only(tmp_path):
+    root = _tree(tmp_path, {
+        "models/__init__.py": "", "kernels/__init__.py": "", "rl/__init__.py": "",
+        "models/decoder.py": "def _jit(): pass\n__version__ = 1\n",
+        "models/loader.py": "from models.decoder import _jit\n",  # same package: fine
+        "rl/rollout/__init__.py": "", "rl/rollout/sampler.py": "def _width(): pass\n",
+        "rl/rollout/append.py": "from .sampler import _width\n",  # same subpackage: fine
+        "rl/rollout/core.py": ("import models.decoder\nfrom models import decoder as d\n"
+                               "a = models.decoder._jit\nb = d._jit\nc = d.__version__\n"),
+        "rl/loops/__init__.py": "", "rl/loops/sync.py": "from ..rollout.sampler import _width\n",
+        "experiments/__init__.py": "",
+        "experiments/common/__init__.py": "", "experiments/common/plots.py": "def _s(): pass\n",
+        "experiments/repro/__init__.py": "",
+        "experiments/repro/r.py": ("def f():\n    from experiments.common.plots import _s\n"
+                                   "    import numpy as np\n    np._core\n"),
+    })
+    assert private_name_violations(root) == [
+        "experiments/repro/r.py:2: from experiments.common.plots import _s",
+        "rl/loops/sync.py:1: from rl.rollout.sampler import _width",
+        "rl/rollout/core.py:3: models.decoder._jit",
+        "rl/rollout/core.py:4: models.decoder._jit"]
+
+
+def test_the_line_limit_covers_experiments():
+    modules = collect_modules(ROOT)
+    assert "experiments.common.benchmarking" in modules and "experiments.repro.smollm2_rg" in modules

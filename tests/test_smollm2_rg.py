@@ -1,11 +1,11 @@
-"""experiments.smollm2_rg's collection: per-seed before / after / gain and the mean gain
+"""experiments.repro.smollm2_rg's collection: per-seed before / after / gain and the mean gain
 over seeds, recomputed by hand from hand-written run dirs; the plot; unfinished runs."""
 import json
 import math
 
 import pytest
 
-from experiments.smollm2_rg import main
+from experiments.repro.smollm2_rg import main
 
 
 def _write_run(d, accs, stderrs, minutes):

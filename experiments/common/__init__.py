@@ -1,1 +1,2 @@
-"""Helpers the experiment scripts share (the only experiments modules a script may import)."""
+"""Helpers the experiment scripts share (benchmarking, plots, seeds); they import the
+library only, never a script."""

@@ -110,7 +110,7 @@ def _check_packed_rows(batch: TrainBatch) -> None:
 # XLA CPU: hand only the dots to YNNPACK. Its default also fuses reductions and
 # elementwise work (the vocabulary head's log-sum-exp and entropy sums), which ran several
 # times slower than XLA's own loops: the SmolLM2 packed GRPO step took 32.5 s with the
-# default and 26.8 s with dots only (experiments/bench_learner.py measures it).
+# default and 26.8 s with dots only (experiments/bench/learner.py measures it).
 CPU_DEFAULT_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_DOT"),)
 
 

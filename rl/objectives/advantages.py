@@ -58,7 +58,7 @@ class AdvantageResult(NamedTuple):
 # Group layout and group statistics
 
 
-class _Groups:
+class Groups:
     """Group membership for a batch: contiguous groups of ``size`` or labels ``ids``.
 
     Every statistic is returned per sample ([batch]), i.e. already broadcast
@@ -162,7 +162,7 @@ def _as_rewards(rewards: Any, name: str = "rewards") -> Array:
     return r
 
 
-def _groups(batch: int, group_size: Any, group_ids: Any, dtype: Any = jnp.float32) -> _Groups:
+def _groups(batch: int, group_size: Any, group_ids: Any, dtype: Any = jnp.float32) -> Groups:
     if group_ids is None and group_size is None:
         raise ValueError("pass group_size (contiguous groups) or group_ids [batch]")
     if group_ids is not None and group_size is not None:
@@ -178,7 +178,7 @@ def _groups(batch: int, group_size: Any, group_ids: Any, dtype: Any = jnp.float3
             )
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"group_ids must be integers, got dtype {ids.dtype}")
-        return _Groups(batch, ids=ids, dtype=dtype)
+        return Groups(batch, ids=ids, dtype=dtype)
     if isinstance(group_size, jax.core.Tracer) or isinstance(group_size, bool) or not isinstance(
         group_size, int
     ):
@@ -192,10 +192,13 @@ def _groups(batch: int, group_size: Any, group_ids: Any, dtype: Any = jnp.float3
             f"group_size {group_size} does not divide the batch of {batch} rewards; "
             f"the batch must hold whole groups"
         )
-    return _Groups(batch, size=group_size, dtype=dtype)
+    return Groups(batch, size=group_size, dtype=dtype)
 
 
-def _prepare(rewards, group_size, group_ids) -> tuple[Array, _Groups]:
+def grouped_rewards(rewards: Any, group_size: int | None,
+                    group_ids: Any = None) -> tuple[Array, Groups]:
+    """Validated rewards [batch] (finite, real, at least float32) and their group layout
+    (exactly one of group_size / group_ids [batch]); ValueError naming what is wrong."""
     r = _as_rewards(rewards)
     return r, _groups(r.shape[0], group_size, group_ids, r.dtype)
 
@@ -236,7 +239,7 @@ def grpo_advantages(
     Returns:
         [batch] advantages; 0 for groups of size 1 and all-equal groups.
     """
-    r, groups = _prepare(rewards, group_size, group_ids)
+    r, groups = grouped_rewards(rewards, group_size, group_ids)
     _check_eps(eps)
     if scale_rewards not in _SCALES:
         raise ValueError(f"scale_rewards must be one of {_SCALES}, got {scale_rewards!r}")
@@ -253,7 +256,7 @@ def dr_grpo_advantages(
 ) -> Array:
     """Dr. GRPO: A_i = R_i - mean_g, no std division (Liu et al. 2025,
     "Understanding R1-Zero-Like Training"). Shapes as :func:`grpo_advantages`."""
-    r, groups = _prepare(rewards, group_size, group_ids)
+    r, groups = grouped_rewards(rewards, group_size, group_ids)
     return groups.centered(r)
 
 
@@ -264,7 +267,7 @@ def rloo_advantages(
     """RLOO: A_i = R_i - mean_{j != i} R_j = n/(n-1) (R_i - mean_g)
     (Ahmadian et al. 2024, "Back to Basics"). A group of size 1 has no other
     sample to compare with and gets 0. Shapes as :func:`grpo_advantages`."""
-    r, groups = _prepare(rewards, group_size, group_ids)
+    r, groups = grouped_rewards(rewards, group_size, group_ids)
     n = groups.count()
     return groups.centered(r) * jnp.where(n > 1, n / jnp.maximum(n - 1, 1), 0.0)
 
@@ -305,7 +308,7 @@ def mc_grpo_advantages(
     Returns:
         AdvantageResult(advantages [batch], sample_mask [batch], 0 at pivots).
     """
-    r, groups = _prepare(rewards, group_size, group_ids)
+    r, groups = grouped_rewards(rewards, group_size, group_ids)
     if scale not in ("std", "mad"):
         raise ValueError(f"scale must be 'std' or 'mad', got {scale!r}")
     _check_eps(eps)

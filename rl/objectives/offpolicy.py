@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl.objectives.advantages import _prepare
+from rl.objectives.advantages import grouped_rewards
 from rl.objectives.losses import (
     masked_mean,
     ppo_clip_token_loss,
@@ -279,7 +279,7 @@ def dynamic_sampling_mask(
     Returns:
         [batch] bool, True for every response of a kept group.
     """
-    r, groups = _prepare(rewards, group_size, group_ids)
+    r, groups = grouped_rewards(rewards, group_size, group_ids)
     # max != min is exact; a floating std of equal values can come out as tiny noise.
     return (groups.max(r) != groups.min(r)) | (groups.count() == 1)
 

@@ -32,7 +32,7 @@ from flax import struct
 
 from models.decoder import Decoder
 from models.kv_cache import ChunkAttend, KVCache
-from rl.rollout.sampler import _bucket_width, kv_bucket
+from rl.rollout.sampler import bucket_width, kv_bucket
 from rl.rollout.sampler_state import SamplerState, bucket
 
 Params = Any
@@ -159,7 +159,7 @@ def append_tokens(params: Params, state: SamplerState, slots: Sequence[int],
     s = state.num_slots
     mb = bucket(m, s)
     longest = max((len(t) for t in tokens), default=0)
-    c = _bucket_width(max(longest, 1), state.max_new_tokens)
+    c = bucket_width(max(longest, 1), state.max_new_tokens)
     slot = np.full((mb,), s, np.int32)
     toks = np.zeros((mb, c), np.int32)
     lens = np.zeros((mb,), np.int32)

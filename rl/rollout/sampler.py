@@ -20,7 +20,7 @@ segmented layout the prompt segment holds prompt[:-1] and the response segment
 [prompt[-1], r_0, ...]: a resumed group's prompt runs once and each sample's partial
 response is teacher-forced behind it in the same packed forward
 (models.decoder.prefill_segments), so resuming is exact and costs P + sum(n_i) tokens. Each decode
-step feeds the pending token through the model (`models.decoder._decode_jit`, the one
+step feeds the pending token through the model (`models.decoder.decode_jit`, the one
 model code path), samples the next token from the resulting logits and makes it pending.
 So every token is drawn inside `decode_segment`, from logits computed with the params
 passed to that call, and stamped with that call's `version`.
@@ -72,7 +72,7 @@ Params = Any
 
 
 # ----------------------------------------------------------------------------- host wrappers
-def _bucket_width(n: int, limit: int) -> int:
+def bucket_width(n: int, limit: int) -> int:
     """Prefill width: n rounded up to a multiple of 8, or to 4 steps per octave beyond 64
     (<= 25% padding, few shapes), capped at `limit`."""
     step = max(8, 1 << max(0, n.bit_length() - 3))
@@ -146,9 +146,9 @@ def _fill_groups(params, state: SamplerState, prompts: list[np.ndarray], group_s
     n, n_groups = state.group_size, state.cache.groups
     g = len(prompts)
     gb = bucket(g, n_groups)
-    tp = _bucket_width(max(p.size for p in prompts), state.max_prompt_len)
+    tp = bucket_width(max(p.size for p in prompts), state.max_prompt_len)
     longest = max(r.size for rs in responses for r in rs)
-    tr = 1 if longest == 0 else _bucket_width(longest, state.max_new_tokens)
+    tr = 1 if longest == 0 else bucket_width(longest, state.max_new_tokens)
     prompt_ids = np.zeros((gb, tp), np.int32)
     prompt_lengths = np.ones((gb,), np.int32)
     resp_ids = np.zeros((gb, n, tr), np.int32)
@@ -196,7 +196,7 @@ def _fill(params, state: SamplerState, contexts: list[np.ndarray], prompt_length
     # price of prefilling some padding rows (cheap next to the decode).
     rows_b = bucket(n_rows, s)
     ent_b = s
-    t = _bucket_width(max(c.size for c in contexts), state.cache.max_len)
+    t = bucket_width(max(c.size for c in contexts), state.cache.max_len)
     ctx = np.zeros((rows_b, t), np.int32)
     clen = np.ones((rows_b,), np.int32)
     plen = np.ones((rows_b,), np.int32)

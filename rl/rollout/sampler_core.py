@@ -13,7 +13,7 @@ from flax import struct
 
 from models import kv_cache as kvc
 from models.chunked_prefill import prefill_chunks, segments_from_prompt_kv
-from models.decoder import Decoder, _decode_jit, _prefill_jit, prefill_segments
+from models.decoder import Decoder, decode_jit, prefill_jit, prefill_segments
 from models.kv_cache import KVCache
 from rl.rollout.sampler_state import SamplerState, SamplingConfig
 
@@ -173,7 +173,7 @@ def _fill_replicated(params, state: SamplerState, f: ReplicatedFill, context_kv)
         kv_shape = (c.num_layers, r, t, c.num_kv_heads, c.head_dim)
         empty = KVCache(k=jnp.zeros(kv_shape, dt), v=jnp.zeros(kv_shape, dt),
                         lengths=jnp.zeros((r,), jnp.int32))
-        _, pc = _prefill_jit(params, f.ctx_ids, f.ctx_lengths, empty, config=c,
+        _, pc = prefill_jit(params, f.ctx_ids, f.ctx_lengths, empty, config=c,
                              attn_impl=state.attn_impl)
     else:
         pc = KVCache(k=context_kv[0][:, :, :t].astype(dt), v=context_kv[1][:, :, :t].astype(dt),
@@ -284,7 +284,7 @@ def decode_segment_impl(params: Params, state: SamplerState, num_tokens: jax.Arr
     def body(carry):
         i, st = carry
         live = ~st.done
-        logits, cache = _decode_jit(params, st.pending, st.cache, config=st.config,
+        logits, cache = decode_jit(params, st.pending, st.cache, config=st.config,
                                     attn_impl=st.attn_impl, kv_bound=kv_bound)
         # Done slots computed a throw-away step: keep their cache length (the write they
         # made lies past it, or is dropped, and is never read).

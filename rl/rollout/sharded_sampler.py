@@ -5,7 +5,7 @@ Placement follows the logical rules of `models.sharding`: sampler slots and the 
 of the segmented KV cache over ("data", "fsdp") (a group's N samples and its prompt
 segment stay on one device), kv heads / heads over "tensor", params by their own axes.
 The whole cache is never gathered: each device decodes its own groups with its own
-heads (`experiments/bench_scaling.py` checks the compiled HLO for full-array gathers).
+heads (`experiments/bench/scaling.py` checks the compiled HLO for full-array gathers).
 Same rng streams as the one-device sampler, so the tokens are the same on any mesh.
 
     sampler = ShardedSampler(model_config, mesh)

@@ -23,7 +23,7 @@ recomputes them and raises CheckpointError naming the checkpoint and the leaf's 
 path (e.g. `params/layers/attn/q/kernel`). Hashing reads the host bytes synchronously in
 save(), before orbax copies the state: on a SmolLM2-135M TrainState (1.6 GB) save()
 blocks ~80 ms longer (xxh3 at ~23 GB/s on one CPU core; on an accelerator add one more
-device-to-host copy), see experiments/bench_checkpoint_checksums.py. Checkpoints written
+device-to-host copy), see experiments/bench/checkpoint_checksums.py. Checkpoints written
 before checksums existed restore with a CheckpointWarning (they cannot be verified;
 refusing them would strand older runs).
 In a multi-process run a leaf no process holds whole is gathered one leaf at a time

@@ -24,7 +24,7 @@ from models.chunked_prefill import (
     segments_from_prompt_kv,
 )
 from models.config import get_config
-from models.decoder import _prefill_jit, forward, init_params, prefill, prefill_segments
+from models.decoder import prefill_jit, forward, init_params, prefill, prefill_segments
 from models.kv_cache import init_cache
 from rl.rollout import (
     SamplingConfig,
@@ -177,7 +177,7 @@ def test_chunk_step_temporaries_do_not_grow_with_the_square_of_the_prompt(params
 
     def one_shot(t):
         tok = jnp.zeros((1, t), jnp.int32)
-        return temp_bytes(_prefill_jit, params, tok, jnp.array([t]), init_cache(cfg, 1, t),
+        return temp_bytes(prefill_jit, params, tok, jnp.array([t]), init_cache(cfg, 1, t),
                           config=cfg, attn_impl=None)
 
     def chunk_step(t, c=32):

@@ -8,7 +8,7 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from models.gguf_loader import dequantize, read_gguf, unpermute_qk
+from models.gguf_loader import dequantize, read_gguf, read_gguf_metadata, unpermute_qk
 
 # (values per block, bytes per block, byte offsets of the f16 scale fields)
 BLOCKS = {
@@ -211,6 +211,19 @@ def test_read_gguf_tiny_llama(tmp_path):
     assert cfg["rms_norm_eps"] == 1e-5 and cfg["rope_theta"] == 50000.0
     assert cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == [2, 3]
     assert md["general.architecture"] == "llama" and len(md["tokenizer.ggml.tokens"]) == 40
+
+
+def test_read_gguf_metadata_without_the_tensors(tmp_path):
+    _write_tiny_llama(tmp_path / "tiny.gguf", np.random.default_rng(4))
+    md = read_gguf_metadata(tmp_path / "tiny.gguf")
+    assert md["general.architecture"] == "llama"
+    assert md["tokenizer.ggml.tokens"] == [f"t{i}" for i in range(40)]  # as written
+    assert (md["llama.block_count"], md["llama.attention.head_count_kv"]) == (2, 2)
+    assert md["tokenizer.ggml.bos_token_id"] == 1 and md["llama.rope.freq_base"] == 50000.0
+    assert not any(k.startswith("GGUF.") for k in md)
+    assert md == read_gguf(tmp_path / "tiny.gguf")[2]
+    with pytest.raises(ValueError, match="not a file"):
+        read_gguf_metadata(tmp_path / "missing.gguf")
 
 
 def test_read_gguf_unsupported_tensor_type_names_it(tmp_path):

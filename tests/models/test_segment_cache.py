@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models.config import get_config
-from models.decoder import _decode_jit, decode_step, forward, init_params, prefill_segments
+from models.decoder import decode_jit, decode_step, forward, init_params, prefill_segments
 from models.kv_cache import cache_bytes, init_segmented_cache
 
 CFG = get_config("tiny")  # 4 query heads over 2 kv heads (GQA)
@@ -62,8 +62,8 @@ def test_full_response_segment_write_is_dropped(params):
     # index R: dropped, not clamped onto the valid entry R - 1.
     cache = filled_cache(params).replace(resp_lengths=jnp.full((G, N), R, jnp.int32))
     toks = jnp.zeros((G * N,), jnp.int32)
-    # _decode_jit is decode_step's jitted core (no host checks): one compile for the file.
-    _, after = _decode_jit(params, toks, cache, config=CFG, attn_impl=None)
+    # decode_jit is decode_step's jitted core (no host checks): one compile for the file.
+    _, after = decode_jit(params, toks, cache, config=CFG, attn_impl=None)
     np.testing.assert_array_equal(np.asarray(after.k_resp), np.asarray(cache.k_resp))
     np.testing.assert_array_equal(np.asarray(after.v_resp), np.asarray(cache.v_resp))
     with pytest.raises(ValueError, match=r"cache is full: resp_lengths .* reached resp_len=8"):

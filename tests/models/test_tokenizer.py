@@ -222,7 +222,7 @@ def test_sandbox_blocks_unsafe_template():
 
 def test_from_file_matches_gguf_route(tmp_path):
     src = TOKENIZERS["smollm"]
-    src._tok.save(str(tmp_path / "tokenizer.json"))
+    src.backend.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": TEMPLATE,
         "bos_token": {"content": "<|endoftext|>", "special": True},

@@ -1,15 +1,16 @@
 """Guess the number, learned from scratch: the tiny model over seeds vs the exact baselines.
 
-    python -m experiments.guess_number                        # preset tiny-guess, seeds 0 1 2
-    python -m experiments.guess_number --seeds 0 1 2 3 -- --steps 300
+    python -m experiments.repro.guess_number                  # preset tiny-guess, seeds 0 1 2
+    python -m experiments.repro.guess_number --seeds 0 1 2 3 -- --steps 300
 
 Runs `experiments.train` (preset tiny-guess: `--env guess_number`, the multi-turn engine,
-GRPO on episode outcomes) for each seed in turn, each in <runs-root>/seed_<s>, then
-writes `--results-json` (default experiments/results/guess_number.json) and a PNG beside
-it: every seed's eval score curve (sampled and greedy), their means, and the exact
-baselines of rl.envs.guess_number: a feedback-blind uniform guess over the numbers and
-over the whole vocabulary (what an untrained model does), a uniform guess among the
-numbers still consistent with the feedback, and the optimum (binary search). Eval: the
+GRPO on episode outcomes) for each seed in turn, each in <runs-root>/seed_<s> (a seed
+whose run dir holds a finished run is read, not trained again), then writes
+`--results-json` (default experiments/results/guess_number.json) and a PNG beside it:
+every seed's eval score curve (sampled and greedy), their means, and the exact baselines
+of rl.envs.guess_number: a feedback-blind uniform guess over the numbers and over the
+whole vocabulary (what an untrained model does), a uniform guess among the numbers still
+consistent with the feedback, and the optimum (binary search). Eval: the
 preset's held-out episodes (every hidden number equally often), score = 1 - (t-1)/T if
 found at turn t. Headline: the final sampled eval score, mean over seeds, against the
 consistent-random baseline (a policy must use the feedback to pass it).
@@ -17,16 +18,16 @@ consistent-random baseline (a policy must use the feedback to pass it).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
-from experiments.benchmarking import load_average, machine
+from experiments.common.benchmarking import load_average, machine, results_path
+from experiments.common.seeds import check_train_args, over_seeds, plot_over_seeds, spread
 from experiments.train import PRESETS
 from experiments.train import main as train_main
-from experiments.train_seeds import check_train_args, spread
 from rl.envs import make_env
 from rl.runtime.logging import atomic_write_json
 
@@ -34,12 +35,12 @@ PRESET = "tiny-guess"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.guess_number",
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.guess_number",
                                 description="guess_number over seeds vs exact baselines")
     p.add_argument("--preset", default=PRESET, choices=sorted(PRESETS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--runs-root", default="runs/guess_number")
-    p.add_argument("--results-json", default="experiments/results/guess_number.json")
+    p.add_argument("--results-json", default=str(results_path(__file__)))
     p.add_argument("train_args", nargs="*", metavar="-- TRAIN_FLAGS",
                    help="flags passed to every experiments.train run (after --)")
     return p
@@ -55,10 +56,15 @@ def baselines(preset: str) -> dict[str, float]:
             "optimal": round(env.optimal_score(), 4), "k": env.k, "max_turns": env.max_turns}
 
 
-def run_seed(preset: str, seed: int, run_dir: Path, train_args: list[str]) -> dict:
-    s = train_main(["--preset", preset, "--seed", str(seed), "--run-dir", str(run_dir),
-                    "--no-progress", *train_args])
-    return {"seed": seed, "run_dir": str(run_dir), "steps": s["steps"],
+def train_seed(preset: str, seed: int, run_dir: Path, train_args: list[str]) -> dict:
+    return train_main(["--preset", preset, "--seed", str(seed), "--run-dir", str(run_dir),
+                       "--no-progress", *train_args])
+
+
+def read_seed(run_dir: Path) -> dict:
+    """A finished run's numbers, as its summary.json states them."""
+    s = json.loads((run_dir / "summary.json").read_text())
+    return {"run_dir": str(run_dir), "steps": s["steps"],
             "initial_eval_score": s["initial_eval_reward"],
             "final_eval_score": s["final_eval_reward"],
             "final_greedy_eval_score": s["final_greedy_eval_reward"],
@@ -67,20 +73,15 @@ def run_seed(preset: str, seed: int, run_dir: Path, train_args: list[str]) -> di
 
 
 def plot(res: dict, path: Path) -> None:
-    from experiments.plots import plt, save_png
+    from experiments.common.plots import plt, save_png
 
     fig, ax = plt.subplots(figsize=(7.2, 4.4))
     for key, color, label in (("eval_reward", "tab:blue", "sampled"),
                               ("eval_greedy_reward", "tab:green", "greedy")):
-        curves = [np.asarray(s["curve"][key], np.float64) for s in res["seeds"]]
-        curves = [c for c in curves if c.size]
-        if not curves:
-            continue
-        for c in curves:
-            ax.plot(c[:, 0], c[:, 1], color=color, lw=0.7, alpha=0.4)
-        n = min(len(c) for c in curves)
-        ax.plot(curves[0][:n, 0], np.mean([c[:n, 1] for c in curves], axis=0), color=color,
-                lw=2.2, label=f"{label} eval score, mean of {len(curves)} seeds")
+        curves = [c for s in res["seeds"] if (c := s["curve"][key])]
+        if curves:
+            plot_over_seeds(ax, curves, color=color,
+                            label=f"{label} eval score, mean of {len(curves)} seeds")
     b = res["baselines"]
     for key, color, label in (("optimal", "black", "optimal (binary search)"),
                               ("consistent_random", "tab:purple",
@@ -100,14 +101,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        check_train_args(args.train_args)
+        check_train_args(args.train_args, "experiments.repro.guess_number")
     except ValueError as err:
         parser.error(str(err))
-    command = "python -m experiments.guess_number " + " ".join(
+    command = "python -m experiments.repro.guess_number " + " ".join(
         sys.argv[1:] if argv is None else argv)
     load_before, t0 = load_average(), time.perf_counter()
-    records = [run_seed(args.preset, s, Path(args.runs_root) / f"seed_{s}", args.train_args)
-               for s in args.seeds]
+    root = Path(args.runs_root)
+    runs = over_seeds(args.seeds, lambda s: root / f"seed_{s}", read_seed,
+                      train=lambda s: train_seed(args.preset, s, root / f"seed_{s}",
+                                                 args.train_args))
+    records = [{"seed": s, **runs[str(s)]} for s in args.seeds]
     b = baselines(args.preset)
     final = spread([r["final_eval_score"] for r in records])
     greedy = spread([r["final_greedy_eval_score"] for r in records])

@@ -1,10 +1,10 @@
 """LoRA vs full fine-tuning on the real-model preset: SmolLM2-135M-Instruct, GRPO on
-reasoning-gym chain_sum (experiments.smollm2_rg's preset, the same 30-minute budget and the
-same 256 held-out problems), with rank-8 adapters on every projection.
+reasoning-gym chain_sum (experiments.repro.smollm2_rg's preset, the same 30-minute budget
+and the same 256 held-out problems), with rank-8 adapters on every projection.
 
-    python -m experiments.lora_vs_full --seeds 0 1 --train   # run the LoRA seeds (~33 min
-                                                             # each on 2 CPU cores), collect
-    python -m experiments.lora_vs_full --seeds 0 1           # collect finished runs only
+    python -m experiments.repro.lora_vs_full --seeds 0 1 --train  # run the LoRA seeds (~33
+                                                                  # min each on 2 cores), collect
+    python -m experiments.repro.lora_vs_full --seeds 0 1          # collect finished runs only
 
 Each seed is `python -m experiments.train --preset smollm2-rg --seed S --lora-rank 8
 --lr 2e-4 --run-dir runs/smollm2-rg-lora-r8-sS`. The learning rate is 10x the full
@@ -14,8 +14,8 @@ fine-tune's 2e-5: with Adam each entry of B moves ~lr per step, and the weight u
 full fine-tune's 2e-5 inside an 8-dimensional subspace per matrix (no sweep was run).
 
 The full fine-tune's runs are read from experiments/results/smollm2_rg.json (its seeds);
-the LoRA runs from their run dirs (experiments.smollm2_rg.read_run: before / after greedy
-accuracy with standard errors, eval and train curves). Writes
+the LoRA runs from their run dirs (experiments.common.seeds.read_before_after: before /
+after greedy accuracy with standard errors, eval and train curves). Writes
 experiments/results/lora_vs_full.json, headline = LoRA's mean gain in greedy accuracy
 (after - before) with the full fine-tune's mean gain as the target, and lora_vs_full.png:
 held-out greedy accuracy against step and against minutes, LoRA next to full FT.
@@ -27,10 +27,11 @@ import json
 import sys
 from pathlib import Path
 
-from experiments.benchmarking import RESULTS_DIR, machine
-from experiments.smollm2_rg import PRESET, gain_over_seeds, read_run, train_missing
+from experiments.common.benchmarking import RESULTS_DIR, machine, results_path
+from experiments.common.seeds import gain_over_seeds, over_seeds, read_before_after
 from rl.runtime.logging import atomic_write_json
 
+PRESET = "smollm2-rg"  # experiments.repro.smollm2_rg's
 RANK, LR = 8, 2e-4
 FULL_JSON = RESULTS_DIR / "smollm2_rg.json"
 
@@ -44,8 +45,11 @@ def train_command(root: Path, seed: int) -> list[str]:
             "--run-dir", str(run_dir_of(root, seed))]
 
 
-def collect(root: Path, seeds: list[int], full_json: Path = FULL_JSON) -> dict:
-    lora = {str(s): read_run(run_dir_of(root, s)) for s in seeds}
+def collect(root: Path, seeds: list[int], full_json: Path = FULL_JSON, train=None) -> dict:
+    """The results JSON from the LoRA seeds' run dirs under `root` and the full fine-tune's
+    results; with `train` (the train job's main), unfinished LoRA seeds are trained first."""
+    lora = over_seeds(seeds, lambda s: run_dir_of(root, s), read_before_after,
+                      train=None if train is None else lambda s: train(train_command(root, s)))
     full = json.loads(full_json.read_text())["runs"]
     lg, fg = gain_over_seeds(lora), gain_over_seeds(full)
     return {
@@ -65,7 +69,7 @@ def collect(root: Path, seeds: list[int], full_json: Path = FULL_JSON) -> dict:
         "full": {"gain_over_seeds": fg, "lr": 2e-5, "source": str(full_json),
                  "curves": {s: {"eval_curve": r["eval_curve"], "steps": r["steps"]}
                             for s, r in full.items()}},
-        "command": "python -m experiments.lora_vs_full --train --seeds "
+        "command": "python -m experiments.repro.lora_vs_full --train --seeds "
                    + " ".join(map(str, seeds)),
         "per_seed_command": "python -m experiments.train " + " ".join(
             train_command(Path("runs"), 0)).replace("-s0", "-sS").replace("--seed 0", "--seed S"),
@@ -80,7 +84,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.plots import save_png
+    from experiments.common.plots import save_png
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
     arms = [("full FT", result["full"]["curves"], "tab:gray", "s--", 1.0),
@@ -103,21 +107,22 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m experiments.lora_vs_full", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.lora_vs_full",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--train", action="store_true", help="train the LoRA seeds that have no "
                    "summary.json yet (one after another) before collecting")
     p.add_argument("--run-root", default="runs", help="where the run dirs live (default runs/)")
     p.add_argument("--full", default=str(FULL_JSON), help="the full fine-tune's results JSON")
-    p.add_argument("--out", default=str(RESULTS_DIR / "lora_vs_full.json"))
+    p.add_argument("--out", default=str(results_path(__file__)))
     args = p.parse_args(argv)
     root = Path(args.run_root)
+    train = None
     if args.train:
-        train_missing(args.seeds, lambda seed: run_dir_of(root, seed),
-                      lambda seed: train_command(root, seed))
+        from experiments.train import main as train
     try:
-        result = collect(root, args.seeds, Path(args.full))
+        result = collect(root, args.seeds, Path(args.full), train)
     except ValueError as err:
         sys.exit(f"error: {err}")
     out = Path(args.out)

@@ -1,11 +1,13 @@
-"""Shared pieces of the benchmark scripts: which machine, how busy it was, round-robin
-timing of compiled calls, and the results file with its headline.
+"""Shared pieces of the benchmark and reproduction scripts: which machine, how busy it
+was, round-robin timing of compiled calls, and the results file with its headline.
 
-Every benchmark writes experiments/results/<script name>.json holding a top-level
-"headline" {"metric", "value", "target", "machine"} beside its full table.
+Every script writes its results where `results_path` says (experiments/bench/X.py:
+experiments/results/bench_X.json; experiments/repro/X.py: experiments/results/X.json),
+holding a top-level "headline" {"metric", "value", "target", "machine"} beside its table.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -14,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
-
-RESULTS_DIR = Path(__file__).parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"  # experiments/results
 
 
 def machine() -> str:
     """E.g. 'AMD EPYC 7B13, 2 cores; jax 0.10.2 on cpu' (the GPU's kind on a GPU)."""
+    import jax  # here, not at the top: a script may set up its environment first
+
     cpu = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):  # Linux: the model name ("AMD EPYC 7B13")
         with open("/proc/cpuinfo") as f:
@@ -29,6 +31,31 @@ def machine() -> str:
     dev = jax.devices()[0]
     where = f"{cpu}, {os.cpu_count()} cores" if dev.platform == "cpu" else dev.device_kind
     return f"{where}; jax {jax.__version__} on {dev.platform}"
+
+
+COMPILE_EVENTS = frozenset({  # jax.monitoring duration events that make up a compilation
+    "/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration"})
+
+
+@contextlib.contextmanager
+def compile_seconds():
+    """Yield a one-element list that accumulates the seconds jax spends tracing, lowering
+    and compiling inside the block (its compile events; they run on the calling thread,
+    so wall time minus this is run time)."""
+    import jax
+
+    total = [0.0]
+
+    def listener(event, duration, **_):
+        if event in COMPILE_EVENTS:
+            total[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield total
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def load_average() -> list[float]:
@@ -40,6 +67,8 @@ def time_calls(calls: dict[str, Callable[[], Any]], reps_seconds: float,
                min_reps: int = 5) -> dict[str, float]:
     """Median wall time in ms of each already-compiled call. The calls are timed
     round-robin so that load from other processes hits them all alike."""
+    import jax
+
     times: dict[str, list[float]] = {name: [] for name in calls}
     first = next(iter(calls))
     start = time.perf_counter()
@@ -50,6 +79,18 @@ def time_calls(calls: dict[str, Callable[[], Any]], reps_seconds: float,
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - t)
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+def results_path(script: str | os.PathLike) -> Path:
+    """The results JSON of the script at `script` (pass its __file__):
+    experiments/bench/X.py -> RESULTS_DIR/bench_X.json, experiments/repro/X.py ->
+    RESULTS_DIR/X.json. ValueError for a file in neither room."""
+    path = Path(script)
+    room = path.parent.name
+    if path.suffix != ".py" or room not in ("bench", "repro"):
+        raise ValueError(f"{str(path)!r} is not a script of experiments/bench/ or "
+                         "experiments/repro/")
+    return RESULTS_DIR / (f"bench_{path.stem}.json" if room == "bench" else f"{path.stem}.json")
 
 
 def write_results(path: Path, result: dict[str, Any]) -> Path:

@@ -2,8 +2,8 @@
 tiny-synthetic preset, over seeds: sampled tokens, tokens pruned / saved, wall time,
 eval reward (sampled and greedy) at the end and along the way.
 
-    python -m experiments.prune_tiny                    # seeds 0 1 2, 800 steps each
-    python -m experiments.prune_tiny --seeds 0 --steps 100
+    python -m experiments.repro.prune_tiny                    # seeds 0 1 2, 800 steps each
+    python -m experiments.repro.prune_tiny --seeds 0 --steps 100
 
 Both arms run `experiments.train.main` with --segment-len 2 (the synthetic responses are
 4 tokens, so a group's pruning point, 2 tokens, is a segment boundary); the pruning arm
@@ -15,18 +15,17 @@ tokens, mean over seeds per arm).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from experiments.benchmarking import machine
+from experiments.common.benchmarking import machine, results_path
+from experiments.common.seeds import read_metrics, spread
 from experiments.train import main as train_main
 from rl.runtime.logging import atomic_write_json
 
-RESULTS = Path(__file__).parent / "results"
 ARMS = {"grpo": [], "grpo+prune": ["--prune"]}
 
 
@@ -36,9 +35,7 @@ def one_run(arm: str, seed: int, steps: int, root: Path, extra: list[str]) -> di
             str(run_dir), "--wandb", "disabled", "--no-progress", *ARMS[arm],
             *(extra if ARMS[arm] else [])]
     summary = train_main(argv)
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r["kind"] == "train"]
-    evals = [r for r in recs if r["kind"] == "eval"]
+    train, evals = read_metrics(run_dir)
     tokens = np.cumsum([r["sampled_tokens"] for r in train])
     at = {r["step"]: int(tokens[r["step"] - 1]) if r["step"] else 0 for r in evals}
     return {
@@ -55,16 +52,15 @@ def one_run(arm: str, seed: int, steps: int, root: Path, extra: list[str]) -> di
 
 
 def stats(xs) -> dict:
-    a = np.asarray(xs, np.float64)
-    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else 0.0,
-            "min": float(a.min()), "max": float(a.max())}
+    """mean, std, min, max over seeds (as computed, not rounded)."""
+    return {k: v for k, v in spread(xs, digits=None).items() if k != "ci95"}
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m experiments.prune_tiny")
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.prune_tiny")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=800)
-    p.add_argument("--results-json", default=str(RESULTS / "prune_tiny.json"))
+    p.add_argument("--results-json", default=str(results_path(__file__)))
     p.add_argument("--prune-flags", default="", help="more flags for the pruning arm, e.g. "
                    "'--prune-max-frac 0.25'")
     args = p.parse_args(argv)
@@ -86,7 +82,7 @@ def main(argv=None) -> dict:
     out = {"headline": {"metric": "sampled tokens, pruned / plain GRPO (800 steps, tiny-synthetic)",
                         "value": ratio, "target": "< 1 at an equal final eval reward",
                         "machine": machine()},
-           "command": "python -m experiments.prune_tiny " + " ".join(
+           "command": "python -m experiments.repro.prune_tiny " + " ".join(
                sys.argv[1:] if argv is None else argv),
            "prune_flags": args.prune_flags, "seeds": args.seeds, "steps": args.steps, "table": table, "runs": runs}
     path = Path(args.results_json)
@@ -95,7 +91,7 @@ def main(argv=None) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.plots import save_png
+    from experiments.common.plots import save_png
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm, rs in runs.items():
         x = np.mean([[c["tokens"] for c in r["curve"]] for r in rs], axis=0)

@@ -1,7 +1,7 @@
 """Multi-turn rollouts: appending observations to the KV cache vs re-prefilling the whole
 history every turn (rl.rollout.multiturn, modes "append" and "reprefill").
 
-    python -m experiments.bench_multiturn [--model smollm2-135m] [--turns 2,4,8] [--repeats 3]
+    python -m experiments.bench.multiturn [--model smollm2-135m] [--turns 2,4,8] [--repeats 3]
         [--prompt-len 128] [--turn-len 32] [--obs-len 32] [--groups 2] [--group-size 4]
         [--layout segmented|replicated]
 
@@ -39,14 +39,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from experiments.benchmarking import RESULTS_DIR, load_average, machine, write_results
+from experiments.common.benchmarking import load_average, machine, results_path, write_results
 from models.config import get_config
 from models.decoder import init_params
 from rl.envs.base import StepResult
 from rl.rollout import MultiTurnConfig, MultiTurnEngine, SamplingConfig
 from rl.tasks.base import Prompt
 
-RESULT = RESULTS_DIR / "bench_multiturn.json"
+RESULT = results_path(__file__)
 
 
 class FixedEpisode:
@@ -109,7 +109,7 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.plots import save_png
+    from experiments.common.plots import save_png
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for mode, color in (("append", "tab:green"), ("reprefill", "tab:purple")):
         rs = [r for r in rows if r["mode"] == mode]

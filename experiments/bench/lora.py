@@ -1,7 +1,7 @@
 """LoRA / QLoRA vs full fine-tuning: bytes of what the learner trains and keeps, and the
 train-step time.
 
-    python -m experiments.bench_lora [--time-models smollm2-135m] [--shape 8x128]
+    python -m experiments.bench.lora [--time-models smollm2-135m] [--shape 8x128]
         [--seconds 20] [--out PATH]
 
 Bytes (both presets, smollm2-135m and qwen2.5-0.5b, from shapes alone: nothing is
@@ -15,7 +15,7 @@ and the frozen base as stored, for the sides
 Step time (the --time-models presets, random weights): one jitted rl.learner step
 (forward, backward, AdamW with clipping) on B x T random tokens, GRPO advantages from
 random rewards in groups of 4, PPO-clip token-mean, float32, unpacked; the sides are
-timed round-robin (experiments.benchmarking.time_calls) after a warm-up (compile) call.
+timed round-robin (experiments.common.benchmarking.time_calls) after a warm-up (compile) call.
 Decode (the sampler, --decode-batch rows, timed presets): one decode step with the merged
 weights (one merge per policy version, whose time is reported too) vs base + adapters on
 the fly (float32 / int8 / int4 base), round-robin.
@@ -33,7 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments.benchmarking import load_average, machine, time_calls, write_results
+from experiments.common.benchmarking import (
+    load_average,
+    machine,
+    results_path,
+    time_calls,
+    write_results,
+)
 from models.config import get_config
 from models.decoder import decode_step, init_params, prefill
 from models.kv_cache import init_cache
@@ -49,7 +55,7 @@ from rl.loops.adapters import merged_params
 from rl.objectives import LossConfig
 from rl.trajectory import Trajectory
 
-RESULT = Path(__file__).parent / "results" / "bench_lora.json"
+RESULT = results_path(__file__)
 MODELS = ("smollm2-135m", "qwen2.5-0.5b")
 GROUP = 4
 SIDES = {  # name -> (LoraConfig or None for the full fine-tune)

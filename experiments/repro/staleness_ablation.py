@@ -1,8 +1,8 @@
 """The VCPO staleness ablation ("Stable Asynchrony", issue 9) on the tiny synthetic task.
 
-    python -m experiments.staleness_ablation                       # the grid (resumable)
-    python -m experiments.staleness_ablation --report-only          # tables + plots from the runs
-    nohup python -m experiments.staleness_ablation > ablation.log 2>&1 &
+    python -m experiments.repro.staleness_ablation                  # the grid (resumable)
+    python -m experiments.repro.staleness_ablation --report-only    # tables + plots from the runs
+    nohup python -m experiments.repro.staleness_ablation > ablation.log 2>&1 &
 
 Each run trains the `tiny-synthetic` preset of experiments.train (tiny decoder from random
 init, "reverse 4 symbols") with rl.loops.run_async in deterministic mode: step v trains on a
@@ -38,14 +38,22 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.benchmarking import RESULTS_DIR, load_average, machine, write_results
+from experiments.common.benchmarking import (
+    RESULTS_DIR,
+    load_average,
+    machine,
+    results_path,
+    write_results,
+)
+from experiments.common.seeds import spread, train_missing
 from experiments.train import PRESETS, load_policy
 from rl.learner import OffPolicyConfig, TrainConfig
 from rl.objectives import VCPOConfig
 
 PRESET = "tiny-synthetic"
 NAME = "staleness_ablation"
-RUNS_DIR = RESULTS_DIR / NAME
+RUNS_DIR = RESULTS_DIR / NAME  # one JSON per run
+RESULT = results_path(__file__)
 METHODS = ("grpo", "grpo_tis", "decoupled_ppo", "vcpo")
 LABELS = {"grpo": "GRPO (no correction)", "grpo_tis": "GRPO + seq. TIS (cap 8)",
           "decoupled_ppo": "decoupled PPO (AReaL)", "vcpo": "VCPO"}
@@ -109,7 +117,7 @@ def run_one(method: str, k: int, seed: int, steps: int, eval_every: int, eval_pr
                        progress=False, on_step=on_step)
     wall = time.perf_counter() - t0
     shutil.rmtree(run_dir, ignore_errors=True)
-    loop_src = Path(__file__).resolve().parents[1] / "rl" / "loops" / "asynchronous.py"
+    loop_src = Path(__file__).resolve().parents[2] / "rl" / "loops" / "asynchronous.py"
     train_rows = [[r["step"]] + [None if r.get(key) is None else round(float(r[key]), 5)
                                  for key in TRAIN_KEYS] for r in result.train]
     return {
@@ -176,13 +184,13 @@ def summarize(runs: list[dict]) -> dict:
     table = []
     by_k: dict[int, dict[str, dict]] = {}
     for (k, method), rs in sorted(_cells(runs).items()):
-        finals = [r["final_eval_reward"] for r in rs]
+        final = spread([r["final_eval_reward"] for r in rs], digits=None)
         ess = np.concatenate([_column(r, "vcpo_ess") for r in rs])
         lwmax = np.concatenate([_column(r, "vcpo_logw_max") for r in rs])
         after = np.concatenate([_column(r, "vcpo_ess")[k:] for r in rs])  # lag exactly k
         row = {"k": k, "method": method, "seeds": sorted(r["seed"] for r in rs),
-               "final_eval_mean": float(np.mean(finals)), "final_eval_min": float(np.min(finals)),
-               "final_eval_max": float(np.max(finals)),
+               "final_eval_mean": final["mean"], "final_eval_min": final["min"],
+               "final_eval_max": final["max"],
                "final_eval_per_seed": {str(r["seed"]): r["final_eval_reward"] for r in rs},
                # a collapse shows as a final eval well below the run's best eval
                "peak_eval_mean": float(np.mean([max(e[1] for e in r["eval"]) for r in rs])),
@@ -211,14 +219,7 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-def _smooth(x: np.ndarray, w: int) -> np.ndarray:
-    out = np.empty_like(x)
-    for i in range(len(x)):
-        out[i] = np.nanmean(x[max(0, i - w + 1):i + 1])
-    return out
-
-
-def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
+def plot(runs: list[dict], out_prefix: Path, window: int = 10) -> list[Path]:
     """reward vs step and ESS vs step (one panel per k, methods overlaid: mean over seeds,
     band = min..max), and final eval reward vs k. Returns the PNG paths."""
 
@@ -227,7 +228,7 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.plots import save_png
+    from experiments.common.plots import save_png, smooth
 
     cells = _cells(runs)
     ks = sorted({k for k, _ in cells})
@@ -247,8 +248,8 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
     # rows: eval reward of the learner's params; train reward (the batch's, sampled k
     # versions earlier); ESS ratio of the batch. One column per k; bands = min..max over seeds.
     rows = (("eval", "eval reward (learner)", False, "_reward.png"),
-            ("reward_mean", f"batch reward ({smooth}-step mean)", False, "_reward.png"),
-            ("vcpo_ess", f"ESS ratio ρ ({smooth}-step mean)", True, "_ess.png"))
+            ("reward_mean", f"batch reward ({window}-step mean)", False, "_reward.png"),
+            ("vcpo_ess", f"ESS ratio ρ ({window}-step mean)", True, "_ess.png"))
     for suffix in ("_reward.png", "_ess.png"):
         spec = [r for r in rows if r[3] == suffix]
         fig, axes = plt.subplots(len(spec), len(ks), figsize=(3.4 * len(ks), 3.0 * len(spec)),
@@ -267,7 +268,7 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
                     else:
                         n = min(len(r["train"]) for r in rs)
                         steps = np.array([row[0] for row in rs[0]["train"][:n]])
-                        band(ax, steps, np.stack([_smooth(_column(r, key)[:n], smooth) for r in rs]),
+                        band(ax, steps, np.stack([smooth(_column(r, key)[:n], window) for r in rs]),
                              m, len(rs))
                 if k > 0:
                     ax.axvline(k, color="k", ls=":", lw=0.8)
@@ -302,13 +303,13 @@ def plot(runs: list[dict], out_prefix: Path, smooth: int = 10) -> list[Path]:
     return paths
 
 
-def report(runs_dir: Path = RUNS_DIR, out: Path = RESULTS_DIR / f"{NAME}.json",
+def report(runs_dir: Path = RUNS_DIR, out: Path = RESULT,
            command: str | None = None) -> dict:
     runs = load_runs(runs_dir)
     if not runs:
         raise SystemExit(f"no runs under {runs_dir}; run the grid first")
     summary = summarize(runs)
-    summary["command"] = command or f"python -m experiments.{NAME}"
+    summary["command"] = command or f"python -m experiments.repro.{NAME}"
     summary["load_average_1_5_15min"] = load_average()
     summary["plots"] = [p.name for p in plot(runs, out.with_suffix(""))]
     write_results(out, summary)
@@ -330,7 +331,7 @@ def print_table(summary: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=f"python -m experiments.{NAME}", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=f"python -m experiments.repro.{NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--ks", nargs="+", type=int, default=[0, 4, 16, 64])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
@@ -339,18 +340,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-prompts", type=int, default=128)
     p.add_argument("--runs-dir", default=str(RUNS_DIR), help="one JSON per run (resumable)")
     p.add_argument("--work-dir", default="runs/staleness_ablation", help="scratch run dirs")
-    p.add_argument("--out", default=str(RESULTS_DIR / f"{NAME}.json"),
+    p.add_argument("--out", default=str(RESULT),
                    help="summary JSON (the PNGs are written beside it)")
     p.add_argument("--report-only", action="store_true", help="summarise the runs on disk")
     args = p.parse_args(argv)
     runs_dir, out = Path(args.runs_dir), Path(args.out)
-    command = f"python -m experiments.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"python -m experiments.repro.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     if not args.report_only:
         runs_dir.mkdir(parents=True, exist_ok=True)
         grid = [(m, k, s) for s in args.seeds for k in args.ks for m in args.methods]
-        todo = [c for c in grid if not (runs_dir / f"{run_name(*c)}.json").exists()]
-        bar = tqdm(total=len(grid), initial=len(grid) - len(todo), desc="ablation", dynamic_ncols=True)
-        for method, k, seed in todo:
+
+        def record_of(cell) -> Path:
+            return runs_dir / f"{run_name(*cell)}.json"
+
+        done = sum(record_of(c).exists() for c in grid)
+        bar = tqdm(total=len(grid), initial=done, desc="ablation", dynamic_ncols=True)
+
+        def train_cell(cell) -> None:
+            method, k, seed = cell
             name = run_name(method, k, seed)
 
             def on_step(rec, name=name):
@@ -367,6 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
             bar.write(f"{name}: final eval reward {rec['final_eval_reward']:.3f} "
                       f"({rec['wall_s']:.0f} s, load {rec['load_average_after'][0]})")
             report(runs_dir, out, command.strip())
+
+        train_missing(grid, record_of, train_cell, finished=Path.exists)
         bar.close()
     summary = report(runs_dir, out, command.strip())
     print_table(summary)

@@ -1,7 +1,7 @@
 """Scaling check on forced CPU devices: train-step and decode tokens/s of the tiny model on
 1, 2, 4 and 8 devices over the mesh presets, and the collectives of each compiled program.
 
-    python -m experiments.bench_scaling [--devices 1,2,4,8] [--reps-seconds 1.0] [--hlo-dir DIR]
+    python -m experiments.bench.scaling [--devices 1,2,4,8] [--reps-seconds 1.0] [--hlo-dir DIR]
 
 CAVEAT: forced host devices (XLA_FLAGS=--xla_force_host_platform_device_count=N) all share
 the same CPU cores (2 here), so more devices cannot run faster: these numbers measure the
@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments.benchmarking import RESULTS_DIR, load_average, machine, write_results
+from experiments.common.benchmarking import load_average, machine, results_path, write_results
 
-RESULT = RESULTS_DIR / "bench_scaling.json"
+RESULT = results_path(__file__)
 PRESETS = {1: ("single",), 2: ("dp", "fsdp", "tp"),
            4: ("dp", "fsdp", "tp", "dp+fsdp", "fsdp+tp"),
            8: ("dp", "fsdp", "tp", "dp+fsdp", "fsdp+tp", "dp+fsdp+tp")}
@@ -213,7 +213,7 @@ def _fmt_counts(c: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m experiments.bench_scaling", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m experiments.bench.scaling", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="1,2,4,8", help="forced CPU device counts (from 1,2,4,8)")
     ap.add_argument("--reps-seconds", type=float, default=1.0, help="timing budget per measurement")
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "--xla_cpu_enable_concurrency_optimized_scheduler=false")
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
-            proc = subprocess.run([sys.executable, "-m", "experiments.bench_scaling", "--worker",
+            proc = subprocess.run([sys.executable, "-m", "experiments.bench.scaling", "--worker",
                                    str(n), "--out", str(out), "--reps-seconds",
                                    str(args.reps_seconds), "--hlo-dir", str(hlo_dir)],
                                   env=env, capture_output=True, text=True)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "value": unexpected, "target": 0, "machine": machine()},
         "caveat": "forced CPU devices share the machine's cores: tokens/s show partitioning "
                   "overhead, not speed-up",
-        "command": "python -m experiments.bench_scaling " + " ".join(
+        "command": "python -m experiments.bench.scaling " + " ".join(
             sys.argv[1:] if argv is None else argv),
         "model": "tiny (2 layers, hidden 64, 4 heads, 2 kv heads, vocab 256)",
         "train_batch": {"rows": B, "tokens": T},

@@ -1,9 +1,9 @@
 """Data efficiency: uniform GRPO against the prompt schedulers (DOTS, DPS, DARS), rollout
 replay and online pruning, on the tiny synthetic task and the real-model preset (issue 22).
 
-    python -m experiments.data_efficiency --method-flag prune:--segment-len=2  # 6 x 3 seeds
-    python -m experiments.data_efficiency --seeds 5 --methods uniform,dps
-    python -m experiments.data_efficiency --preset smollm2-rg --seeds 1 \
+    python -m experiments.repro.data_efficiency --method-flag prune:--segment-len=2  # 6 x 3 seeds
+    python -m experiments.repro.data_efficiency --seeds 5 --methods uniform,dps
+    python -m experiments.repro.data_efficiency --preset smollm2-rg --seeds 1 \
         --methods uniform,dars,replay --lock /tmp/realmodel.lock \
         --method-flag dars:--micro-batches=2 \
         --results-json experiments/results/data_efficiency_smollm2.json
@@ -47,7 +47,9 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments.common.benchmarking import machine, results_path
+from experiments.common.seeds import read_metrics, spread, train_missing
+
 LOCK = "/tmp/cpu.lock"
 METRIC = "greedy_accuracy"
 COMPILE_FACTOR = 5.0  # a step over 5x the run's median step time is an XLA compile
@@ -74,8 +76,7 @@ def run_order(methods: list[str], seeds: list[int]) -> list[tuple[str, int]]:
 
 
 def run_one(method: str, seed: int, args: argparse.Namespace, run_dir: Path) -> None:
-    if (run_dir / "summary.json").exists():
-        return  # done by an earlier invocation
+    """Train one (method, seed) run in its own process (an unfinished one starts again)."""
     if run_dir.exists():
         for f in sorted(run_dir.rglob("*"), reverse=True):  # a half run: start it again
             f.unlink() if f.is_file() or f.is_symlink() else f.rmdir()
@@ -122,9 +123,8 @@ def read_run(run_dir: Path) -> dict:
     """A run's curve at its evals: step, wall_s (training seconds, each compile step
     counted at the run's median step time), raw_wall_s (as measured), tokens, accuracy;
     the compile steps and seconds left out; the mean zero-advantage fractions."""
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = sorted((r for r in recs if r["kind"] == "train"), key=lambda r: r["step"])
-    evals = sorted((r for r in recs if r["kind"] == "eval"), key=lambda r: r["step"])
+    train, evals = read_metrics(run_dir)
+    train, evals = (sorted(rs, key=lambda r: r["step"]) for rs in (train, evals))
     step_s = np.asarray([r["rollout_s"] + r["train_s"] for r in train], np.float64)
     compiles = step_s > COMPILE_FACTOR * np.median(step_s)
     wall = np.cumsum(np.where(compiles, np.median(step_s), step_s))
@@ -163,15 +163,10 @@ def first_reach(curve: list[dict], target: float, key: str) -> float | None:
     return None
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    v = np.asarray(values, np.float64)
-    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
-
-
 def summarize(per_method: dict[str, list[dict]], reach: float = 0.9) -> dict:
     """The table (see the module docstring) from each method's runs (read_run)."""
     uni = per_method["uniform"]
-    uni_final = mean_std([r["curve"][-1]["accuracy"] for r in uni])[0]
+    uni_final = spread([r["curve"][-1]["accuracy"] for r in uni], digits=None)["mean"]
     target = reach * uni_final
     uni_mean = mean_curve(uni)
     base_t = first_reach(uni_mean, target, "wall_s")
@@ -179,12 +174,13 @@ def summarize(per_method: dict[str, list[dict]], reach: float = 0.9) -> dict:
     table = {}
     for name, runs in per_method.items():
         mc = mean_curve(runs)
-        fin = mean_std([r["curve"][-1]["accuracy"] for r in runs])
+        fin = spread([r["curve"][-1]["accuracy"] for r in runs], digits=None)
         t, tok = first_reach(mc, target, "wall_s"), first_reach(mc, target, "tokens")
         t_full = first_reach(mc, uni_final, "wall_s")
         seeds_reached = sum(first_reach(r["curve"], target, "wall_s") is not None for r in runs)
         table[name] = {
-            "seeds": len(runs), "final_accuracy_mean": fin[0], "final_accuracy_std": fin[1],
+            "seeds": len(runs),
+            "final_accuracy_mean": fin["mean"], "final_accuracy_std": fin["std"],
             "wall_s_to_target": t, "tokens_to_target": tok,
             "seeds_reaching_target": seeds_reached,
             "speedup_to_target": None if t is None or base_t is None else base_t / t,
@@ -229,7 +225,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.plots import save_png
+    from experiments.common.plots import save_png
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in summary["table"].items():
@@ -247,7 +243,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m experiments.data_efficiency",
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.data_efficiency",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny-synthetic")
     p.add_argument("--methods", default=",".join(METHODS),
@@ -259,11 +255,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="an extra experiments.train flag for one method (repeatable)")
     p.add_argument("--uniform-from", default="", metavar="TEMPLATE",
                    help="reuse finished uniform runs of this preset instead of training them, "
-                        "e.g. 'runs/smollm2-rg-s{seed}' (experiments.smollm2_rg's)")
+                        "e.g. 'runs/smollm2-rg-s{seed}' (experiments.repro.smollm2_rg's)")
     p.add_argument("--uniform-seeds", type=int, default=3, help="with --uniform-from")
     p.add_argument("--out-dir", default="runs/data_efficiency")
     p.add_argument("--lock", default=LOCK, help="flock file per run ('' for none)")
-    p.add_argument("--results-json", default=str(RESULTS / "data_efficiency.json"))
+    p.add_argument("--results-json", default=str(results_path(__file__)))
     args = p.parse_args(argv)
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
@@ -276,13 +272,11 @@ def main(argv: list[str] | None = None) -> dict:
     trained = [m for m in methods if not (m == "uniform" and args.uniform_from)]
     order = run_order(trained, list(range(args.seeds)))
     print(f"{len(order)} runs: {order}", flush=True)
-    for m, s in order:
-        run_one(m, s, args, out / f"{m}_s{s}")
+    train_missing(order, lambda ms: out / f"{ms[0]}_s{ms[1]}",
+                  lambda ms: run_one(*ms, args, out / f"{ms[0]}_s{ms[1]}"))  # interrupted: resumes
     per = {m: [read_run(d) for d in run_dirs(m, args, out)] for m in methods}
     summary = summarize(per)
     print(format_table(summary))
-    from experiments.benchmarking import machine
-
     best = max((n for n in methods if n != "uniform"),
                key=lambda n: summary["table"][n]["speedup_to_uniform_final"] or 0.0)
     summary["headline"] = {
@@ -295,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "methods": {m: METHODS[m] + method_flags(args).get(m, [])
                                      for m in methods},
                          "uniform_from": args.uniform_from or None,
-                         "order": order, "command": "python -m experiments.data_efficiency "
+                         "order": order, "command": "python -m experiments.repro.data_efficiency "
                          + " ".join(sys.argv[1:] if argv is None else argv)}
     path = Path(args.results_json)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Train-step time of GRPO on the naive batch vs the packed shared-prefix batch (DualKV).
 
-    python -m experiments.bench_shared_prefix [--reps-seconds 1.0] [--groups 1]
+    python -m experiments.bench.shared_prefix [--reps-seconds 1.0] [--groups 1]
 
 For N in {4, 16} responses per prompt, R = 16 response tokens and P in {R, 4R, 16R} prompt
 tokens, one jitted training step = value_and_grad of the GRPO loss
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from experiments.benchmarking import machine, time_calls
+from experiments.common.benchmarking import machine, results_path, time_calls
 from models.config import get_config
 from models.decoder import forward, init_params
 from models.packed import packed_response_logprobs
@@ -41,7 +41,7 @@ MODEL = get_config("tiny", vocab_size=512, hidden_size=128, intermediate_size=25
                    max_position_embeddings=2048)
 R = 16
 NS, PS = (4, 16), (R, 4 * R, 16 * R)
-RESULT = Path(__file__).parent / "results" / "bench_shared_prefix.json"
+RESULT = results_path(__file__)
 _OPT = optax.adamw(1e-4)
 
 
@@ -193,7 +193,7 @@ def main() -> None:
                          "updated params with the naive step; AdamW's first update is "
                          "about lr*sign(g) (lr=1e-4), so params with tiny gradients turn "
                          "fp32 rounding into diffs of ~1e-6",
-            "command": "python -m experiments.bench_shared_prefix "
+            "command": "python -m experiments.bench.shared_prefix "
                        f"--reps-seconds {args.reps_seconds} --groups {args.groups}",
             # other processes share the CPU; the load says how noisy the times are
             "uptime_start": load_start,

@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -26,14 +27,17 @@ def save_png(fig, path: str | os.PathLike) -> None:
 _COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
-def _smooth(values: Sequence[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving mean: out[i] = mean of values[max(0, i - window + 1) : i + 1], NaNs
+    left out (NaN where the window holds nothing else)."""
+    x = np.asarray(values, dtype=np.float64)
+    ok = ~np.isnan(x)
+    total = np.concatenate([[0.0], np.cumsum(np.where(ok, x, 0.0))])
+    count = np.concatenate([[0], np.cumsum(ok)])
+    end = np.arange(1, x.size + 1)
+    start = np.maximum(0, end - window)
+    n = count[end] - count[start]
+    return np.where(n > 0, (total[end] - total[start]) / np.maximum(n, 1), np.nan).tolist()
 
 
 def reward_names_of(train: Sequence[dict], evals: Sequence[dict]) -> list[str]:
@@ -45,12 +49,12 @@ def reward_names_of(train: Sequence[dict], evals: Sequence[dict]) -> list[str]:
     return [n for n in names if not evals or n in evals[0]]
 
 
-def _draw(ax, train, evals, x_train, x_eval, names, baseline, baseline_label, smooth):
+def _draw(ax, train, evals, x_train, x_eval, names, baseline, baseline_label, window):
     if train:
         rew = [r["reward_mean"] for r in train]
         ax.plot(x_train, rew, color="tab:blue", alpha=0.25, lw=0.8, label="train reward (batch mean)")
-        ax.plot(x_train, _smooth(rew, smooth), color="tab:blue", lw=1.8,
-                label=f"train reward ({smooth}-step mean)")
+        ax.plot(x_train, smooth(rew, window), color="tab:blue", lw=1.8,
+                label=f"train reward ({window}-step mean)")
     if evals:
         total = "eval reward" + (f" (= {names[0]})" if len(names) == 1 else " (weighted total)")
         ax.plot(x_eval, [r["reward"] for r in evals], "o-", color="tab:red", ms=3.5, lw=1.4,
@@ -64,8 +68,8 @@ def _draw(ax, train, evals, x_train, x_eval, names, baseline, baseline_label, sm
         for name, color in zip(names, _COLORS * (1 + len(names) // len(_COLORS))):
             col = f"reward_{name}"
             if train and all(r.get(col) is not None for r in train):
-                ax.plot(x_train, _smooth([r[col] for r in train], smooth), color=color, lw=1.0,
-                        alpha=0.6, label=f"train {name} ({smooth}-step mean)")
+                ax.plot(x_train, smooth([r[col] for r in train], window), color=color, lw=1.0,
+                        alpha=0.6, label=f"train {name} ({window}-step mean)")
             if evals and all(r.get(name) is not None for r in evals):
                 ax.plot(x_eval, [r[name] for r in evals], "o-", color=color, ms=3, lw=1.2,
                         label=f"eval {name}, sampled")

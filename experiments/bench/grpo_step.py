@@ -1,8 +1,8 @@
 """Steps per hour of the main job, this tree against an older commit, side by side.
 
-    python -m experiments.bench_grpo_step                       # smollm2-rg, 6 steps, vs 2991625
-    python -m experiments.bench_grpo_step --steps 3 --repeats 1 --baseline HEAD
-    python -m experiments.bench_grpo_step --preset tiny-synthetic --steps 2 --baseline none
+    python -m experiments.bench.grpo_step                 # smollm2-rg, 6 steps, vs 2991625
+    python -m experiments.bench.grpo_step --steps 3 --repeats 1 --baseline HEAD
+    python -m experiments.bench.grpo_step --preset tiny-synthetic --steps 2 --baseline none
 
 Each run is `python -m experiments.train --preset P --steps N --seed S --eval-every 0
 --save-every 0 --eval-prompts E --wandb disabled --no-progress` in a subprocess, one at a
@@ -43,11 +43,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from experiments.benchmarking import RESULTS_DIR, load_average, machine, write_results
+from experiments.common.benchmarking import load_average, machine, results_path, write_results
 from rl.runtime.logging import atomic_write_json, read_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULT = RESULTS_DIR / "bench_grpo_step.json"
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+RESULT = results_path(__file__)
 DEFAULT_BASELINE = "2991625"  # the commit issue 17 starts from
 TARGET = 2.0  # issue 17: steps per hour at least doubled
 PHASE_KEYS = ("prefill_s", "decode_s", "reward_s", "learner_s", "host_s", "transfer_s", "other_s")
@@ -234,7 +234,7 @@ def format_table(result: dict) -> str:
 
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_grpo_step", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.bench.grpo_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="smollm2-rg", help="experiments.train preset")
     p.add_argument("--steps", type=int, default=6, help="steps per run (the first is not timed)")
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.repeats < 1:
         build_parser().error("--repeats must be >= 1")
     baseline = None if args.baseline.lower() == "none" else args.baseline
-    command_line = "python -m experiments.bench_grpo_step " + " ".join(
+    command_line = "python -m experiments.bench.grpo_step " + " ".join(
         sys.argv[1:] if argv is None else argv)
     load_start = load_average()
     runs: dict[str, list[dict]] = {"old": [], "new": []}

@@ -17,8 +17,8 @@ Part 2 — wall-clock per training step of rl.loops.run vs rl.loops.run_async (t
 XLA_FLAGS), on the tiny-synthetic preset, plus a cost model projecting the async speedup
 to separate accelerators: t_sync = t_roll + t_train, t_async ≈ max(t_roll, t_train) + swap.
 
-    python -m experiments.bench_rollout_strategies            # both parts, ~20 min on 2 loaded cores
-    python -m experiments.bench_rollout_strategies --skip-async
+    python -m experiments.bench.rollout_strategies   # both parts, ~20 min on 2 loaded cores
+    python -m experiments.bench.rollout_strategies --skip-async
 Writes experiments/results/bench_rollout_strategies.json and .png.
 """
 from __future__ import annotations
@@ -36,24 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-SCRIPT = "bench_rollout_strategies"
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
-
-
-class CompileClock:
-    """Seconds spent tracing / lowering / compiling since construction (process-wide)."""
-
-    def __init__(self):
-        import jax
-
-        self.seconds = 0.0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-
-    def _listen(self, event: str, duration: float, **_):
-        if event in COMPILE_EVENTS:
-            self.seconds += duration
+MODULE = "experiments.bench.rollout_strategies"
 
 
 def prompt_stream(seed: int, stops: tuple[int, ...]):
@@ -68,6 +51,7 @@ def prompt_stream(seed: int, stops: tuple[int, ...]):
 def run_strategies(args) -> dict:
     from tqdm.auto import tqdm
 
+    from experiments.common.benchmarking import compile_seconds
     from models.config import get_config
     from models.decoder import init_params
     from rl.rollout import (
@@ -94,17 +78,17 @@ def run_strategies(args) -> dict:
            for op in args.over_provision},
     }
     rollouts = {name: fn(prompt_stream(1, stops)) for name, fn in make.items()}
-    clock = CompileClock()
     rows = {name: collections.defaultdict(float) for name in rollouts}
     lengths: list[int] = []
     total = (args.warmup + args.rounds) * len(rollouts)
-    with tqdm(total=total, desc="rounds", dynamic_ncols=True) as bar:
+    with tqdm(total=total, desc="rounds", dynamic_ncols=True) as bar, \
+            compile_seconds() as compiled:
         for r in range(args.warmup + args.rounds):
             timed = r >= args.warmup
             for name, ro in rollouts.items():
-                c0, t0 = clock.seconds, time.perf_counter()
+                c0, t0 = compiled[0], time.perf_counter()
                 traj = ro.collect(params[r % 2], r, args.groups)
-                wall, comp = time.perf_counter() - t0, clock.seconds - c0
+                wall, comp = time.perf_counter() - t0, compiled[0] - c0
                 bar.update(1)
                 if not timed:
                     continue
@@ -202,9 +186,9 @@ def async_child(steps: int) -> dict:
 def run_async_part(steps: int) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, "-m", f"experiments.{SCRIPT}", "--async-child",
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--async-child",
                            "--async-steps", str(steps)], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[2])
     if proc.returncode != 0:
         raise RuntimeError(f"the 8-device subprocess failed:\n{proc.stderr[-4000:]}")
     m = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -299,13 +283,13 @@ def main(argv=None) -> dict | None:
     p.add_argument("--async-steps", type=int, default=30)
     p.add_argument("--skip-async", action="store_true")
     p.add_argument("--async-child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help="results JSON (default experiments/results/<script>.json)")
+    p.add_argument("--out", default=None, help="results JSON (default experiments/results/bench_rollout_strategies.json)")
     args = p.parse_args(argv)
     if args.async_child:
         print(json.dumps(async_child(args.async_steps)))
         return None
 
-    from experiments.benchmarking import RESULTS_DIR, load_average, machine, write_results
+    from experiments.common.benchmarking import load_average, machine, results_path, write_results
 
     load_before = load_average()
     result = {"strategies": run_strategies(args)}
@@ -325,7 +309,7 @@ def main(argv=None) -> dict | None:
         "about accelerators; the cost model projects separate accelerators from the measured "
         "per-phase times. Part 1's engine computes every slot at every step (empty or finished "
         "slots included), as a batched accelerator kernel would, so idle slots cost real time.")
-    out = Path(args.out) if args.out else RESULTS_DIR / f"{SCRIPT}.json"
+    out = Path(args.out) if args.out else results_path(__file__)
     write_results(out, result)
     plot(result, out.with_suffix(".png"))
     print_tables(result)

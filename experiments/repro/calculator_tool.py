@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct with a calculator tool: accuracy without it, with it, and after GRPO.
 
-    python -m experiments.calculator_tool base                 # base accuracies (N held-out)
-    python -m experiments.calculator_tool grpo --run-dir runs/calc -- --steps 40
-    python -m experiments.calculator_tool report --run-dir runs/calc
+    python -m experiments.repro.calculator_tool base           # base accuracies (N held-out)
+    python -m experiments.repro.calculator_tool grpo --run-dir runs/calc -- --steps 40
+    python -m experiments.repro.calculator_tool report --run-dir runs/calc
 
 `base`: the held-out problems of rl.envs.CalculatorEnv (3-4 digit a*b, a+b+c, a*b+c; the
 first N of the eval split), greedy, through the library's multi-turn engine
@@ -26,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.benchmarking import machine
+from experiments.common.benchmarking import machine, results_path
+from experiments.common.seeds import read_metrics
 from rl.runtime.logging import atomic_write_json
 
-OUT = "experiments/results/calculator_tool.json"
+OUT = str(results_path(__file__))
 
 
 def kind_of(expr: str) -> str:
@@ -85,7 +86,7 @@ def cmd_base(args) -> dict:
     from rl.envs import CalculatorEnv
 
     model = load_model("smollm2-135m")
-    res = {"machine": machine(), "n": args.n, "command": "python -m experiments.calculator_tool "
+    res = {"machine": machine(), "n": args.n, "command": "python -m experiments.repro.calculator_tool "
            + " ".join(sys.argv[1:])}
     for tool in (False, True):
         env = CalculatorEnv(tokenizer=model[2], tool=tool)
@@ -108,16 +109,10 @@ def cmd_grpo(args) -> dict:
                        *args.train_args])
 
 
-def read_evals(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-    return [r for r in rows if r.get("kind") == "eval"]
-
-
 def cmd_report(args) -> dict:
     base = json.loads(Path(args.out).with_suffix(".base.json").read_text())
     run_dir = Path(args.run_dir)
-    evals = read_evals(run_dir)
+    _, evals = read_metrics(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     curve = [{"step": e["step"], "minutes": round(e.get("time_s", 0) / 60, 1),
               "greedy_accuracy": e.get("greedy_accuracy"),
@@ -143,7 +138,7 @@ def cmd_report(args) -> dict:
 
 
 def plot(res: dict, path: Path) -> None:
-    from experiments.plots import plt, save_png
+    from experiments.common.plots import plt, save_png
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     base, curve = res["base"], res["grpo"]["eval_curve"]
@@ -168,7 +163,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None):
-    p = argparse.ArgumentParser(prog="python -m experiments.calculator_tool",
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.calculator_tool",
                                 epilog="flags after -- go to experiments.train (grpo)")
     p.add_argument("command", choices=("base", "grpo", "report"))
     p.add_argument("--n", type=int, default=64, help="held-out problems (base)")

@@ -1,7 +1,7 @@
 """What the checkpoint checksums cost on a SmolLM2-135M TrainState (params + AdamW
 moments, float32, ~1.6 GB), on this machine.
 
-    python -m experiments.bench_checkpoint_checksums [--repeats 3] [--dir /tmp/...]
+    python -m experiments.bench.checkpoint_checksums [--repeats 3] [--dir /tmp/...]
 
 Sides, alternating within each repeat, the two saves' order swapped every other repeat
 (so load from other processes hits both alike):
@@ -30,13 +30,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from experiments.benchmarking import RESULTS_DIR, load_average, machine, write_results
+from experiments.common.benchmarking import load_average, machine, results_path, write_results
 from models.config import get_config
 from models.decoder import init_params
 from rl.learner import OptimizerConfig, TrainConfig, init_train_state
 from rl.runtime.checkpoint import Checkpointer, state_checksums
 
-RESULT = RESULTS_DIR / "bench_checkpoint_checksums.json"
+RESULT = results_path(__file__)
 
 
 def plain_manager(directory: Path) -> ocp.CheckpointManager:

@@ -1,7 +1,7 @@
 """Learner throughput: one full training step of SmolLM2-135M-Instruct, Tandem vs plain JAX vs
 transformers + torch, on CPU.
 
-    python -m experiments.bench_learner [--shapes 16x128,32x256] [--repeats 3]
+    python -m experiments.bench.learner [--shapes 16x128,32x256] [--repeats 3]
         [--breakdown 16x128] [--variants eigen] [--merge] [--out PATH]
 
 One step = forward, backward and one AdamW update (with global-norm clipping at 1.0,
@@ -55,7 +55,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-RESULT = Path(__file__).parent / "results" / "bench_learner.json"
+from experiments.common.benchmarking import results_path  # imports no jax: torch's env first
+
+RESULT = results_path(__file__)
 GROUP = 8
 EIGEN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
@@ -358,7 +360,7 @@ def torch_logp(torch, z, target):
 
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m experiments.bench_learner",
+    ap = argparse.ArgumentParser(prog="python -m experiments.bench.learner",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="16x128,32x256", help="comma list of BxT")
     ap.add_argument("--repeats", type=int, default=3)
@@ -382,7 +384,7 @@ def main(argv=None) -> dict:
     import jax
     import torch
 
-    from experiments.benchmarking import load_average, machine
+    from experiments.common.benchmarking import load_average, machine
 
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
@@ -485,7 +487,7 @@ def main(argv=None) -> dict:
         last = next((r for r in result["rows"] if r["shape"] == "32x256"), result["rows"][-1])
         result["headline"]["metric"] = f"train-step tokens/s ratio tandem/torch at {last['shape']}"
         result["headline"]["value"] = last.get("ratio_vs_torch", {}).get("tandem", float("nan"))
-    from experiments.benchmarking import write_results
+    from experiments.common.benchmarking import write_results
     write_results(out, result)
     print(f"wrote {out}")
     return result

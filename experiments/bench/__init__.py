@@ -1,0 +1,1 @@
+"""Benchmarks: experiments/bench/X.py writes experiments/results/bench_X.json."""

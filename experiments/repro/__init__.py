@@ -1,0 +1,1 @@
+"""Paper and real-model reproductions: experiments/repro/X.py writes experiments/results/X.json."""
