@@ -108,7 +108,7 @@ def tokenizer_files(tokenizer) -> dict[str, str]:
     """{file name: text} of tokenizer.json and tokenizer_config.json for a Tandem Tokenizer.
     tokenizer_class PreTrainedTokenizerFast makes transformers use tokenizer.json as it is
     (pre-tokenizer, added/special tokens, post-processor), so encode ids agree with Tandem's."""
-    backend = tokenizer._tok  # the `tokenizers.Tokenizer` Tandem encodes with
+    backend = tokenizer.backend  # the `tokenizers.Tokenizer` Tandem encodes with
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": tokenizer.bos_token,

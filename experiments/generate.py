@@ -13,7 +13,6 @@ Decoding is the rollout sampler's (rl.rollout.sampler): one decode loop in the c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import sys
 import time
@@ -23,6 +22,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from experiments.common.benchmarking import compile_seconds
 from models.assets import MODEL_REGISTRY, load_model
 from models.chunked_prefill import DEFAULT_CHUNK, check_chunk_size
 from rl import rollout
@@ -69,29 +69,6 @@ class GenerationResult:
     @property
     def decode_tokens_per_s(self) -> float:
         return len(self.new_ids) / self.decode_s if self.new_ids and self.decode_s > 0 else float("nan")
-
-
-_COMPILE_EVENTS = frozenset({  # jax.monitoring duration events that make up a compilation
-    "/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration"})
-
-
-@contextlib.contextmanager
-def compile_seconds():
-    """Yield a one-element list that accumulates the seconds jax spends tracing, lowering
-    and compiling inside the block (its compile events; they run on the calling thread,
-    so wall time minus this is run time)."""
-    total = [0.0]
-
-    def listener(event, duration, **_):
-        if event in _COMPILE_EVENTS:
-            total[0] += duration
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield total
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 class PrefillBar:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -31,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
+from experiments.common.seeds import check_train_args, plot_over_seeds, spread
 from experiments.common.train_cli import main as train_main
 from rl.run import DEFAULT_PRESET, PRESETS
 from rl.runtime.host import load_average, machine
@@ -41,8 +40,6 @@ from rl.runtime.logging import atomic_write_json
 
 PERTURB_FLAG = "--xla_cpu_max_isa=AVX2"
 DEFAULT_BAR = 0.7
-# two-sided 95% Student-t quantiles by degrees of freedom (1..10); beyond 10 the normal's
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,16 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("train_args", nargs="*", metavar="-- TRAIN_FLAGS",
                    help="flags passed to every experiments.train run (after --)")
     return p
-
-
-def check_train_args(train_args: list[str]) -> None:
-    """ValueError for pass-through flags the driver sets itself."""
-    owned = {"--seed", "--run-dir", "--preset", "--resume", "--results-json"}
-    clash = sorted({a.split("=")[0] for a in train_args} & owned)
-    if clash:
-        raise ValueError(f"{', '.join(clash)} is set by experiments.train_seeds per seed; "
-                         "drop it from the pass-through flags (use --seeds / --runs-root / "
-                         "--preset / --results-json of the driver)")
 
 
 def seed_record(seed: int, run_dir: Path, summary: dict) -> dict:
@@ -101,18 +88,6 @@ def run_seeds(preset: str, seeds: list[int], runs_root: Path, train_args: list[s
         records.append(seed_record(seed, run_dir, summary))
         bar.set_postfix(seed=seed, final=f"{summary['final_eval_reward']:.3f}")
     return records
-
-
-def spread(values: list[float]) -> dict:
-    """mean, sample std, min, max and the 95% Student-t interval of the mean."""
-    x = np.asarray(values, dtype=np.float64)
-    n = x.size
-    std = float(x.std(ddof=1)) if n > 1 else 0.0
-    t = _T95[n - 2] if 1 < n <= len(_T95) + 1 else 1.96
-    half = t * std / math.sqrt(n) if n > 1 else float("nan")
-    return {"mean": round(float(x.mean()), 4), "std": round(std, 4),
-            "min": round(float(x.min()), 4), "max": round(float(x.max()), 4),
-            "ci95": [round(float(x.mean()) - half, 4), round(float(x.mean()) + half, 4)]}
 
 
 def aggregate(records: list[dict], bar: float) -> dict:
@@ -175,22 +150,18 @@ def run_perturbed(args: argparse.Namespace) -> dict:
 def plot_seeds(res: dict, path: Path) -> None:
     """Every seed's eval curve (thin), their mean (thick), the bar and the random policy;
     the perturbed-fp variant dashed when present."""
-    from experiments.plots import plt, save_png
+    from experiments.common.plots import plt, save_png
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     variants = [("default fp", res, "tab:blue", "-")]
     if "perturbed_fp" in res:
         variants.append(("AVX2 fp", res["perturbed_fp"], "tab:orange", "--"))
     for label, r, color, style in variants:
-        curves = [np.asarray(s["curve"]["eval_reward"], dtype=np.float64) for s in r["seeds"]]
-        for c in curves:
-            ax.plot(c[:, 0], c[:, 1], color=color, ls=style, lw=0.7, alpha=0.45)
-        n = min(len(c) for c in curves)
-        mean = np.mean([c[:n, 1] for c in curves], axis=0)
+        curves = [s["curve"]["eval_reward"] for s in r["seeds"]]
         f = r["final_eval_reward"]
-        ax.plot(curves[0][:n, 0], mean, color=color, ls=style, lw=2.2,
-                label=f"{label}: mean of {len(curves)} seeds (final {f['mean']:.3f}, "
-                      f"min {f['min']:.3f})")
+        plot_over_seeds(ax, curves, color=color, ls=style, alpha=0.45,
+                        label=f"{label}: mean of {len(curves)} seeds (final {f['mean']:.3f}, "
+                              f"min {f['min']:.3f})")
     bar = res["final_eval_reward"]["bar"]
     ax.axhline(bar, color="tab:red", lw=0.8, ls=":", label=f"bar {bar}")
     ax.axhline(res["random_policy_eval_reward"]["mean"], color="gray", lw=0.8, ls=":",
@@ -207,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        check_train_args(args.train_args)
+        check_train_args(args.train_args, "experiments.train_seeds")
     except ValueError as err:
         parser.error(str(err))
     if len(set(args.seeds)) != len(args.seeds):

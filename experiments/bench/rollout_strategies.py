@@ -141,25 +141,32 @@ def async_child(steps: int) -> dict:
     """Runs inside the 8-device subprocess: sync vs threaded async on tiny-synthetic."""
     import jax
 
-    from experiments.train import PRESETS, load_policy
-    from rl.loops import AsyncConfig, run, run_async
+    from rl.loops import AsyncConfig, RunHooks, run, run_async
+    from rl.loops.config import LoggingConfig
+    from rl.run import PRESETS, load_policy
 
     preset = PRESETS["tiny-synthetic"]
     config, params, task = load_policy(preset, 0)
     loop = dataclasses.replace(preset.loop, steps=steps, eval_every=0, eval_prompts=8,
                                eval_greedy=False, save_every=0)
-    acfg = AsyncConfig(max_staleness=1, mode="threaded", rollout_devices=4)
+    quiet = LoggingConfig(wandb="disabled", progress=False)
+    sync_cfg = dataclasses.replace(preset, loop=loop, logging=quiet)
+    async_cfg = dataclasses.replace(sync_cfg, asynchronous=AsyncConfig(
+        max_staleness=1, mode="threaded", rollout_devices=4))
     out = {"devices": len(jax.devices())}
     with tempfile.TemporaryDirectory() as tmp:
-        warm = dataclasses.replace(loop, steps=2)
-        run(config, params, task, preset.train, warm, Path(tmp, "sw"), progress=False)
-        run_async(config, params, task, preset.train, warm, acfg, Path(tmp, "aw"), progress=False)
-        res = run(config, params, task, preset.train, loop, Path(tmp, "s"), progress=False)
+        def at(cfg, name, steps=None):
+            cfg = dataclasses.replace(cfg, run_dir=str(Path(tmp, name)))
+            return cfg if steps is None else cfg.override("loop.steps", steps)
+
+        run(config, params, task, at(sync_cfg, "sw", 2))
+        run_async(config, params, task, at(async_cfg, "aw", 2))
+        res = run(config, params, task, at(sync_cfg, "s"))
         roll = [r["rollout_s"] for r in res.train[1:]]
         train = [r["train_s"] for r in res.train[1:]]
         stamps: list[float] = []
-        ares = run_async(config, params, task, preset.train, loop, acfg, Path(tmp, "a"),
-                         progress=False, on_step=lambda rec: stamps.append(time.perf_counter()))
+        ares = run_async(config, params, task, at(async_cfg, "a"),
+                         hooks=RunHooks(on_step=lambda rec: stamps.append(time.perf_counter())))
     dev = jax.devices()[4]
     jax.block_until_ready(jax.device_put(params, dev))
     swaps = []

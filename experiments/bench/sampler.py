@@ -91,7 +91,8 @@ from rl.rollout import (
     read_slots,
     sample_keys,
 )
-from rl.runtime.distributed import add_distributed_flags, initialize_distributed, is_main_process
+from experiments.common.flags import add_distributed_flags, distributed_from_args
+from rl.runtime.distributed import initialize_distributed, is_main_process
 from rl.runtime.logging import peak_rss_mb, reset_peak_rss
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
@@ -592,7 +593,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("--out names one part's results file: pass exactly one --parts")
     if "throughput" in parts:
         try:  # multi-process: every process benchmarks its own devices; process 0 writes
-            initialize_distributed(args)
+            initialize_distributed(distributed_from_args(args))
         except ValueError as err:
             ap.error(str(err))
     return {p: PARTS[p](args, args.out or RESULTS[p]) for p in parts}

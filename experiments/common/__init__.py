@@ -1,2 +1,3 @@
-"""Helpers the experiment scripts share (benchmarking, plots, seeds); they import the
+"""Helpers the experiment scripts share (benchmarking, plots, seeds, flags: the train
+command line as a RunConfig view, train_cli: that command as a function); they import the
 library only, never a script."""

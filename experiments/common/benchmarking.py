@@ -10,27 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from rl.runtime.host import load_average, machine  # noqa: F401  (re-exported for the scripts)
+
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"  # experiments/results
-
-
-def machine() -> str:
-    """E.g. 'AMD EPYC 7B13, 2 cores; jax 0.10.2 on cpu' (the GPU's kind on a GPU)."""
-    import jax  # here, not at the top: a script may set up its environment first
-
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):  # Linux: the model name ("AMD EPYC 7B13")
-        with open("/proc/cpuinfo") as f:
-            names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
-        cpu = names[0] if names else cpu
-    dev = jax.devices()[0]
-    where = f"{cpu}, {os.cpu_count()} cores" if dev.platform == "cpu" else dev.device_kind
-    return f"{where}; jax {jax.__version__} on {dev.platform}"
 
 
 COMPILE_EVENTS = frozenset({  # jax.monitoring duration events that make up a compilation
@@ -56,11 +43,6 @@ def compile_seconds():
         yield total
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-
-
-def load_average() -> list[float]:
-    """1, 5 and 15-minute load averages: a shared CPU makes timings pessimistic."""
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def time_calls(calls: dict[str, Callable[[], Any]], reps_seconds: float,

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from experiments.common.flags import build_train_parser, config_from_args, resume_from_args
-from experiments.plots import plot_reward_curve
+from experiments.common.plots import plot_reward_curve
 from rl.learner import NonFiniteError
 from rl.loops.validation import ConfigError
 from rl.run import format_summary, prepare

@@ -103,7 +103,7 @@ def cmd_base(args) -> dict:
 
 
 def cmd_grpo(args) -> dict:
-    from experiments.train import main as train_main
+    from experiments.common.train_cli import main as train_main
 
     return train_main(["--preset", "smollm2-calc", "--run-dir", args.run_dir, "--no-progress",
                        *args.train_args])

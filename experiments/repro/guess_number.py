@@ -26,8 +26,8 @@ from pathlib import Path
 
 from experiments.common.benchmarking import load_average, machine, results_path
 from experiments.common.seeds import check_train_args, over_seeds, plot_over_seeds, spread
-from experiments.train import PRESETS
-from experiments.train import main as train_main
+from experiments.common.train_cli import main as train_main
+from rl.run import PRESETS
 from rl.envs import make_env
 from rl.runtime.logging import atomic_write_json
 
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def baselines(preset: str) -> dict[str, float]:
     """The exact baselines of the preset's game (rl.envs.guess_number)."""
-    options = dict(PRESETS[preset].task_options)
+    options = PRESETS[preset].task.kwargs
     env = make_env("guess_number", **{k: v for k, v in options.items() if k in ("k", "max_turns")})
     return {"random_numbers": round(env.random_baseline("numbers"), 4),
             "random_vocab": round(env.random_baseline("vocab"), 4),

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.run_root)
     train = None
     if args.train:
-        from experiments.train import main as train
+        from experiments.common.train_cli import main as train
     try:
         result = collect(root, args.seeds, Path(args.full), train)
     except ValueError as err:

@@ -23,7 +23,7 @@ import numpy as np
 
 from experiments.common.benchmarking import machine, results_path
 from experiments.common.seeds import read_metrics, spread
-from experiments.train import main as train_main
+from experiments.common.train_cli import main as train_main
 from rl.runtime.logging import atomic_write_json
 
 ARMS = {"grpo": [], "grpo+prune": ["--prune"]}

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.run_root)
     train = None
     if args.train:
-        from experiments.train import main as train
+        from experiments.common.train_cli import main as train
     try:
         result = collect(root, args.seeds, train)
     except ValueError as err:

@@ -46,7 +46,7 @@ from experiments.common.benchmarking import (
     write_results,
 )
 from experiments.common.seeds import spread, train_missing
-from experiments.train import PRESETS, load_policy
+from rl.run import PRESETS, load_policy
 from rl.learner import OffPolicyConfig, TrainConfig
 from rl.objectives import VCPOConfig
 
@@ -101,7 +101,8 @@ def run_name(method: str, k: int, seed: int) -> str:
 def run_one(method: str, k: int, seed: int, steps: int, eval_every: int, eval_prompts: int,
             work_dir: Path, on_step=None) -> dict:
     """Train one (method, k, seed) cell; returns its JSON-ready record."""
-    from rl.loops import AsyncConfig, run_async
+    from rl.loops import AsyncConfig, RunHooks, run_async
+    from rl.loops.config import LoggingConfig
 
     preset = PRESETS[PRESET]
     train = method_config(method)
@@ -111,10 +112,11 @@ def run_one(method: str, k: int, seed: int, steps: int, eval_every: int, eval_pr
     model_config, params, task = load_policy(preset, seed)
     run_dir = work_dir / run_name(method, k, seed)
     shutil.rmtree(run_dir, ignore_errors=True)  # a run interrupted before its JSON restarts
+    cfg = dataclasses.replace(preset, train=train, loop=loop, run_dir=str(run_dir),
+                              asynchronous=AsyncConfig(mode="deterministic", max_staleness=k),
+                              logging=LoggingConfig(wandb="disabled", progress=False))
     t0 = time.perf_counter()
-    result = run_async(model_config, params, task, train, loop,
-                       AsyncConfig(mode="deterministic", max_staleness=k), run_dir,
-                       progress=False, on_step=on_step)
+    result = run_async(model_config, params, task, cfg, hooks=RunHooks(on_step=on_step))
     wall = time.perf_counter() - t0
     shutil.rmtree(run_dir, ignore_errors=True)
     loop_src = Path(__file__).resolve().parents[2] / "rl" / "loops" / "asynchronous.py"

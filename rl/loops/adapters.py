@@ -15,7 +15,7 @@ rest, built once by `lora_run` inside rl.loops.context.open_run:
     beside each attention projection, W + A B per layer inside the scan for the MLP);
     sampler="merged": W + (alpha/r) A B for every target, one jitted merge per policy
     version (`merged_params`; untargeted kernels stay as stored). Both sample the same
-    tokens (tests/rl/test_lora_loop.py). Measured (experiments/bench_lora.py
+    tokens (tests/rl/test_lora_loop.py). Measured (experiments/bench/lora.py
     --time-models '' --decode-models tiny,smollm2-135m, one decode step of 8 rows, 2-core
     EPYC at load ~4): SmolLM2-135M on the fly 148 ms, merged 152 ms, + 202 ms per merge;
     tiny 0.84 vs 0.82 ms, + 0.25 ms per merge. Decode speed is the same within noise, so

@@ -230,9 +230,9 @@ def load_tokenizer(meta: dict):
         raise RunDirError(f"cannot find the run's model {model!r} (model.json 'model') to read "
                           f"its tokenizer: {err}") from err
     if path.is_file():  # .gguf
-        from models.gguf_loader import _Reader, read_metadata
+        from models.gguf_loader import read_gguf_metadata
 
-        return Tokenizer.from_gguf_metadata(read_metadata(_Reader(path)))
+        return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
     if not (path / "tokenizer.json").is_file():
         raise RunDirError(f"the run's model directory {str(path)!r} has no tokenizer.json")
     cfg = path / "tokenizer_config.json"

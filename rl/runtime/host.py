@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import platform
 
-import jax
-
 
 def machine() -> str:
     """E.g. 'AMD EPYC 7B13, 2 cores; jax 0.10.2 on cpu' (the GPU's kind on a GPU)."""
+    import jax  # here, not at the top: a script may set up its environment (XLA_FLAGS) first
+
     cpu = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):  # Linux: the model name ("AMD EPYC 7B13")
         with open("/proc/cpuinfo") as f:
