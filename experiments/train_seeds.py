@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments.benchmarking import load_average, machine
-from experiments.train import DEFAULT_PRESET, PRESETS
-from experiments.train import main as train_main
+from experiments.common.train_cli import main as train_main
+from rl.run import DEFAULT_PRESET, PRESETS
+from rl.runtime.host import load_average, machine
 from rl.runtime.logging import atomic_write_json
 
 PERTURB_FLAG = "--xla_cpu_max_isa=AVX2"

@@ -25,12 +25,9 @@ rest, built once by `lora_run` inside rl.loops.context.open_run:
   * snapshots(ring): a read-only {version: composed params} view of a ring of adapter
     versions (async snapshots hold adapters only: the base is shared) for
     rl.learner.proximal.exact_proximal_logprobs, and composed(adapters) for EWMA.
-The CLI flags (`add_lora_flags`, `lora_train_config`) live here too: experiments.train
-calls them.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -51,8 +48,6 @@ Params = Any
 SAMPLERS = ("merged", "composed")
 DEFAULT_SAMPLER = "composed"  # measured: see the module docstring
 BASE_KEY = "lora_base.xxh3_128"  # the config record's field holding the base hash
-SHORT = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
-         "up": "up_proj", "down": "down_proj"}
 
 
 # ----------------------------------------------------------------------------- identity
@@ -191,34 +186,3 @@ def identity(params: Params) -> Params:
 def policy_fn(lora: LoraRun | None) -> Callable[[Params], Params]:
     """state.params -> the sampler's params: identity for a full fine-tune."""
     return identity if lora is None else lora.policy
-
-
-# ----------------------------------------------------------------------------- CLI
-def add_lora_flags(parser: argparse.ArgumentParser) -> None:
-    """--lora-rank / --lora-alpha / --lora-targets / --qlora (experiments.train)."""
-    g = parser.add_argument_group("LoRA / QLoRA (train adapters only; models.lora)")
-    g.add_argument("--lora-rank", type=int, help="train rank-R LoRA adapters on a frozen base "
-                   "(the base is also the KL reference); default: full fine-tuning")
-    g.add_argument("--lora-alpha", type=float, help="LoRA alpha (update scaled by alpha / "
-                   "rank; default 2 * rank)")
-    g.add_argument("--lora-targets", help="comma-separated projections or fnmatch patterns: "
-                   "q,k,v,o,gate,up,down (default all), e.g. 'q,v' or '*_proj'")
-    g.add_argument("--qlora", choices=("int8", "int4"),
-                   help="store the frozen base quantized (int8 per channel / int4 blocks of 64)")
-
-
-def lora_train_config(args: argparse.Namespace, train: TrainConfig) -> TrainConfig:
-    """train with TrainConfig.lora from the flags (unchanged without --lora-rank;
-    ValueError for --lora-alpha / --lora-targets / --qlora without it)."""
-    if args.lora_rank is None:
-        given = [f for f in ("lora_alpha", "lora_targets", "qlora") if getattr(args, f)]
-        if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} needs --lora-rank R")
-        return train
-    kw: dict[str, Any] = {"rank": args.lora_rank,
-                          "alpha": float(args.lora_alpha or 2 * args.lora_rank),
-                          "qlora": args.qlora}
-    if args.lora_targets:
-        kw["targets"] = tuple(SHORT.get(t.strip(), t.strip())
-                              for t in args.lora_targets.split(",") if t.strip())
-    return dataclasses.replace(train, lora=LoraConfig(**kw))

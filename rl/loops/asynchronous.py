@@ -84,8 +84,10 @@ from rl.learner.config import TrainConfig
 from rl.learner.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
 from rl.learner.snapshots import ParamSnapshots
 from rl.loops import episodes
-from rl.loops.buffer import STALE_POLICIES, TrajectoryBuffer
-from rl.loops.context import open_run
+from rl.loops.buffer import TrajectoryBuffer
+from rl.loops.config import (  # noqa: F401  (MODES, PROXIMAL, ROLLOUTS re-exported)
+    MODES, PROXIMAL, ROLLOUTS, AsyncConfig, Resume, RunConfig, RunHooks, as_resume)
+from rl.loops.context import open_run, resolve_mesh
 from rl.loops.evaluation import batch_reward_metrics
 from rl.loops.producer import (
     AprilSource,
@@ -106,78 +108,6 @@ from rl.rollout.april import AprilConfig
 from rl.runtime.checkpoint import CheckpointError
 from rl.runtime.logging import EXTRA_PHASES, PHASES, StepProfile, atomic_write_bytes
 from rl.tasks.base import Task
-
-MODES = ("threaded", "deterministic")
-ROLLOUTS = ("static", "continuous", "april")
-PROXIMAL = ("current", "exact", "versions", "ewma")
-
-
-@dataclasses.dataclass(frozen=True)
-class AsyncConfig:
-    """max_staleness η: data may be at most η versions older than the learner (0 =
-    synchronous). mode "threaded" | "deterministic" (module doc). stale_policy "drop" |
-    "downweight" (per stale token, factor stale_weight) for data older than η (see
-    rl.loops.buffer). rollout "static" | "continuous" (threaded mode only) | "april" (+
-    over_provision, mask_offpolicy_prefix).
-    proximal "current" | "exact" | "versions" | "ewma" (+ ewma_beta). snapshot_capacity:
-    versions kept in the param ring (default η + 2; at least η + 1). rollout_devices:
-    devices given to the sampler in threaded mode (None: half of them when there are
-    several, 0 when there is one: rollout and training share it). join_timeout_s: how long
-    shutdown waits for the producer thread."""
-
-    max_staleness: int = 1
-    mode: str = "threaded"
-    stale_policy: str = "drop"
-    stale_weight: float = 0.5
-    rollout: str = "static"
-    over_provision: float = 1.5
-    mask_offpolicy_prefix: bool = False
-    proximal: str = "current"
-    ewma_beta: float = 0.9
-    snapshot_capacity: int | None = None
-    rollout_devices: int | None = None
-    join_timeout_s: float = 30.0
-
-    def __post_init__(self):
-        k = self.max_staleness
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"AsyncConfig.max_staleness must be an int >= 0, got {k!r}")
-        for name, allowed in (("mode", MODES), ("stale_policy", STALE_POLICIES),
-                              ("rollout", ROLLOUTS), ("proximal", PROXIMAL)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"AsyncConfig.{name} must be one of {allowed}, got "
-                                 f"{getattr(self, name)!r}")
-        if self.mode == "deterministic" and self.rollout == "continuous":
-            raise ValueError("AsyncConfig.rollout='continuous' needs mode='threaded' (the "
-                             "deterministic mode samples each batch in one go with the params "
-                             "of version v - k); use rollout='static' or 'april'")
-        AprilConfig(over_provision=self.over_provision,
-                    mask_offpolicy_prefix=self.mask_offpolicy_prefix)  # validates both
-        if self.mask_offpolicy_prefix and self.rollout != "april":
-            raise ValueError("AsyncConfig.mask_offpolicy_prefix needs rollout='april'")
-        if isinstance(self.stale_weight, bool) or not isinstance(self.stale_weight, (int, float)) \
-                or not (0.0 <= self.stale_weight <= 1.0):
-            raise ValueError(f"AsyncConfig.stale_weight must be in [0, 1], got {self.stale_weight}")
-        if isinstance(self.ewma_beta, bool) or not isinstance(self.ewma_beta, (int, float)) \
-                or not (0.0 <= self.ewma_beta < 1.0):
-            raise ValueError(f"AsyncConfig.ewma_beta must be in [0, 1), got {self.ewma_beta}")
-        cap = self.snapshot_capacity
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < k + 1):
-            raise ValueError(f"AsyncConfig.snapshot_capacity must be an int >= max_staleness + 1 "
-                             f"= {k + 1} (the ring must hold every admissible version), got {cap!r}")
-        if self.proximal == "exact" and self.stale_policy != "drop":
-            raise ValueError("AsyncConfig.proximal='exact' needs stale_policy='drop': down-weighted "
-                             "stale tokens can be older than any snapshot in the ring")
-        r = self.rollout_devices
-        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
-            raise ValueError(f"AsyncConfig.rollout_devices must be None or an int >= 0, got {r!r}")
-        if not self.join_timeout_s > 0:
-            raise ValueError(f"AsyncConfig.join_timeout_s must be > 0, got {self.join_timeout_s}")
-
-    @property
-    def ring_capacity(self) -> int:
-        return self.snapshot_capacity or self.max_staleness + 2
-
 
 def train_config_for(config: TrainConfig, async_config: AsyncConfig) -> TrainConfig:
     """The TrainConfig the learner runs with: old_logp set by the proximal option."""
@@ -235,7 +165,26 @@ def _load_snapshots(path: Path, template: Any) -> dict[int, Any]:
 
 
 # ----------------------------------------------------------------------------- the loop
-def run_async(
+def run_async(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *,
+              resume: bool | Resume = False, hooks: RunHooks | None = None) -> RunResult:
+    """Train with the asynchronous loop (module doc) under config.asynchronous for
+    config.loop.steps optimizer steps; the same parameters, outputs and run dir as
+    rl.loops.run (see run_async_loop for the records and the profile)."""
+    if config.asynchronous is None:
+        raise ValueError("config.asynchronous is None: set it (e.g. "
+                         "cfg.override('async.max_staleness', 1)) or call rl.loops.run")
+    config.validate()
+    hooks = hooks or RunHooks()
+    opts = as_resume(resume)
+    return run_async_loop(
+        model_config, params, task, config.train, config.loop, config.asynchronous,
+        config.output_dir, resume=opts, wandb_mode=config.logging.wandb,
+        run_config=config.to_dict(), mesh=resolve_mesh(config, model_config, hooks),
+        progress=config.logging.progress, on_eval=hooks.on_eval, on_step=hooks.on_step,
+        compiler_options=hooks.compiler_options)
+
+
+def run_async_loop(
     model_config: ModelConfig,
     params: Any,
     task: Task,
@@ -244,7 +193,7 @@ def run_async(
     async_config: AsyncConfig,
     run_dir: str | Path,
     *,
-    resume: bool = False,
+    resume: Resume | None = None,
     wandb_mode: str = "disabled",
     run_config: dict | None = None,
     mesh: jax.sharding.Mesh | None = None,
@@ -252,8 +201,6 @@ def run_async(
     on_eval: Callable[[dict], Any] | None = None,
     on_step: Callable[[dict], Any] | None = None,
     compiler_options: dict | None = None,
-    resume_from_last_good: bool = False,
-    allow_config_changes: Sequence[str] = (),
 ) -> RunResult:
     """Train with the asynchronous loop (module doc) for loop.steps optimizer steps.
 
@@ -284,10 +231,9 @@ def run_async(
     rollout_device, mesh = _split_devices(acfg, mesh)
     ctx = open_run(model_config, params, train_cfg, loop, run_dir, resume=resume,
                    wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
-                   compiler_options=compiler_options, allow_config_changes=allow_config_changes,
+                   compiler_options=compiler_options,
                    extra_config={"async": acfg, "task": task.name,
-                                 **episodes.episode_config(task)},
-                   resume_from_last_good=resume_from_last_good)
+                                 **episodes.episode_config(task)})
     state, logger, ckpt = ctx.state, ctx.logger, ctx.ckpt
     b, k = loop.prompts_per_step, acfg.max_staleness
     v0 = int(state.version)

@@ -28,6 +28,7 @@ from rl.loops.adapters import (
     lora_run,
     policy_fn,
 )
+from rl.loops.config import Resume, RunConfig, RunHooks
 from rl.loops.validation import (
     ConfigError,
     check_allowed_changes,
@@ -38,6 +39,7 @@ from rl.loops.validation import (
 from rl.runtime.checkpoint import Checkpointer, CheckpointError
 from rl.runtime.distributed import is_main_process
 from rl.runtime.logging import MetricsLogger
+from rl.runtime.mesh import make_mesh_preset, validate_mesh
 from rl.runtime.runlock import RunLock
 
 
@@ -71,21 +73,23 @@ class RunContext:
 
 
 def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: Any,
-             run_dir: Path, *, resume: bool, wandb_mode: str, run_config: dict | None,
+             run_dir: Path, *, resume: Resume | None, wandb_mode: str, run_config: dict | None,
              mesh: jax.sharding.Mesh | None, compiler_options: dict | None,
-             allow_config_changes: Sequence[str] = (), extra_config: dict | None = None,
-             resume_from_last_good: bool = False) -> RunContext:
+             extra_config: dict | None = None) -> RunContext:
     """Run dir (process 0 holds its lock, rl.runtime.runlock, until ckpt.close()), own copy
     of the params (+ frozen reference with KL), fresh or restored state placed for the
     jitted step, checkpointer and logger. Validates the configs first
     (rl.loops.validation); a resume must match the checkpoint's recorded config (but for
-    `allow_config_changes`) and have steps left to run. With config.lora (rl.loops.adapters):
+    resume.allow_changes) and have steps left to run (resume=None: a fresh run). With
+    config.lora (rl.loops.adapters):
     `params` are the frozen base (quantized with qlora, placed on the mesh), which becomes
     ctx.ref (the step's third argument) and ctx.lora; the state holds fresh or restored
     adapters; the base hash joins the config record, checked before restoring."""
     validate_run(config, loop)
     record = config_record(config, loop, extra_config)
+    allow_config_changes = () if resume is None else resume.allow_changes
     check_allowed_changes(allow_config_changes)
+    resume_from_last_good = resume is not None and resume.from_last_good
     if resume and not (run_dir / "checkpoints").is_dir():
         raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ directory "
                               "(run without resume first, or point at an existing run dir)")
@@ -150,3 +154,21 @@ def run_clock(logger: MetricsLogger) -> Callable[[], float]:
     offset = max((float(r.get("time_s") or 0.0) for r in logger.records), default=0.0)
     t0 = time.perf_counter()
     return lambda: offset + time.perf_counter() - t0
+
+
+def resolve_mesh(config: RunConfig, model_config: ModelConfig, hooks: RunHooks
+                 ) -> jax.sharding.Mesh | None:
+    """The learner's mesh: hooks.mesh as given, else config.mesh built by
+    rl.runtime.mesh.make_mesh_preset ("dp" when several processes run and none is named),
+    else None (one device). A built mesh is checked against the model and the batch rows
+    (rl.runtime.mesh.validate_mesh) before anything compiles."""
+    if hooks.mesh is not None:
+        return hooks.mesh
+    spec = config.mesh or ("dp" if jax.process_count() > 1 else None)
+    if spec is None:
+        return None
+    mesh = make_mesh_preset(spec)
+    loop = config.loop
+    validate_mesh(mesh, model_config,
+                  batch=config.scheduler.batch_rows(loop.prompts_per_step, loop.group_size))
+    return mesh

@@ -42,7 +42,6 @@ checkpoint; randomness comes from default_rng([seed, step]).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -292,33 +291,3 @@ def make_prompt_source(options: SchedulerOptions, task: Task, loop: Any, params:
                                selection_interval=mu, prompts_per_step=b, group_size=n,
                                temperature=options.temperature, seed=seed)
     return PromptSource(sched, task, b, pool, **extra)
-
-
-# ----------------------------------------------------------------------------- CLI
-def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
-    """experiments.train's data-efficiency flags (synchronous loop only)."""
-    g = parser.add_argument_group("data efficiency (rl.schedulers, rollout replay; sync loop)")
-    g.add_argument("--prompt-scheduler", default="uniform", choices=SCHEDULERS,
-                   help="which train prompts each step samples (rl.schedulers): uniform (the "
-                        "stream, default), dots (moderate adaptive difficulty), dps (predicted "
-                        "partially solved), dars (extra groups for hard prompts)")
-    g.add_argument("--scheduler-pool", type=int, default=256,
-                   help="dots / dps: they choose among the first N train prompts (default 256)")
-    g.add_argument("--dars-budget", type=int, default=0, metavar="T",
-                   help="dars: rollouts per step in both stages (default 2 x stage 1)")
-    g.add_argument("--dars-schedule", choices=SCHEDULES, default="et",
-                   help="dars: equal treatment (et) or hardness weighted (hw)")
-    g.add_argument("--replay-fraction", type=float, default=0.0, metavar="F",
-                   help="rollout replay: this share of each batch's groups comes from a FIFO "
-                        "of recent informative groups (rl.loops.replay; default 0 = off); "
-                        "switches TrainConfig.old_logp to 'behaviour' unless a correction is set")
-    g.add_argument("--replay-capacity", type=int, default=0, metavar="C",
-                   help="rollout replay: groups the FIFO holds (default 4 x prompts per step)")
-
-
-def scheduler_from_args(args: argparse.Namespace) -> SchedulerOptions:
-    """SchedulerOptions from add_scheduler_flags' flags (ValueError on a bad combination)."""
-    return SchedulerOptions(args.prompt_scheduler, pool_size=args.scheduler_pool,
-                            dars_budget=args.dars_budget, dars_schedule=args.dars_schedule,
-                            replay_fraction=args.replay_fraction,
-                            replay_capacity=args.replay_capacity)

@@ -40,7 +40,8 @@ from rl.learner.batch import (
 from rl.learner.config import TrainConfig
 from rl.loops import episodes
 from rl.loops.buffer import ScoredGroup
-from rl.loops.context import open_run, run_clock
+from rl.loops.config import LoopConfig, Resume, RunConfig, RunHooks, as_resume
+from rl.loops.context import open_run, resolve_mesh, run_clock
 from rl.loops.evaluation import (
     accuracy_name,
     batch_reward_metrics,
@@ -63,63 +64,17 @@ from rl.tasks.base import Prompt, Task
 from rl.trajectory import Trajectory, concat_trajectories
 
 
-@dataclasses.dataclass(frozen=True)
-class LoopConfig:
-    """steps: total optimizer steps of the run (a resumed run continues up to it);
-    prompts_per_step: groups per batch; group_size: samples per prompt; segment_len:
-    decode tokens per sampler call; eval_every / eval_prompts: eval cadence and size
-    (0 = no periodic eval; there is always one at the start and one at the end);
-    eval_greedy: also run a greedy eval; save_every / keep_checkpoints: checkpoint cadence
-    and how many to keep (0 = only at the end); dynamic_sampling: DAPO's filter (drop
-    groups whose rewards are all equal, resample up to max_resample_rounds extra
-    batches); seed: the run's seed (rollout rng, eval sampling); eval_sampled_prompts:
-    how many of the eval prompts the sampled (train-temperature) eval pass uses (0 = all;
-    the greedy pass always uses all); time_limit_s: wall-time budget of the run in
-    seconds (0 = none): the step that crosses it is the last (eval and save as usual);
-    checked: run the checked train step (rl.learner.checked: a non-finite reward,
-    log-prob, loss or gradient stops the run naming the step and group)."""
-
-    steps: int = 100
-    prompts_per_step: int = 8
-    group_size: int = 8
-    segment_len: int = 32
-    eval_every: int = 25
-    eval_prompts: int = 64
-    eval_greedy: bool = False
-    save_every: int = 0
-    keep_checkpoints: int = 2
-    dynamic_sampling: bool = False
-    max_resample_rounds: int = 4
-    seed: int = 0
-    eval_sampled_prompts: int = 0
-    time_limit_s: float = 0.0
-    checked: bool = True
-
-    def __post_init__(self):
-        if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s >= 0):
-            raise ValueError(f"LoopConfig.time_limit_s must be >= 0 seconds (0 = no limit), "
-                             f"got {self.time_limit_s!r}")
-        for name, low in (("eval_sampled_prompts", 0), ("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
-                          ("segment_len", 1), ("eval_every", 0), ("eval_prompts", 1),
-                          ("save_every", 0), ("keep_checkpoints", 1), ("max_resample_rounds", 0),
-                          ("seed", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {v!r}")
-        if not isinstance(self.checked, bool):
-            raise ValueError(f"LoopConfig.checked must be True or False, got {self.checked!r}")
-
-
 @dataclasses.dataclass
 class RunResult:
     """What a run produced: the final state, train/eval records (as in metrics.jsonl),
-    the run dir, and the data position reached."""
+    the run dir, the data position reached, and (rl.run.train) the run's summary."""
 
     state: TrainState
     train: list[dict]
     eval: list[dict]
     run_dir: Path
     data_position: int
+    summary: dict | None = None
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -475,55 +430,48 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
     return do_eval
 
 
-def run(
-    model_config: ModelConfig,
-    params: Any,
-    task: Task,
-    config: TrainConfig,
-    loop: LoopConfig,
-    run_dir: str | Path,
-    *,
-    resume: bool = False,
-    wandb_mode: str = "disabled",
-    run_config: dict | None = None,
-    mesh: jax.sharding.Mesh | None = None,
-    progress: bool = True,
-    on_eval: Callable[[dict], Any] | None = None,
-    compiler_options: dict | None = None,
-    resume_from_last_good: bool = False,
-    allow_config_changes: Sequence[str] = (),
-    scheduler: SchedulerOptions = SchedulerOptions(),
-    prune: PruneConfig | None = None,
-) -> RunResult:
-    """Train `params` on `task` with synchronous GRPO for loop.steps optimizer steps.
+def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *,
+        resume: bool | Resume = False, hooks: RunHooks | None = None) -> RunResult:
+    """Train `params` on `task` with synchronous GRPO for config.loop.steps optimizer steps
+    (config.train: the learner; config.scheduler: the prompt scheduler and rollout replay,
+    rl.loops.scheduling; config.prune: online rollout pruning, rl.rollout.pruning, None =
+    off; config.asynchronous must be None: rl.loops.run_async runs that).
 
-    Writes into run_dir: metrics.jsonl (train + eval records), checkpoints/ (orbax),
-    wandb files (mode "offline"/"online"). resume=True restores the latest checkpoint
-    of run_dir (CheckpointError if there is none or it is damaged; resume_from_last_good:
-    skip a damaged one for the one before) and continues to loop.steps; the checkpoint's
-    recorded config must equal this one but for steps, the time limit and the
-    `allow_config_changes` (rl.loops.validation). A second process training in run_dir is
-    a RunLockError (rl.runtime.runlock). compiler_options go to XLA for the train step
-    (see make_train_step). scheduler: the prompt scheduler (rl.loops.scheduling; default
-    uniform); its state (but uniform's, which keeps none) goes into every checkpoint and
-    comes back on resume. prune: online rollout pruning (rl.rollout.pruning; None = off);
-    its quality head is checkpointed likewise.
+    Writes into config.output_dir: metrics.jsonl (train + eval records), checkpoints/
+    (orbax), wandb files (config.logging.wandb "offline" / "online"). resume (True or a
+    Resume) restores the latest checkpoint of the run dir (CheckpointError if there is none
+    or it is damaged; Resume.from_last_good: skip a damaged one for the one before) and
+    continues to loop.steps; the checkpoint's recorded config must equal this one but for
+    steps, the time limit and Resume.allow_changes (rl.loops.validation). A second process
+    training in the run dir is a RunLockError (rl.runtime.runlock). The scheduler's state
+    (but uniform's, which keeps none) and the pruner's quality head go into every
+    checkpoint and come back on resume. hooks: an explicit mesh (else config.mesh, or "dp"
+    across processes), XLA compiler options for the train step, on_eval / on_step callbacks.
     `params` are the initial weights (also the frozen KL reference when
-    config.loss.kl_coef > 0); they are copied, never donated.
+    config.train.loss.kl_coef > 0); they are copied, never donated.
     """
-    run_dir = Path(run_dir)
-    ctx = open_run(model_config, params, config, loop, run_dir, resume=resume,
-                   wandb_mode=wandb_mode, run_config=run_config, mesh=mesh,
-                   compiler_options=compiler_options, allow_config_changes=allow_config_changes,
+    if config.asynchronous is not None:
+        raise ValueError("config.asynchronous is set: rl.loops.run_async runs asynchronous "
+                         "training (rl.run.train picks the loop by the config)")
+    config.validate()
+    hooks = hooks or RunHooks()
+    resume_opts = as_resume(resume)
+    resume = resume_opts is not None
+    train, loop, scheduler, prune = config.train, config.loop, config.scheduler, config.prune
+    progress, on_eval = config.logging.progress, hooks.on_eval
+    run_dir = config.output_dir
+    mesh = resolve_mesh(config, model_config, hooks)
+    ctx = open_run(model_config, params, train, loop, run_dir, resume=resume_opts,
+                   wandb_mode=config.logging.wandb, run_config=config.to_dict(), mesh=mesh,
+                   compiler_options=hooks.compiler_options,
                    extra_config={"task": task.name, **episodes.episode_config(task), **(
                        {} if scheduler.is_default else {"scheduler": scheduler}),
-                       **({} if prune is None else {"prune": prune})},
-                   resume_from_last_good=resume_from_last_good)
+                       **({} if prune is None else {"prune": prune})})
     state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn
     data_position, start = ctx.data_position, ctx.start
     try:
         source = make_prompt_source(scheduler, task, loop, params, seed=loop.seed,
-                                    config=config)
+                                    config=train)
         if resume and "scheduler" in ctx.meta:
             source.restore(ctx.meta["scheduler"])
         elif resume and not scheduler.is_default:
@@ -531,7 +479,7 @@ def run(
         pruner = make_pruner(prune, model_config.hidden_size)
         if pruner is not None and resume:
             pruner.restore(ctx.meta.get("pruner"))
-        do_eval = make_evaluator(model_config, task, config, loop, logger, on_eval)
+        do_eval = make_evaluator(model_config, task, train, loop, logger, on_eval)
         if not resume:
             do_eval(0, process_local(ctx.policy(state.params)), 0)
         bar = tqdm(total=loop.steps, initial=start, disable=not progress, desc="grpo",
@@ -542,7 +490,7 @@ def run(
             t0 = time.perf_counter()
             try:
                 batch, state, data_position, stats = collect_batch(
-                    state, model_config, task, config, loop, data_position, prof, source, pruner,
+                    state, model_config, task, train, loop, data_position, prof, source, pruner,
                     ctx.policy)
             except NonFiniteError as err:  # a task's reward: name the step too
                 raise NonFiniteError(f"step {step + 1}: {err}") from None
@@ -550,7 +498,7 @@ def run(
             t1 = time.perf_counter()
             with prof.phase("host_s"):
                 stats.update(batch_reward_metrics(batch.reward_names, batch.rewards,
-                                                  loop.group_size, config.reward_weights))
+                                                  loop.group_size, train.reward_weights))
             with prof.phase("transfer_s"):  # each process's rows -> one global batch
                 if jax.process_count() > 1:
                     batch = global_batch(batch, mesh)
@@ -568,7 +516,7 @@ def run(
                                data_position=data_position, time_s=do_eval.clock())
             metrics.update(prof.finish())
             done = step + 1
-            logger.log(done, metrics, kind="train")
+            record = logger.log(done, metrics, kind="train")
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
@@ -585,13 +533,14 @@ def run(
                     sched["pruner"] = pruner.state()
                 ckpt.save(done, state, {"data_position": data_position, "task": task.name,
                                         "config": ctx.config, **sched})
+            if hooks.on_step is not None:
+                hooks.on_step(record)
             if out_of_time:
                 bar.write(f"time limit {loop.time_limit_s:.0f} s reached after step {done}")
                 break
         bar.close()
     finally:
         ctx.close()
-    train = [r for r in logger.records if r["kind"] == "train"]
-    evals = [r for r in logger.records if r["kind"] == "eval"]
-    return RunResult(state=state, train=train, eval=evals, run_dir=run_dir,
+    return RunResult(state=state, train=[r for r in logger.records if r["kind"] == "train"],
+                     eval=[r for r in logger.records if r["kind"] == "eval"], run_dir=run_dir,
                      data_position=data_position)

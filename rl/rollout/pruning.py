@@ -54,7 +54,6 @@ balancing rule above with ρ = 0.5, at most half of a group pruned, >= 2 survivo
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from typing import Any
@@ -290,35 +289,3 @@ def make_pruner(config: PruneConfig | None, hidden_size: int) -> Pruner | None:
         raise ValueError("online pruning (--prune) runs in one process; drop it or the "
                          "multi-process flags")
     return Pruner(config, hidden_size)
-
-
-# ----------------------------------------------------------------------------- CLI
-def add_prune_args(parser: argparse.ArgumentParser) -> None:
-    """The --prune flags of experiments.train (the synchronous loop)."""
-    d = PruneConfig()
-    g = parser.add_argument_group("online rollout pruning (ARRoL; rl.rollout.pruning)")
-    g.add_argument("--prune", action="store_true",
-                   help="prune partial rollouts with an online quality head so each group's "
-                        "survivors are correctness-balanced")
-    g.add_argument("--prune-at", type=int, default=d.prune_at,
-                   help="tokens made before a group is scored (a segment boundary; keep "
-                        "--segment-len <= it)")
-    g.add_argument("--prune-target", type=float, default=d.target_ratio,
-                   help="target predicted positive ratio ρ of the survivors")
-    g.add_argument("--prune-max-frac", type=float, default=d.max_prune_frac,
-                   help="at most this fraction of a group pruned")
-    g.add_argument("--prune-warmup", type=int, default=d.warmup,
-                   help="examples the head learns from before it prunes")
-    g.add_argument("--prune-threshold", type=float, default=d.threshold,
-                   help="a reward above it counts as a success")
-    g.add_argument("--prune-lr", type=float, default=d.lr, help="the head's step size")
-
-
-def prune_config_from_args(args: argparse.Namespace) -> PruneConfig | None:
-    """PruneConfig from the parsed flags, or None without --prune (ValueError if a
-    value is invalid)."""
-    if not args.prune:
-        return None
-    return PruneConfig(prune_at=args.prune_at, target_ratio=args.prune_target,
-                       max_prune_frac=args.prune_max_frac, warmup=args.prune_warmup,
-                       threshold=args.prune_threshold, lr=args.prune_lr)

@@ -4,24 +4,24 @@ One Python process per host (GPU cluster) or per TPU VM; every process runs the 
 script. Each one samples its own share of the prompts, and the learner sees one global
 batch whose rows live on the devices of the process that produced them:
 
-    parser = argparse.ArgumentParser(); add_distributed_flags(parser)
-    args = parser.parse_args()
-    initialize_distributed(args)                 # before any other JAX call
+    initialize_distributed(distributed_config(coordinator="10.0.0.1:1234", num_processes=2,
+                                              process_id=0))   # before any other JAX call
     mesh = rl.runtime.mesh.make_mesh_preset("fsdp")  # over the devices of all processes
     offset, my_prompts = process_shard(prompts)  # contiguous slice; group ids stay global
     batch = global_batch(local_batch, mesh)      # a global jax.Array per field
     sampler_params = process_local(state.params) # full values, for a per-process sampler
     if is_main_process(): write results
 
-Flags (or environment variables): --coordinator HOST:PORT (JAX_COORDINATOR_ADDRESS),
---num-processes K (JAX_NUM_PROCESSES), --process-id I (JAX_PROCESS_ID); the flag wins
-over the variable. --distributed-auto calls `jax.distributed.initialize()` with no
-arguments, so JAX detects the cluster itself (TPU pod slices, SLURM, Open MPI).
+Coordinates (RunConfig.distributed; on the command line the flags of
+experiments.common.flags) or environment variables: coordinator HOST:PORT
+(JAX_COORDINATOR_ADDRESS), num_processes K (JAX_NUM_PROCESSES), process_id I
+(JAX_PROCESS_ID); a given value wins over the variable. auto=True calls
+`jax.distributed.initialize()` with no arguments, so JAX detects the cluster itself (TPU
+pod slices, SLURM, Open MPI).
 On CPU the cross-process collectives use gloo.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from typing import Any, Sequence, TypeVar
@@ -83,31 +83,17 @@ class DistributedConfig:
         return self.auto or self.coordinator is not None
 
 
-def add_distributed_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add --coordinator, --num-processes, --process-id, --distributed-auto and
-    --distributed-timeout to `parser` (defaults: the JAX_* environment variables)."""
-    g = parser.add_argument_group("multi-process (jax.distributed)")
-    g.add_argument("--coordinator", metavar="HOST:PORT",
-                   help=f"address of process 0's coordinator (env {ENV_VARS['coordinator']})")
-    g.add_argument("--num-processes", type=int, metavar="K",
-                   help=f"number of processes (env {ENV_VARS['num_processes']})")
-    g.add_argument("--process-id", type=int, metavar="I",
-                   help=f"this process's index in [0, K) (env {ENV_VARS['process_id']})")
-    g.add_argument("--distributed-auto", action="store_true",
-                   help="jax.distributed.initialize() with auto-detection (TPU pod slices, SLURM)")
-    g.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
-                   help="seconds to wait for all processes to join (default 300)")
-    return parser
-
-
-def distributed_config(args: argparse.Namespace | None = None,
-                       environ: dict[str, str] | None = None) -> DistributedConfig:
-    """DistributedConfig from parsed flags, falling back to the JAX_* environment variables
-    (ValueError for malformed values)."""
+def distributed_config(coordinator: str | None = None, num_processes: int | None = None,
+                       process_id: int | None = None, *, auto: bool = False,
+                       timeout_s: int = 300, environ: dict[str, str] | None = None
+                       ) -> DistributedConfig:
+    """DistributedConfig from the given values, each missing one falling back to its JAX_*
+    environment variable (ENV_VARS; ValueError for malformed values)."""
     env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"coordinator": coordinator, "num_processes": num_processes,
+                              "process_id": process_id}
     for field, var in ENV_VARS.items():
-        v = getattr(args, field, None) if args is not None else None
+        v = values[field]
         if v is None and env.get(var):
             v = env[var]
             if field != "coordinator":
@@ -115,18 +101,16 @@ def distributed_config(args: argparse.Namespace | None = None,
                     raise ValueError(f"environment variable {var} must be an int, got {v!r}")
                 v = int(v)
         values[field] = v
-    auto = bool(getattr(args, "distributed_auto", False)) if args is not None else False
-    timeout = getattr(args, "distributed_timeout", 300) if args is not None else 300
-    return DistributedConfig(**values, auto=auto, timeout_s=timeout)
+    return DistributedConfig(**values, auto=auto, timeout_s=timeout_s)
 
 
-def initialize_distributed(args: argparse.Namespace | DistributedConfig | None = None) -> bool:
-    """Join the multi-process run described by `args` (flags / env, see
-    add_distributed_flags) and check the coordinator agrees on the process count and
-    this process's index. Call it before any other JAX computation. Returns True for a
+def initialize_distributed(config: DistributedConfig | None = None) -> bool:
+    """Join the multi-process run `config` describes (default: the JAX_* environment
+    variables, distributed_config()) and check the coordinator agrees on the process count
+    and this process's index. Call it before any other JAX computation. Returns True for a
     multi-process run, False (nothing done) for a single-process one. ValueError, before
-    anything compiles, when the flags are malformed or disagree with the coordinator."""
-    config = args if isinstance(args, DistributedConfig) else distributed_config(args)
+    anything compiles, when the values are malformed or disagree with the coordinator."""
+    config = distributed_config() if config is None else config
     if not config.enabled:
         return False
     if jax.distributed.is_initialized():

@@ -1,0 +1,1 @@
+"""Helpers the experiment scripts share (the only experiments modules a script may import)."""

@@ -1,0 +1,399 @@
+"""The command line of `python -m experiments.train`: a view of rl.run's RunConfig.
+
+    cfg, resume = config_from_argv(["--preset", "smollm2-rg", "--lr", "1e-5",
+                                    "--set", "loop.eval_every=4"])
+
+The run starts from a preset (`--preset`, default tiny-synthetic) or a saved config
+(`--config FILE.json` or a run dir's run_config.json); every short flag is an alias of a
+dotted RunConfig path (SIMPLE_FLAGS, SWITCHES, ASYNC_FLAGS, ... below) or of a few paths at
+once (--vcpo, --lora-rank, --loss NAME, --env NAME); `--set PATH=VALUE` (repeatable)
+sets any leaf and is applied last. All of it is validated (RunConfig.validate) before a
+model loads; errors are ValueError with a message saying what to change.
+
+Also here, for the scripts that take the same flags: the multi-process flags
+(`add_distributed_flags`, `distributed_from_args`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from models.lora import LoraConfig
+from rl.envs import ENVS
+from rl.loops.config import MODES, PROXIMAL, ROLLOUTS, Resume, RunConfig
+from rl.loops.replay import ReplayConfig, replay_train_config
+from rl.loops.validation import CHANGEABLE_ON_RESUME
+from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
+from rl.objectives.advantages import ADVANTAGE_PRESETS
+from rl.objectives.losses import LOSS_PRESETS
+from rl.objectives.turn_credit import TURN_CREDITS
+from rl.rollout.pruning import PruneConfig
+from rl.run import DEFAULT_PRESET, PRESETS
+from rl.run.policy import BUDGET_OPTIONS
+from rl.runtime.config_tree import parse_value
+from rl.runtime.distributed import ENV_VARS, distributed_config
+from rl.runtime.logging import WANDB_MODES
+from rl.runtime.mesh import MESH_PRESETS
+from rl.schedulers import SCHEDULERS
+from rl.schedulers.dars import SCHEDULES
+
+# flag dest -> the RunConfig path it sets (value as given)
+SIMPLE_FLAGS = {
+    "steps": "loop.steps", "group_size": "loop.group_size",
+    "prompts_per_step": "loop.prompts_per_step", "segment_len": "loop.segment_len",
+    "eval_every": "loop.eval_every", "save_every": "loop.save_every",
+    "eval_prompts": "loop.eval_prompts", "seed": "loop.seed",
+    "lr": "train.optimizer.learning_rate", "temperature": "train.temperature",
+    "micro_batches": "train.micro_batches", "mesh": "mesh", "run_dir": "run_dir",
+    "wandb": "logging.wandb",
+}
+# store_true flag dest -> (path, value it sets)
+SWITCHES = {
+    "packed": ("train.packed", True), "dynamic_sampling": ("loop.dynamic_sampling", True),
+    "unchecked": ("loop.checked", False), "no_progress": ("logging.progress", False),
+}
+# async flag dest -> AsyncConfig field (any of them selects rl.loops.run_async)
+ASYNC_FLAGS = {
+    "max_staleness": "max_staleness", "async_mode": "mode", "rollout": "rollout",
+    "over_provision": "over_provision", "stale_policy": "stale_policy",
+    "stale_weight": "stale_weight", "proximal": "proximal", "ewma_beta": "ewma_beta",
+    "rollout_devices": "rollout_devices",
+}
+SCHEDULER_FLAGS = {"prompt_scheduler": "name", "scheduler_pool": "pool_size",
+                   "dars_budget": "dars_budget", "dars_schedule": "dars_schedule",
+                   "replay_fraction": "replay_fraction", "replay_capacity": "replay_capacity"}
+PRUNE_FLAGS = {"prune_at": "prune_at", "prune_target": "target_ratio",
+               "prune_max_frac": "max_prune_frac", "prune_warmup": "warmup",
+               "prune_threshold": "threshold", "prune_lr": "lr"}
+LORA_SHORT = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
+              "up": "up_proj", "down": "down_proj"}
+
+
+# ----------------------------------------------------------------------------- the parser
+def build_train_parser(prog: str = "python -m experiments.train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="GRPO training, synchronous or asynchronous (Tandem's main job).",
+        epilog="Short flags are aliases of RunConfig paths: " + ", ".join(
+            f"--{k.replace('_', '-')}={v}" for k, v in SIMPLE_FLAGS.items()) + "; any other "
+        "leaf: --set PATH=VALUE (see --print-config for the paths).")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help=f"the run to start from (default {DEFAULT_PRESET})")
+    p.add_argument("--config", metavar="FILE|RUN_DIR",
+                   help="start from a saved RunConfig (JSON), e.g. a run dir's run_config.json")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="set any RunConfig leaf by dotted path (repeatable, applied last), e.g. "
+                        "train.optimizer.learning_rate=1e-5 or async.max_staleness=2")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved RunConfig as JSON and exit")
+    p.add_argument("--task", help="task spec replacing the preset's (rl.tasks.make_task), e.g. "
+                   "'reasoning_gym:basic_arithmetic' or 'reasoning_gym:chain_sum=1,leg_counting=1'")
+    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a task option (repeatable), e.g. max_terms=2 or chain_sum.max_digits=1; "
+                        "values are Python literals or strings")
+    p.add_argument("--steps", type=int, help="total optimizer steps (a resumed run continues to it)")
+    p.add_argument("--seed", type=int, help="init and rollout seed (default 0)")
+    p.add_argument("--run-dir", help="output directory (default runs/<preset>)")
+    p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--resume-from-last-good", action="store_true",
+                   help="with --resume: if the latest checkpoint fails verification (or is "
+                        "incomplete), skip it for the previous good one")
+    p.add_argument("--allow-config-change", nargs="+", default=[], metavar="FIELD",
+                   choices=sorted(CHANGEABLE_ON_RESUME),
+                   help="--resume: let these fields differ from the checkpoint's recorded config "
+                        "(steps and the time limit always may; what is learned never may)")
+    p.add_argument("--unchecked", action="store_true",
+                   help="train without the checked step (rl.learner.checked: a non-finite "
+                        "reward, loss or gradient stops the run naming the step and group)")
+    p.add_argument("--wandb", choices=WANDB_MODES,
+                   help="wandb mode: offline (the presets', files in the run dir), online, disabled")
+    p.add_argument("--lr", type=float, help="learning rate")
+    p.add_argument("--group-size", type=int, help="samples per prompt")
+    p.add_argument("--prompts-per-step", type=int, help="groups per batch")
+    p.add_argument("--segment-len", type=int, help="decode tokens per sampler call")
+    p.add_argument("--loss", help=f"loss preset {sorted(LOSS_PRESETS)} or a registered loss name")
+    p.add_argument("--advantage", help=f"advantage preset {sorted(ADVANTAGE_PRESETS)} or estimator")
+    p.add_argument("--temperature", type=float, help="sampling temperature (learner uses the same)")
+    p.add_argument("--micro-batches", type=int, help="gradient-accumulation micro-batches")
+    p.add_argument("--packed", action="store_true",
+                   help="learner runs each group's shared prompt once (DualKV P+NR packing)")
+    p.add_argument("--eval-every", type=int, help="steps between evals (0: start and end only)")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints (0: end only)")
+    p.add_argument("--eval-prompts", type=int, help="eval split prompts per eval")
+    p.add_argument("--time-limit", type=float, metavar="MINUTES",
+                   help="wall-time budget: the step that crosses it is the last (then eval, save)")
+    p.add_argument("--dynamic-sampling", action="store_true", help="DAPO dynamic sampling")
+    p.add_argument("--results-json", help="also write the headline summary JSON here (+ PNG beside)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--mesh", help=f"learner mesh over all devices: a preset {MESH_PRESETS} or "
+                   "'data=N,fsdp=N,tensor=N' (default: one device; 'dp' with several processes)")
+    add_scheduler_flags(p)
+    add_distributed_flags(p)
+    add_prune_flags(p)
+    add_env_flags(p)
+    add_lora_flags(p)
+    add_vcpo_flags(p)
+    add_async_flags(p)
+    return p
+
+
+def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data efficiency (rl.schedulers, rollout replay; sync loop)")
+    g.add_argument("--prompt-scheduler", choices=SCHEDULERS,
+                   help="which train prompts each step samples (rl.schedulers): uniform (the "
+                        "stream, default), dots (moderate adaptive difficulty), dps (predicted "
+                        "partially solved), dars (extra groups for hard prompts)")
+    g.add_argument("--scheduler-pool", type=int,
+                   help="dots / dps: they choose among the first N train prompts (default 256)")
+    g.add_argument("--dars-budget", type=int, metavar="T",
+                   help="dars: rollouts per step in both stages (default 2 x stage 1)")
+    g.add_argument("--dars-schedule", choices=SCHEDULES,
+                   help="dars: equal treatment (et, default) or hardness weighted (hw)")
+    g.add_argument("--replay-fraction", type=float, metavar="F",
+                   help="rollout replay: this share of each batch's groups comes from a FIFO "
+                        "of recent informative groups (rl.loops.replay; default 0 = off); "
+                        "switches train.old_logp to 'behaviour' unless a correction is set")
+    g.add_argument("--replay-capacity", type=int, metavar="C",
+                   help="rollout replay: groups the FIFO holds (default 4 x prompts per step)")
+
+
+def add_distributed_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--coordinator, --num-processes, --process-id, --distributed-auto,
+    --distributed-timeout (defaults: the JAX_* environment variables)."""
+    g = p.add_argument_group("multi-process (jax.distributed)")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help=f"address of process 0's coordinator (env {ENV_VARS['coordinator']})")
+    g.add_argument("--num-processes", type=int, metavar="K",
+                   help=f"number of processes (env {ENV_VARS['num_processes']})")
+    g.add_argument("--process-id", type=int, metavar="I",
+                   help=f"this process's index in [0, K) (env {ENV_VARS['process_id']})")
+    g.add_argument("--distributed-auto", action="store_true",
+                   help="jax.distributed.initialize() with auto-detection (TPU pod slices, SLURM)")
+    g.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
+                   help="seconds to wait for all processes to join (default 300)")
+    return p
+
+
+def distributed_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None):
+    """rl.runtime.distributed.DistributedConfig from add_distributed_flags' flags, falling
+    back to the JAX_* environment variables."""
+    return distributed_config(args.coordinator, args.num_processes, args.process_id,
+                              auto=args.distributed_auto, timeout_s=args.distributed_timeout,
+                              environ=environ)
+
+
+def add_prune_flags(p: argparse.ArgumentParser) -> None:
+    d = PruneConfig()
+    g = p.add_argument_group("online rollout pruning (ARRoL; rl.rollout.pruning)")
+    g.add_argument("--prune", action="store_true",
+                   help="prune partial rollouts with an online quality head so each group's "
+                        "survivors are correctness-balanced")
+    g.add_argument("--prune-at", type=int, help="tokens made before a group is scored (a "
+                   f"segment boundary; keep --segment-len <= it; default {d.prune_at})")
+    g.add_argument("--prune-target", type=float,
+                   help=f"target predicted positive ratio ρ of the survivors (default {d.target_ratio})")
+    g.add_argument("--prune-max-frac", type=float,
+                   help=f"at most this fraction of a group pruned (default {d.max_prune_frac})")
+    g.add_argument("--prune-warmup", type=int,
+                   help=f"examples the head learns from before it prunes (default {d.warmup})")
+    g.add_argument("--prune-threshold", type=float,
+                   help=f"a reward above it counts as a success (default {d.threshold})")
+    g.add_argument("--prune-lr", type=float, help=f"the head's step size (default {d.lr})")
+
+
+def add_env_flags(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("environments (multi-turn episodes, rl.loops.episodes)")
+    e.add_argument("--env", choices=sorted(ENVS),
+                   help="train on an environment instead of a task (= --task env:NAME)")
+    e.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment option (repeatable), e.g. k=16 or max_turns=5")
+    e.add_argument("--turn-credit", choices=TURN_CREDITS,
+                   help="per-token advantages: outcome (default: GRPO on the episode's outcome) "
+                        "or turn (+ λ · group-normalised return-to-go of the turn rewards)")
+    e.add_argument("--turn-credit-coef", type=float, help="turn credit's λ (default 1)")
+    e.add_argument("--turn-credit-gamma", type=float, help="turn credit's discount γ (default 1)")
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA / QLoRA (train adapters only; models.lora)")
+    g.add_argument("--lora-rank", type=int, help="train rank-R LoRA adapters on a frozen base "
+                   "(the base is also the KL reference); default: full fine-tuning")
+    g.add_argument("--lora-alpha", type=float, help="LoRA alpha (update scaled by alpha / "
+                   "rank; default 2 * rank)")
+    g.add_argument("--lora-targets", help="comma-separated projections or fnmatch patterns: "
+                   "q,k,v,o,gate,up,down (default all), e.g. 'q,v' or '*_proj'")
+    g.add_argument("--qlora", choices=("int8", "int4"),
+                   help="store the frozen base quantized (int8 per channel / int4 blocks of 64)")
+
+
+def add_vcpo_flags(p: argparse.ArgumentParser) -> None:
+    v = p.add_argument_group("VCPO (variance-controlled off-policy RL)")
+    v.add_argument("--vcpo", nargs="?", const="sqrt", choices=("sqrt", "linear", "none"),
+                   help="VCPO: ESS-scaled update (sqrt|linear|none; default sqrt), minimum-variance "
+                        "off-policy baseline and truncated sequence weights (replaces --advantage)")
+    v.add_argument("--vcpo-baseline", choices=("opob", "group_mean", "none"), default="opob",
+                   help="VCPO's baseline (default opob: the minimum-variance off-policy baseline)")
+    v.add_argument("--vcpo-grad-norms", choices=("exact", "none"), default="exact",
+                   help="exact per-trajectory gradient norms (vmap(grad)) or the cheap mode")
+    v.add_argument("--log-ess", action="store_true",
+                   help="log the batch's ESS ratio and log-weight tails (VCPOConfig(monitor=True))")
+
+
+def add_async_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("asynchronous training (any of these selects rl.loops.run_async)")
+    a.add_argument("--max-staleness", type=int,
+                   help="η: data at most η policy versions old (0 = synchronous; default 1)")
+    a.add_argument("--async-mode", choices=MODES,
+                   help="threaded (producer thread + learner) or deterministic (batch v sampled "
+                        "with the params of v - η; reproducible); default threaded")
+    a.add_argument("--rollout", choices=ROLLOUTS, help="static (default), continuous (threaded "
+                   "only) or april (over-provisioned partial rollouts)")
+    a.add_argument("--over-provision", type=float, help="APRIL groups started per group trained "
+                   "(default 1.5)")
+    a.add_argument("--mask-offpolicy-prefix", action="store_true",
+                   help="APRIL: drop resumed groups' older-version prefix from the loss")
+    a.add_argument("--stale-policy", choices=("drop", "downweight"),
+                   help="data older than η versions: drop the group (default) or down-weight its "
+                        "stale tokens")
+    a.add_argument("--stale-weight", type=float, help="loss factor of stale tokens (downweight)")
+    a.add_argument("--proximal", choices=PROXIMAL,
+                   help="π_prox: current (default), exact (snapshot of each token's version), "
+                        "versions (log-linear approximation) or ewma (EWMA of weights)")
+    a.add_argument("--ewma-beta", type=float, help="EWMA proximal params' decay (default 0.9)")
+    a.add_argument("--rollout-devices", type=int, help="threaded: devices for the sampler (default "
+                   "half of them when there are several, else shared)")
+
+
+# ----------------------------------------------------------------------------- flags -> config
+def parse_task_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """["max_terms=2", "operators=('+','-')", "name=x"] -> {"max_terms": 2, ...}: a value
+    is a Python literal when it parses as one, else the string."""
+    out = {}
+    for pair in pairs:
+        key, eq, raw = pair.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--task-option wants KEY=VALUE, got {pair!r}")
+        out[key.strip()] = parse_value(raw)
+    return out
+
+
+def task_overrides(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
+    """--task / --env (which drop the config's task options except the sampling budget),
+    --task-option / --env-option and the turn-credit flags."""
+    task, options = args.task, list(args.task_option)
+    if args.env is not None:
+        if task is not None:
+            raise ValueError("--env and --task both name what to train on; give one")
+        task = "env:" + args.env
+        options += list(args.env_option)
+    elif args.env_option:
+        raise ValueError("--env-option goes with --env (or use --task-option with an env: task)")
+    extra = parse_task_options(options)
+    for key in ("turn_credit", "turn_credit_coef", "turn_credit_gamma"):
+        if getattr(args, key) is not None:
+            extra[key] = getattr(args, key)
+    if task is None and not extra:
+        return cfg
+    kept = cfg.task.kwargs
+    if task is not None and task != cfg.task.spec:
+        kept = {k: v for k, v in kept.items() if k in BUDGET_OPTIONS}
+    return dataclasses.replace(cfg, task=dataclasses.replace(
+        cfg.task, spec=task or cfg.task.spec, options={**kept, **extra}))
+
+
+def lora_from_args(args: argparse.Namespace) -> LoraConfig | None:
+    """The LoraConfig of --lora-rank / --lora-alpha / --lora-targets / --qlora (None
+    without --lora-rank; ValueError for the others without it)."""
+    if args.lora_rank is None:
+        given = [f for f in ("lora_alpha", "lora_targets", "qlora") if getattr(args, f)]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --lora-rank R")
+        return None
+    kw: dict[str, Any] = {"rank": args.lora_rank,
+                          "alpha": float(args.lora_alpha or 2 * args.lora_rank),
+                          "qlora": args.qlora}
+    if args.lora_targets:
+        kw["targets"] = tuple(LORA_SHORT.get(t.strip(), t.strip())
+                              for t in args.lora_targets.split(",") if t.strip())
+    return LoraConfig(**kw)
+
+
+def _given(args: argparse.Namespace, table: dict[str, str]) -> dict[str, Any]:
+    return {field: getattr(args, dest) for dest, field in table.items()
+            if getattr(args, dest) is not None}
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig the parsed flags describe (module docstring), validated."""
+    if args.config and args.preset:
+        raise ValueError("--config and --preset both name the run to start from; give one")
+    cfg = RunConfig.load(args.config) if args.config else PRESETS[args.preset or DEFAULT_PRESET]
+    cfg = task_overrides(cfg, args)
+    paths = {path: getattr(args, dest) for dest, path in SIMPLE_FLAGS.items()
+             if getattr(args, dest) is not None}
+    paths.update({path: value for dest, (path, value) in SWITCHES.items() if getattr(args, dest)})
+    if args.time_limit is not None:
+        paths["loop.time_limit_s"] = 60.0 * args.time_limit
+    cfg = cfg.overrides(paths)
+    train = cfg.train
+    if args.loss is not None:
+        train = dataclasses.replace(train, loss=LossConfig.preset(args.loss)
+                                    if args.loss in LOSS_PRESETS else LossConfig(name=args.loss))
+    if args.advantage is not None:
+        train = dataclasses.replace(train, advantage=AdvantageConfig.preset(args.advantage)
+                                    if args.advantage in ADVANTAGE_PRESETS
+                                    else AdvantageConfig(args.advantage))
+    if args.vcpo is not None:
+        train = dataclasses.replace(train, vcpo=VCPOConfig(
+            enabled=True, lr_scale=args.vcpo, baseline=args.vcpo_baseline,
+            grad_norms=args.vcpo_grad_norms))
+    elif args.log_ess:
+        train = dataclasses.replace(train, vcpo=VCPOConfig(monitor=True))
+    lora = lora_from_args(args)
+    if lora is not None:
+        train = dataclasses.replace(train, lora=lora)
+    cfg = dataclasses.replace(cfg, train=train)
+    sched = _given(args, SCHEDULER_FLAGS)
+    if sched:
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, **sched))
+    prune = _given(args, PRUNE_FLAGS)
+    if args.prune:
+        cfg = dataclasses.replace(cfg, prune=dataclasses.replace(cfg.prune or PruneConfig(),
+                                                                 **prune))
+    elif prune:
+        flag = next(k for k in PRUNE_FLAGS if getattr(args, k) is not None)
+        raise ValueError(f"--{flag.replace('_', '-')} goes with --prune")
+    acfg = _given(args, ASYNC_FLAGS)
+    if args.mask_offpolicy_prefix:
+        acfg["mask_offpolicy_prefix"] = True
+    if acfg:
+        cfg = cfg.overrides({f"asynchronous.{k}": v for k, v in acfg.items()})
+    dist = distributed_from_args(args)
+    if dist.enabled:
+        cfg = dataclasses.replace(cfg, distributed=dist)
+    if args.set:
+        cfg = cfg.overrides(args.set)
+    if cfg.scheduler.replay_fraction > 0:  # the paper's correction unless one is set
+        cfg = dataclasses.replace(cfg, train=replay_train_config(
+            cfg.train, ReplayConfig(cfg.scheduler.replay_fraction)))
+    return cfg.validate()
+
+
+def resume_from_args(args: argparse.Namespace) -> Resume | None:
+    """Resume(...) for --resume (with --resume-from-last-good / --allow-config-change), else
+    None; ValueError for those two without --resume."""
+    if not args.resume:
+        if args.resume_from_last_good:
+            raise ValueError("--resume-from-last-good goes with --resume")
+        if args.allow_config_change:
+            raise ValueError("--allow-config-change goes with --resume")
+        return None
+    return Resume(from_last_good=args.resume_from_last_good,
+                  allow_changes=tuple(args.allow_config_change))
+
+
+def config_from_argv(argv: Sequence[str] | None = None) -> tuple[RunConfig, Resume | None]:
+    """(RunConfig, Resume or None) of an experiments.train command line."""
+    args = build_train_parser().parse_args(argv)
+    return config_from_args(args), resume_from_args(args)

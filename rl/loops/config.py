@@ -1,0 +1,425 @@
+"""The configuration of a whole run: one tree of frozen dataclasses.
+
+    RunConfig
+      name, description, headline_target   what the run is (a preset's name by default)
+      model      ModelSpec     which policy: "tiny" (random init) or a model name / file / dir
+      task       TaskSpec      rl.tasks.make_task spec (or "env:NAME": an environment), its
+                               options and split seed
+      train      TrainConfig   the learner: loss, advantage, optimizer, LoRA, VCPO, packing
+                               (rl.learner.config)
+      loop       LoopConfig    steps, batch geometry, eval / save cadence, seed, time limit
+      asynchronous AsyncConfig | None   None: the synchronous loop; set: rl.loops.run_async
+                               (dotted paths may spell it "async")
+      scheduler  SchedulerOptions  prompt scheduler and rollout replay (rl.loops.scheduling)
+      prune      PruneConfig | None    online rollout pruning (rl.rollout.pruning)
+      mesh       str | None    learner mesh: a preset of rl.runtime.mesh or "data=N,fsdp=N,tensor=N"
+      distributed DistributedConfig   multi-process coordinates (rl.runtime.distributed)
+      logging    LoggingConfig wandb mode, progress bar
+      run_dir    str | None    where the run writes (default runs/<name>)
+
+It round-trips through JSON exactly (`RunConfig.from_json(cfg.to_json()) == cfg`,
+rl.runtime.config_tree), and any leaf can be replaced by its dotted path:
+
+    cfg = RunConfig().override("loop.group_size", 4).override("async.max_staleness", 2)
+
+Each section validates itself when built; `validate()` checks what spans sections (the
+checks rl.loops.validation.validate_run makes, and the combinations the loops cannot
+run), before anything loads or compiles. Presets (named RunConfig values), train(cfg)
+and the run record live in rl.run.
+
+Beside the config, a run takes two things that are not configuration: `Resume` (continue
+the run dir's latest checkpoint, with what may differ) and `RunHooks` (an explicit device
+mesh, XLA compiler options, callbacks).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from rl.learner.config import TrainConfig
+from rl.loops.buffer import STALE_POLICIES
+from rl.loops.episodes import ENV_PREFIX
+from rl.loops.scheduling import SchedulerOptions
+from rl.rollout.april import AprilConfig
+from rl.rollout.pruning import PruneConfig
+from rl.runtime import config_tree
+from rl.runtime.distributed import DistributedConfig
+from rl.runtime.logging import WANDB_MODES
+
+ALIASES = {"async": "asynchronous"}  # dotted-path spellings of sections
+
+
+# ----------------------------------------------------------------------------- loop
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """steps: total optimizer steps of the run (a resumed run continues up to it);
+    prompts_per_step: groups per batch; group_size: samples per prompt; segment_len:
+    decode tokens per sampler call; eval_every / eval_prompts: eval cadence and size
+    (0 = no periodic eval; there is always one at the start and one at the end);
+    eval_greedy: also run a greedy eval; save_every / keep_checkpoints: checkpoint cadence
+    and how many to keep (0 = only at the end); dynamic_sampling: DAPO's filter (drop
+    groups whose rewards are all equal, resample up to max_resample_rounds extra
+    batches); seed: the run's seed (rollout rng, eval sampling); eval_sampled_prompts:
+    how many of the eval prompts the sampled (train-temperature) eval pass uses (0 = all;
+    the greedy pass always uses all); time_limit_s: wall-time budget of the run in
+    seconds (0 = none): the step that crosses it is the last (eval and save as usual);
+    checked: run the checked train step (rl.learner.checked: a non-finite reward,
+    log-prob, loss or gradient stops the run naming the step and group)."""
+
+    steps: int = 100
+    prompts_per_step: int = 8
+    group_size: int = 8
+    segment_len: int = 32
+    eval_every: int = 25
+    eval_prompts: int = 64
+    eval_greedy: bool = False
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 4
+    seed: int = 0
+    eval_sampled_prompts: int = 0
+    time_limit_s: float = 0.0
+    checked: bool = True
+
+    def __post_init__(self):
+        if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s >= 0):
+            raise ValueError(f"LoopConfig.time_limit_s must be >= 0 seconds (0 = no limit), "
+                             f"got {self.time_limit_s!r}")
+        for name, low in (("eval_sampled_prompts", 0), ("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
+                          ("segment_len", 1), ("eval_every", 0), ("eval_prompts", 1),
+                          ("save_every", 0), ("keep_checkpoints", 1), ("max_resample_rounds", 0),
+                          ("seed", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {v!r}")
+        if not isinstance(self.checked, bool):
+            raise ValueError(f"LoopConfig.checked must be True or False, got {self.checked!r}")
+
+
+
+# ----------------------------------------------------------------------------- async
+MODES = ("threaded", "deterministic")
+ROLLOUTS = ("static", "continuous", "april")
+PROXIMAL = ("current", "exact", "versions", "ewma")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncConfig:
+    """max_staleness η: data may be at most η versions older than the learner (0 =
+    synchronous). mode "threaded" | "deterministic" (module doc). stale_policy "drop" |
+    "downweight" (per stale token, factor stale_weight) for data older than η (see
+    rl.loops.buffer). rollout "static" | "continuous" (threaded mode only) | "april" (+
+    over_provision, mask_offpolicy_prefix).
+    proximal "current" | "exact" | "versions" | "ewma" (+ ewma_beta). snapshot_capacity:
+    versions kept in the param ring (default η + 2; at least η + 1). rollout_devices:
+    devices given to the sampler in threaded mode (None: half of them when there are
+    several, 0 when there is one: rollout and training share it). join_timeout_s: how long
+    shutdown waits for the producer thread."""
+
+    max_staleness: int = 1
+    mode: str = "threaded"
+    stale_policy: str = "drop"
+    stale_weight: float = 0.5
+    rollout: str = "static"
+    over_provision: float = 1.5
+    mask_offpolicy_prefix: bool = False
+    proximal: str = "current"
+    ewma_beta: float = 0.9
+    snapshot_capacity: int | None = None
+    rollout_devices: int | None = None
+    join_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        k = self.max_staleness
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"AsyncConfig.max_staleness must be an int >= 0, got {k!r}")
+        for name, allowed in (("mode", MODES), ("stale_policy", STALE_POLICIES),
+                              ("rollout", ROLLOUTS), ("proximal", PROXIMAL)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"AsyncConfig.{name} must be one of {allowed}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.mode == "deterministic" and self.rollout == "continuous":
+            raise ValueError("AsyncConfig.rollout='continuous' needs mode='threaded' (the "
+                             "deterministic mode samples each batch in one go with the params "
+                             "of version v - k); use rollout='static' or 'april'")
+        AprilConfig(over_provision=self.over_provision,
+                    mask_offpolicy_prefix=self.mask_offpolicy_prefix)  # validates both
+        if self.mask_offpolicy_prefix and self.rollout != "april":
+            raise ValueError("AsyncConfig.mask_offpolicy_prefix needs rollout='april'")
+        if isinstance(self.stale_weight, bool) or not isinstance(self.stale_weight, (int, float)) \
+                or not (0.0 <= self.stale_weight <= 1.0):
+            raise ValueError(f"AsyncConfig.stale_weight must be in [0, 1], got {self.stale_weight}")
+        if isinstance(self.ewma_beta, bool) or not isinstance(self.ewma_beta, (int, float)) \
+                or not (0.0 <= self.ewma_beta < 1.0):
+            raise ValueError(f"AsyncConfig.ewma_beta must be in [0, 1), got {self.ewma_beta}")
+        cap = self.snapshot_capacity
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < k + 1):
+            raise ValueError(f"AsyncConfig.snapshot_capacity must be an int >= max_staleness + 1 "
+                             f"= {k + 1} (the ring must hold every admissible version), got {cap!r}")
+        if self.proximal == "exact" and self.stale_policy != "drop":
+            raise ValueError("AsyncConfig.proximal='exact' needs stale_policy='drop': down-weighted "
+                             "stale tokens can be older than any snapshot in the ring")
+        r = self.rollout_devices
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise ValueError(f"AsyncConfig.rollout_devices must be None or an int >= 0, got {r!r}")
+        if not self.join_timeout_s > 0:
+            raise ValueError(f"AsyncConfig.join_timeout_s must be > 0, got {self.join_timeout_s}")
+
+    @property
+    def ring_capacity(self) -> int:
+        return self.snapshot_capacity or self.max_staleness + 2
+
+
+
+
+# ----------------------------------------------------------------------------- run
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """name: "tiny" (random init of models.config's "tiny" preset, vocabulary sized to the
+    task: token-level tasks only) or what models.assets.load_model reads (a registered
+    name such as "smollm2-135m", a .gguf file, a Hugging Face directory); init_seed: added
+    to the run's seed for the random init."""
+
+    name: str = "tiny"
+    init_seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ModelSpec.name must be a non-empty string, got {self.name!r}")
+        _check_int("ModelSpec.init_seed", self.init_seed, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """spec: an rl.tasks.make_task spec ("synthetic", "reasoning_gym:chain_sum", a mixture
+    "reasoning_gym:chain_sum=1,leg_counting=1") or "env:NAME" for an rl.envs environment;
+    options: the task's (or environment's) keyword options, a mapping frozen to sorted
+    pairs (an environment's also carry the episode options turn_credit, turn_credit_coef,
+    turn_credit_gamma, kv_layout, episode_mode); seed: the train / eval split seed (None:
+    the run's loop.seed, so each seed sees its own split)."""
+
+    spec: str = "synthetic"
+    options: Any = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.spec, str) or not self.spec:
+            raise ValueError(f"TaskSpec.spec must be a non-empty string, got {self.spec!r}")
+        items = self.options.items() if isinstance(self.options, Mapping) else self.options
+        try:
+            frozen = tuple(sorted((str(k), config_tree.deep_tuple(v)) for k, v in items))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"TaskSpec.options must be a mapping of option name to value, got "
+                             f"{self.options!r}") from err
+        object.__setattr__(self, "options", frozen)
+        if self.seed is not None:
+            _check_int("TaskSpec.seed", self.seed, 0)
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    @property
+    def is_env(self) -> bool:
+        return self.spec.startswith(ENV_PREFIX)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """wandb: "offline" (files in the run dir), "online" or "disabled"; progress: a tqdm bar."""
+
+    wandb: str = "disabled"
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.wandb not in WANDB_MODES:
+            raise ValueError(f"LoggingConfig.wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"LoggingConfig.progress must be True or False, got {self.progress!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A whole run (module docstring). Build it from a preset (rl.run.PRESETS) and
+    override by dotted path, or field by field; `validate()` before running."""
+
+    name: str = "custom"
+    description: str = ""
+    model: ModelSpec = ModelSpec()
+    task: TaskSpec = TaskSpec()
+    train: TrainConfig = TrainConfig()
+    loop: LoopConfig = LoopConfig()
+    asynchronous: AsyncConfig | None = None
+    scheduler: SchedulerOptions = SchedulerOptions()
+    prune: PruneConfig | None = None
+    mesh: str | None = None
+    distributed: DistributedConfig = DistributedConfig()
+    logging: LoggingConfig = LoggingConfig()
+    run_dir: str | None = None
+    headline_target: float | None = None
+
+    def __post_init__(self):
+        if isinstance(self.run_dir, Path):
+            object.__setattr__(self, "run_dir", str(self.run_dir))
+        for name, cls in (("model", ModelSpec), ("task", TaskSpec), ("train", TrainConfig),
+                          ("loop", LoopConfig), ("scheduler", SchedulerOptions),
+                          ("distributed", DistributedConfig), ("logging", LoggingConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"RunConfig.{name} must be a {cls.__name__}, got "
+                                 f"{type(getattr(self, name)).__name__}")
+        for name, cls in (("asynchronous", AsyncConfig), ("prune", PruneConfig)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise ValueError(f"RunConfig.{name} must be a {cls.__name__} or None, got "
+                                 f"{type(value).__name__}")
+        for name in ("name", "description"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"RunConfig.{name} must be a string, got {getattr(self, name)!r}")
+        if self.mesh is not None and not isinstance(self.mesh, str):
+            raise ValueError(f"RunConfig.mesh must be a mesh preset name or 'data=N,fsdp=N,"
+                             f"tensor=N', got {self.mesh!r}")
+
+    # ------------------------------------------------------------------ data
+    def to_dict(self) -> dict:
+        return config_tree.to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
+        return config_tree.from_dict(cls, data)
+
+    def to_json(self) -> str:
+        return config_tree.to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return config_tree.from_json(cls, text)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the JSON to `path` (a file, or a run dir: its run_config.json), atomically."""
+        from rl.runtime.logging import atomic_write_bytes
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / RUN_CONFIG_FILE
+        atomic_write_bytes(path, self.to_json().encode())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        """The RunConfig in a JSON file, or a run dir's run_config.json (then run_dir is
+        that directory, wherever the run was made)."""
+        path = Path(path)
+        is_dir = path.is_dir()
+        file = path / RUN_CONFIG_FILE if is_dir else path
+        if not file.is_file():
+            raise FileNotFoundError(f"{str(file)!r} not found: a run dir made by rl.run.train "
+                                    "(or python -m experiments.train) holds run_config.json")
+        cfg = cls.from_json(file.read_text())
+        return dataclasses.replace(cfg, run_dir=str(path)) if is_dir else cfg
+
+    def override(self, path: str, value: Any) -> RunConfig:
+        """A copy with the leaf at dotted `path` set to `value` (config_tree.override;
+        "async." is accepted for "asynchronous.", and setting a field of an absent
+        section such as asynchronous or prune turns it on with its defaults)."""
+        return config_tree.override(self, path, value, ALIASES)
+
+    def overrides(self, assignments: Mapping[str, Any] | Sequence[str]) -> RunConfig:
+        """override() for every {path: value} item or "path=value" string at once (each
+        section rebuilt once with all its new fields: config_tree.override_many)."""
+        items = (list(assignments.items()) if isinstance(assignments, Mapping)
+                 else [config_tree.parse_assignment(a) for a in assignments])
+        return config_tree.override_many(self, items, ALIASES)
+
+    # ------------------------------------------------------------------ checks
+    @property
+    def output_dir(self) -> Path:
+        """run_dir, or runs/<name> when none is set."""
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+    def validate(self) -> RunConfig:
+        """ConfigError / ValueError (saying what to change) for a run that cannot learn or
+        that the loops cannot run; returns self. Made before any model loads."""
+        from rl.loops.validation import validate_run
+
+        validate_run(self.train, self.loop)
+        a, s, p = self.asynchronous, self.scheduler, self.prune
+        if p is not None and a is not None:
+            raise ValueError("online pruning (prune, --prune) is for the synchronous loop; "
+                             "drop it or the async settings")
+        if p is not None and not s.is_default:
+            raise ValueError("online pruning (--prune) samples the stream uniformly; drop it or "
+                             "the prompt scheduler / rollout replay (--prompt-scheduler / "
+                             "--replay-fraction)")
+        if a is not None and not s.is_default:
+            raise ValueError("the prompt scheduler and rollout replay (--prompt-scheduler, "
+                             "--replay-fraction) are for the synchronous loop; drop them or "
+                             "the async settings")
+        if a is not None and self.loop.time_limit_s:
+            raise ValueError("the time limit (loop.time_limit_s, --time-limit) is for the "
+                             "synchronous loop; drop it or the async settings")
+        if a is not None and self.distributed.enabled:
+            raise ValueError("asynchronous training (rl.loops.run_async) runs in one process; "
+                             "drop the async settings or the multi-process ones")
+        if s.replay_fraction > 0:
+            from rl.loops.replay import check_replay_correction
+
+            check_replay_correction(self.train)
+        if self.task.is_env:
+            if a is not None and (a.mode, a.rollout) != ("deterministic", "static"):
+                raise ValueError(f"{self.task.spec}: environments run in the synchronous loop "
+                                 "or with --async-mode deterministic (static rollouts), not "
+                                 f"--async-mode {a.mode} --rollout {a.rollout}")
+            if p is not None:
+                raise ValueError(f"{self.task.spec}: --prune (online rollout pruning) is for "
+                                 "single-turn tasks; drop it for an environment")
+        return self
+
+
+RUN_CONFIG_FILE = "run_config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """Continue the run dir's latest checkpoint: from_last_good skips a checkpoint that
+    fails verification for the one before; allow_changes names the loop fields
+    (rl.loops.validation.CHANGEABLE_ON_RESUME) that may differ from the checkpoint's
+    record (steps and the time limit always may)."""
+
+    from_last_good: bool = False
+    allow_changes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "allow_changes", tuple(self.allow_changes))
+
+
+def as_resume(resume: bool | Resume | None) -> Resume | None:
+    """Resume() for True, None for False / None, a Resume as given."""
+    if isinstance(resume, Resume):
+        return resume
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        return Resume()
+    raise ValueError(f"resume must be True, False or a Resume, got {resume!r}")
+
+
+@dataclasses.dataclass
+class RunHooks:
+    """What a run is handed that is not configuration: mesh (a jax Mesh used instead of
+    RunConfig.mesh), compiler_options (XLA options of the train step), on_eval(record)
+    after each eval, on_step(record) after each train record (raise KeyboardInterrupt
+    there to stop the run as Ctrl-C does)."""
+
+    mesh: jax.sharding.Mesh | None = None
+    compiler_options: dict | None = None
+    on_eval: Callable[[dict], Any] | None = None
+    on_step: Callable[[dict], Any] | None = None

@@ -1,0 +1,118 @@
+"""The policy and task a RunConfig names, built before anything trains.
+
+    model_config, params, task = load_policy(cfg)      # cfg.model, cfg.task, cfg.loop.seed
+    task = make_task(cfg.task, tokenizer=tok, seed=0)  # a task or an environment ("env:NAME")
+
+`load_policy` gives a "tiny" model a random init (seed cfg.model.init_seed + the run
+seed) with its vocabulary sized to a token-level task, and loads any other model with
+models.assets.load_model (a registered name, a .gguf file, a Hugging Face directory);
+then `check_context` refuses a task whose prompt plus response budget exceeds the model's
+context, before anything compiles.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from models.config import ModelConfig, get_config
+from models.decoder import init_params
+from rl.envs import ENVS
+from rl.loops.config import RunConfig, TaskSpec
+from rl.loops.episodes import ENV_PREFIX, EpisodeOptions, env_fields, make_env_task
+from rl.objectives.turn_credit import TurnCreditConfig
+from rl.tasks import make_task as make_plain_task
+
+# task options that configure the episodes of an environment, not the environment
+EPISODE_OPTIONS = ("turn_credit", "turn_credit_coef", "turn_credit_gamma", "kv_layout",
+                   "episode_mode")
+# a task preset's sampling budget: kept when the command line swaps the task, dropped for
+# an environment whose class has no such field (it sets its own budgets)
+BUDGET_OPTIONS = ("max_prompt_len", "max_new_tokens")
+
+
+def split_env_options(env_name: str, options: dict[str, Any]) -> tuple[dict, EpisodeOptions]:
+    """(the environment's constructor options, EpisodeOptions) from a task's options."""
+    env_opts = dict(options)
+    credit = {}
+    kw = {}
+    for key in EPISODE_OPTIONS:
+        if key not in env_opts:
+            continue
+        value = env_opts.pop(key)
+        if key == "kv_layout":
+            kw["kv_layout"] = value
+        elif key == "episode_mode":
+            kw["mode"] = value
+        elif key == "turn_credit":
+            credit["name"] = value
+        else:  # turn_credit_coef / turn_credit_gamma
+            credit[key.removeprefix("turn_credit_")] = float(value)
+    cls_fields = env_fields(env_name)
+    for key in BUDGET_OPTIONS:
+        if key in env_opts and key not in cls_fields:
+            env_opts.pop(key)
+    return env_opts, EpisodeOptions(turn_credit=TurnCreditConfig(**credit), **kw)
+
+
+def make_task(task: TaskSpec | str, *, tokenizer: Any = None, seed: int = 0,
+              **options: Any) -> Any:
+    """The rl.tasks task of a TaskSpec (or spec string + options); an EnvTask
+    (rl.loops.episodes) for "env:NAME"."""
+    if isinstance(task, TaskSpec):
+        spec, options = task.spec, {**task.kwargs, **options}
+    else:
+        spec = task
+    if not spec.startswith(ENV_PREFIX):
+        kw = {} if tokenizer is None else {"tokenizer": tokenizer}
+        return make_plain_task(spec, seed=seed, **kw, **options)
+    name = spec[len(ENV_PREFIX):].partition(":")[0]
+    if name not in ENVS:
+        raise ValueError(f"unknown environment {name!r}; available: {sorted(ENVS)}")
+    env_opts, episode_opts = split_env_options(name, options)
+    return make_env_task(spec, tokenizer=tokenizer, seed=seed, options=episode_opts, **env_opts)
+
+
+def task_seed(cfg: RunConfig, seed: int | None = None) -> int:
+    """The task's split seed: cfg.task.seed, else the run's seed."""
+    run_seed = cfg.loop.seed if seed is None else seed
+    return run_seed if cfg.task.seed is None else cfg.task.seed
+
+
+def load_policy(cfg: RunConfig, seed: int | None = None) -> tuple[ModelConfig, Any, Any]:
+    """(model_config, params, task) for a run config (seed: the run seed, default
+    cfg.loop.seed). ValueError, before anything compiles, for a tokenizer-free model on a
+    text task or a task that does not fit the model's context."""
+    seed = cfg.loop.seed if seed is None else seed
+    if cfg.model.name == "tiny":
+        task = make_task(cfg.task, seed=task_seed(cfg, seed))
+        if not hasattr(task, "vocab_size"):
+            raise ValueError(f"the tiny random model has no tokenizer, so it trains only on "
+                             f"token-level tasks ('synthetic'); task {cfg.task.spec!r} needs a "
+                             "pretrained model: pick a preset such as smollm2-rg")
+        config = get_config("tiny", vocab_size=task.vocab_size)
+        check_context(config, task)
+        return config, init_params(config, cfg.model.init_seed + seed), task
+    from models.assets import load_model
+
+    config, params, tokenizer = load_model(cfg.model.name)
+    task = make_task(cfg.task, tokenizer=tokenizer, seed=task_seed(cfg, seed))
+    check_context(config, task)
+    return config, params, task
+
+
+def check_context(config: ModelConfig, task: Any) -> None:
+    """ValueError unless a prompt plus its response budget fits the model's context and
+    the task's first prompts fit its max_prompt_len (building them raises if not)."""
+    need = task.max_prompt_len + task.max_new_tokens
+    if need > config.max_position_embeddings:
+        raise ValueError(f"task {task.name!r} asks for prompts of up to {task.max_prompt_len} "
+                         f"plus {task.max_new_tokens} new tokens = {need}, more than the model's "
+                         f"context ({config.max_position_embeddings}): lower max_prompt_len / "
+                         "max_new_tokens (--task-option)")
+    task.train_prompts(0, 8)
+    task.eval_prompts(8)
+
+
+def initial_policy_label(cfg: RunConfig) -> str:
+    """What the step-0 eval measured: the random policy (a "tiny" model) or the starting
+    policy (a pretrained model)."""
+    return "random policy" if cfg.model.name == "tiny" else "starting policy"
