@@ -5,7 +5,7 @@ another script, no private name crossing a package boundary, no module over ~600
 Imports are read with `ast` (nothing is imported), every import statement counts, those
 inside functions too: a lazy import that closes a circle is still a circle.
 
-Direction (README "Layout"): kernels <- models <- rl <- experiments, and inside rl
+Direction (docs/concepts/architecture.md): kernels <- models <- rl <- experiments, and inside rl
 objectives <- learner / rollout <- loops, with tasks, trajectory and runtime as leaves.
 experiments/ has three rooms: the entry points at the top, bench/ (benchmarks) and repro/
 (reproductions) are scripts; common/ holds the helpers scripts share. Scripts import the
@@ -14,6 +14,7 @@ library and experiments.common only, never each other; nothing imports experimen
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -276,15 +277,37 @@ def test_no_module_over_about_600_lines():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-def test_readme_layout_names_every_rl_subpackage_and_module():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+ARCHITECTURE = ROOT / "docs" / "concepts" / "architecture.md"
+
+
+def layout_section(text: str) -> str:
+    """The "## Layout" section of the architecture page (up to the next "## " heading)."""
+    assert "\n## Layout\n" in text, "the architecture page has no '## Layout' section"
+    return text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+
+
+def unnamed_rl_modules(section: str, root: Path = ROOT) -> list[str]:
+    """Files of rl/ whose module stem (or, for an __init__, package name) the section does
+    not name as a word."""
     missing = []
-    for path in sorted((ROOT / "rl").rglob("*.py")):
+    for path in sorted((root / "rl").rglob("*.py")):
         stem = path.parent.name if path.name == "__init__.py" else path.stem
-        if stem not in section:
-            missing.append(str(path.relative_to(ROOT)))
-    assert not missing, f"README's layout section does not mention: {missing}"
+        if not re.search(rf"(?<![\w.]){re.escape(stem)}(?!\w)", section):
+            missing.append(str(path.relative_to(root)))
+    return missing
+
+
+def test_architecture_layout_names_every_rl_subpackage_and_module():
+    missing = unnamed_rl_modules(layout_section(ARCHITECTURE.read_text()))
+    assert not missing, f"the Layout section of {ARCHITECTURE.relative_to(ROOT)} does not " \
+        f"name: {missing}"
+
+
+def test_layout_check_can_fail(tmp_path):
+    root = _tree(tmp_path, {"rl/__init__.py": "", "rl/loops/__init__.py": "",
+                            "rl/loops/sync.py": "", "rl/loops/synchrony.py": ""})
+    section = layout_section("# A\n\n## Layout\nrl/\n  loops/  synchrony\n## Next\nsync\n")
+    assert unnamed_rl_modules(section, root) == ["rl/loops/sync.py"]  # a longer word does not count
 
 
 # ----------------------------------------------------------------------------- the checker can fail
