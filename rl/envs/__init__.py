@@ -6,8 +6,10 @@ split helpers, nothing else from `rl`).
                 what an environment returns
   guess_number  guess a hidden number with higher/lower feedback; tokenizer-free, the
                 `tiny` model learns it from scratch (exact random / optimal baselines)
-  calculator    a safe `ast` arithmetic evaluator (`calculate`) and `CalculatorEnv`:
-                arithmetic problems for a chat model with a <calc>EXPR</calc> tool
+  arithmetic    a safe `ast` arithmetic evaluator (`calculate`): the calculator tool,
+                exact, bounded, never eval/exec
+  calculator    `CalculatorEnv`: arithmetic problems for a chat model with a
+                <calc>EXPR</calc> tool (`arithmetic.calculate`)
 
 Environments are plain Python objects that step on the host between decode segments.
 
@@ -21,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rl.envs.arithmetic import calculate
 from rl.envs.base import EndReason, Environment, Episode, StepResult, check_step_result
-from rl.envs.calculator import CalculatorEnv, calculate
+from rl.envs.calculator import CalculatorEnv
 from rl.envs.guess_number import GuessNumberEnv
 
 ENVS: dict[str, Callable[..., Any]] = {"guess_number": GuessNumberEnv, "calculator": CalculatorEnv}

@@ -1,181 +1,24 @@
-"""A safe arithmetic evaluator: the calculator tool's engine. Never eval/exec.
-
-    calculate("12,345 * 678")   -> "8369910"
-    calculate("7 / 2")          -> "3.5"
-    calculate("2 ** 10 ** 10")  -> "error: exponent too large (at most 64)"
-    calculate("__import__('os')") -> "error: function calls are not allowed"
-
-The text is parsed by Python's `ast` (mode="eval") and the tree is walked by hand;
-allowed are only
-  * numbers: int and float literals (not bool, complex, strings, ...);
-  * binary operators + - * / // % ** and unary + -; parentheses (they are only grouping).
-Before parsing, three spellings models use are normalised: a comma between digit groups
-("12,345" -> "12345"), "×" -> "*", "÷" -> "/", "^" -> "**".
-Everything else returns an error string naming what is not allowed ("error: names are not
-allowed", "error: attributes are not allowed", "error: function calls are not allowed",
-"error: strings are not allowed", ...). Arithmetic is exact (fractions.Fraction; a float
-literal is its exact binary value), except a non-integer power, which is a float.
-Bounds, each checked before the work it guards, so every call is fast:
-  * MAX_CHARS characters of input, MAX_NODES tree nodes, MAX_DIGITS digits per integer
-    literal;
-  * an integer exponent of at most MAX_EXPONENT in size, and a power whose result would
-    pass the magnitude bound is refused before it is computed (2 ** 10 ** 10 is an error
-    at once);
-  * every intermediate and the result: |value| <= 10 ** MAX_RESULT_DIGITS, and its
-    numerator / denominator within MAX_BITS bits.
-The result prints as an integer when it is one, else with 12 significant digits.
-
-`CalculatorEnv` (below) is the tool environment built on it: arithmetic problems for a chat
-model that answers with the help of `<calc>EXPR</calc>` calls (its docstring has the
-format, the chat wrapping and the reward).
+"""`CalculatorEnv`: arithmetic problems for a chat model that answers with the help of
+`<calc>EXPR</calc>` calls to a calculator tool (the class docstring has the format, the chat
+wrapping and the reward). The tool itself is `rl.envs.arithmetic.calculate`, a safe
+arithmetic evaluator (never eval/exec); `find_calls` reads a turn's tool calls and
+`parse_final_answer` its final answer.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import math
-import operator
 import re
-import warnings
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
+from rl.envs.arithmetic import calculate, format_number
 from rl.envs.base import StepResult
 from rl.tasks.base import Prompt, check_count, in_eval_split
 
-MAX_CHARS = 200
-MAX_NODES = 64
-MAX_DIGITS = 30
-MAX_EXPONENT = 64
-MAX_RESULT_DIGITS = 30
-MAX_BITS = 512
-_LIMIT = Fraction(10) ** MAX_RESULT_DIGITS
-
-_NOT_ALLOWED = {  # node type -> what the error names
-    ast.Name: "names", ast.Attribute: "attributes", ast.Call: "function calls",
-    ast.Subscript: "subscripts", ast.Lambda: "lambdas", ast.ListComp: "comprehensions",
-    ast.SetComp: "comprehensions", ast.DictComp: "comprehensions",
-    ast.GeneratorExp: "comprehensions", ast.Compare: "comparisons", ast.BoolOp: "boolean operators",
-    ast.IfExp: "conditional expressions", ast.List: "lists", ast.Tuple: "tuples",
-    ast.Set: "sets", ast.Dict: "dicts", ast.JoinedStr: "strings", ast.Starred: "starred expressions",
-    ast.NamedExpr: "assignments", ast.Await: "await", ast.Yield: "yield", ast.YieldFrom: "yield",
-    ast.Slice: "slices",
-}
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: None}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_DIGIT_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
-
-
-class CalculatorError(ValueError):
-    """Why an expression was refused (the text after "error: ")."""
-
-
-def _check_size(x: Fraction) -> Fraction:
-    if abs(x) > _LIMIT:
-        raise CalculatorError(f"number too large (limit 1e{MAX_RESULT_DIGITS})")
-    if x.numerator.bit_length() > MAX_BITS or x.denominator.bit_length() > MAX_BITS:
-        raise CalculatorError("number too precise (a fraction with too many digits)")
-    return x
-
-
-def _power(base: Fraction, exp: Fraction) -> Fraction:
-    if exp.denominator == 1:
-        e = exp.numerator
-        if abs(e) > MAX_EXPONENT:
-            raise CalculatorError(f"exponent too large (at most {MAX_EXPONENT})")
-        if base == 0 and e < 0:
-            raise CalculatorError("division by zero")
-        # |base ** e| in log10, checked before computing it
-        if base != 0 and abs(e) * abs(math.log10(abs(base.numerator)) - math.log10(base.denominator)) \
-                > MAX_RESULT_DIGITS + 1:
-            raise CalculatorError(f"number too large (limit 1e{MAX_RESULT_DIGITS})")
-        return base ** e
-    if base < 0:
-        raise CalculatorError("a negative number to a fractional power is not a real number")
-    if float(exp) * math.log10(max(float(base), 1e-300)) > MAX_RESULT_DIGITS + 1:
-        raise CalculatorError(f"number too large (limit 1e{MAX_RESULT_DIGITS})")
-    try:
-        return Fraction(float(base) ** float(exp))
-    except (OverflowError, ValueError) as err:
-        raise CalculatorError(f"power failed ({err})") from None
-
-
-def _eval(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.Expression):
-        return _eval(node.body)
-    if isinstance(node, ast.Constant):
-        v = node.value
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            kind = "strings" if isinstance(v, (str, bytes)) else f"{type(v).__name__} constants"
-            raise CalculatorError(f"{kind} are not allowed, only numbers")
-        if isinstance(v, float) and not math.isfinite(v):
-            raise CalculatorError("number too large")
-        return _check_size(Fraction(v))
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        a, b = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow):
-            return _check_size(_power(a, b))
-        if b == 0 and isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
-            raise CalculatorError("division by zero")
-        return _check_size(Fraction(_BINOPS[type(node.op)](a, b)))
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_eval(node.operand))
-    if isinstance(node, (ast.BinOp, ast.UnaryOp)):
-        raise CalculatorError(f"the operator {type(node.op).__name__} is not allowed "
-                              "(only + - * / // % **)")
-    what = _NOT_ALLOWED.get(type(node), type(node).__name__)
-    raise CalculatorError(f"{what} are not allowed, only numbers and + - * / // % ** ( )")
-
-
-def format_number(x: Fraction) -> str:
-    """An integer as its digits; anything else with 12 significant digits."""
-    if x.denominator == 1:
-        return str(x.numerator)
-    return format(float(x), ".12g")
-
-
-def evaluate(expression: str) -> Fraction:
-    """The exact value of an allowed arithmetic expression; CalculatorError otherwise."""
-    if not isinstance(expression, str):
-        raise CalculatorError(f"the expression must be text, got {type(expression).__name__}")
-    text = expression.strip()
-    if not text:
-        raise CalculatorError("empty expression")
-    if len(text) > MAX_CHARS:
-        raise CalculatorError(f"expression too long ({len(text)} characters, at most {MAX_CHARS})")
-    text = _DIGIT_COMMA.sub("", text).replace("×", "*").replace("÷", "/").replace("^", "**")
-    for run in re.findall(r"\d+", text):
-        if len(run) > MAX_DIGITS:
-            raise CalculatorError(f"a number has more than {MAX_DIGITS} digits")
-    try:
-        with warnings.catch_warnings():  # e.g. "invalid escape sequence" in a string literal
-            warnings.simplefilter("ignore")
-            tree = ast.parse(text, mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        raise CalculatorError("not a valid arithmetic expression") from None
-    nodes = sum(1 for n in ast.walk(tree) if not isinstance(n, (ast.operator, ast.unaryop,
-                                                                  ast.expr_context)))
-    if nodes > MAX_NODES + 1:  # + the Expression wrapper
-        raise CalculatorError(f"expression too large ({nodes - 1} nodes, at most {MAX_NODES})")
-    return _eval(tree)
-
-
-def calculate(expression: str) -> str:
-    """The calculator tool: the value as text, or "error: <why>" (never raises on any
-    string input)."""
-    try:
-        return format_number(evaluate(expression))
-    except CalculatorError as err:
-        return f"error: {err}"
-
-
-# ============================================================================ the environment
 SYSTEM_PROMPT = (
     "You are a math assistant with a calculator. To use it, reply with only a calculator call, "
     "for example <calc>1234 * 5678</calc>, and the result comes back in the next message. "
@@ -203,14 +46,14 @@ def find_calls(text: str) -> list[str]:
 
 def parse_final_answer(text: str) -> Fraction | None:
     """The number a final-answer turn gives: its last \\boxed{...}, else its last number
-    (commas between digit groups dropped); None if there is none or it is not a number."""
+    (its commas dropped, as in 12,345); None if there is none or it is not a number."""
     from rl.tasks.reasoning_gym import extract_answer
 
     answer = extract_answer(text, "0")
     if answer is None:
         return None
     try:
-        return Fraction(_DIGIT_COMMA.sub("", answer.strip().rstrip(".")).replace(",", ""))
+        return Fraction(answer.strip().rstrip(".").replace(",", ""))
     except (ValueError, ZeroDivisionError):
         return None
 

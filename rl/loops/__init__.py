@@ -8,6 +8,10 @@
                   metrics) and its reusable pieces
     asynchronous  run_async(...) with the same parameters: producer and learner under a staleness bound η, threaded
                   or deterministic, with APRIL rollouts and exact proximal log-probs
+    async_stages  run_async's stages in order (split_devices, prepare, start, take_batch,
+                  build_train_batch, update_learner, record_step, evaluate_and_save, the
+                  fault and shutdown paths) and AsyncRun, the state they share
+    side_files    the files beside each async checkpoint: the param ring, APRIL's state
     producer      the asynchronous loop's rollout thread and APRIL source
     buffer        TrajectoryBuffer: scored groups between producer and learner (AReaL's
                   admission rule, staleness policies)

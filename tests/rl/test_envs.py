@@ -19,7 +19,8 @@ from rl.envs import (
     make_env,
     parse_env_spec,
 )
-from rl.envs.calculator import evaluate, find_calls
+from rl.envs.arithmetic import evaluate
+from rl.envs.calculator import find_calls, parse_final_answer
 from rl.envs.guess_number import (
     consistent_random_expected_score,
     optimal_expected_score,
@@ -122,6 +123,18 @@ def test_find_calls():
     assert find_calls("ok <calc>1 + 2</calc> and <calc> 3*4 </calc>") == ["1 + 2", "3*4"]
     assert find_calls("let me compute <calc>12 * 34") == ["12 * 34"]
     assert find_calls("the answer is 5") == []
+
+
+@pytest.mark.parametrize("text, want", [
+    ("The answer is \\boxed{12,345}.", Fraction(12345)),  # digit-group commas dropped
+    ("so it is 1,234,567.", Fraction(1234567)),  # no box: the last number
+    ("first 7 then \\boxed{-42}", Fraction(-42)),
+    ("\\boxed{3.5}", Fraction(7, 2)),
+    ("no number here", None),
+    ("\\boxed{x}", None),
+])
+def test_parse_final_answer(text, want):
+    assert parse_final_answer(text) == want
 
 # ----------------------------------------------------------------------------- guess number
 
