@@ -1,0 +1,1 @@
+"""Benchmarks: speed and memory measurements; results go to experiments/results/."""

@@ -1,0 +1,1 @@
+"""Pieces of experiments.bench.accelerator: the budgeted process runner and the parts."""
