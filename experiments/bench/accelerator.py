@@ -175,8 +175,10 @@ def plan_tasks(parts, sz, platform: str, memory: int | None, smoke: bool, peak,
     if "tune" in parts:
         n, p, r = sz["tune_shape"]
         for dtype, head_dim in sz["tune_dims"]:
-            for launch in ("fwd_resp", "dq_resp", "dkdv_prompt", "fwd_prompt", "dkdv_resp",
-                           "dq_prompt"):
+            launches = (("dkdv_prompt",) if smoke else
+                        ("fwd_resp", "dq_resp", "dkdv_prompt", "fwd_prompt", "dkdv_resp",
+                         "dq_prompt"))
+            for launch in launches:
                 tasks.append(_task("tune", f"triton {launch} {dtype} d={head_dim}",
                                    f"{TP}:tune_triton", 120 if gpu else 300, launch=launch, n=n,
                                    p=p, r=r, heads=h, kv_heads=kvh, head_dim=head_dim,
@@ -272,6 +274,10 @@ def main(argv=None) -> dict:
     probe_rows = run_task({"part": "probe", "item": "device", "fn": f"{KP}:probe"}, 120, env)
     probe = probe_rows[0] if probe_rows and probe_rows[0].get("status") == "ok" else {}
     if not probe:
+        if args.jsonl:
+            failed = RowLog(args.jsonl)
+            for row in probe_rows:
+                failed.add(row)
         sys.exit(f"bench accelerator: the device probe failed: {probe_rows}")
     platform = probe["platform"]
     only_cpu_parts = all(p in CPU_PARTS for p in args.parts)

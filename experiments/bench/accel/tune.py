@@ -33,9 +33,10 @@ def candidates(launch: str, head_dim: int, dtype: str, smoke: bool = False) -> l
     from kernels.shared_prefix_attention.tuned import default_block_sizes
     default = default_block_sizes(jnp.dtype(dtype), head_dim).launch(launch)
     default = fit_launch(launch, default, head_dim, dtype)
-    tiles, warps, stages = ((8, 16), (4,), (1, 2)) if smoke else (TILES, WARPS, STAGES)
+    default = LaunchConfig(default.block_q, default.block_k, default.warps, default.num_stages)
+    grid = ((8, 16), (16,), (4,), (2,)) if smoke else (TILES, TILES, WARPS, STAGES)
     out = [default]
-    for bq, bk, w, s in itertools.product(tiles, tiles, warps, stages):
+    for bq, bk, w, s in itertools.product(*grid):
         cfg = LaunchConfig(bq, bk, w, s)
         if cfg not in out and fit_launch(launch, cfg, head_dim, dtype) == cfg:
             out.append(cfg)
