@@ -130,7 +130,8 @@ def plan_tasks(parts, sz, platform: str, memory: int | None, smoke: bool, peak,
             for impl in first:
                 dualkv_task(shape, impl)
     if "correctness" in parts:
-        impls = ([[None, False], ["split_cudnn", False], ["pallas_triton", False],
+        impls = ([[None, False], ["split_cudnn", False],
+                  ["split_cudnn", False, {"joint_prompt": True}], ["pallas_triton", False],
                   ["split_xla", False]] if gpu else
                  [["pallas_triton", True], ["pallas_mosaic", True], ["split_xla", None]]
                  if cpu else [[None, False], ["split_xla", False]])

@@ -5,14 +5,16 @@ from kernels.dispatch import dispatch
 from kernels.shared_prefix_attention.config import BlockSizes
 from kernels.shared_prefix_attention.cudnn import CUDNN_FLASH, cudnn_supports
 from kernels.shared_prefix_attention.flash_xla import XLA_FLASH
-from kernels.shared_prefix_attention.inputs import (
-    check_dims, normalize_lengths, normalize_scale)
+from kernels.shared_prefix_attention.inputs import check_dims, normalize_lengths, normalize_scale
 from kernels.shared_prefix_attention.mosaic import shared_prefix_attention_mosaic
 from kernels.shared_prefix_attention.pallas import shared_prefix_attention_pallas
 from kernels.shared_prefix_attention.reference import shared_prefix_attention_reference
 from kernels.shared_prefix_attention.split import SplitOptions, shared_prefix_attention_split
 from kernels.shared_prefix_attention.tuned import (
-    choose_block_sizes, choose_split_options, local_gpu_kind)
+    choose_block_sizes,
+    choose_split_options,
+    local_gpu_kind,
+)
 from kernels.shared_prefix_attention.xla import shared_prefix_attention_xla
 
 SPLIT_IMPLS = ("split_xla", "split_cudnn")

@@ -139,7 +139,9 @@ def _split_core_bwd(backend, opts, scale, res, cts):
         qr.reshape(g * n, r, h, d), kr.reshape(g * n, r, kvh, d),
         vr.reshape(g * n, r, kvh, d), None, o_r.reshape(g * n, r, h, d), lse_o,
         do_r.reshape(g * n, r, h, d), causal=True, scale=scale)
-    dqr = dqx.reshape(g, n, r, h, d).astype(f32) + dqo.reshape(g, n, r, h, d).astype(f32)
+    # a group with an empty prompt has no cross part: drop whatever its kernel returned
+    dqx = jnp.where((plen > 0)[:, None, None, None], dqx.astype(f32), 0.0)
+    dqr = dqx.reshape(g, n, r, h, d) + dqo.reshape(g, n, r, h, d).astype(f32)
 
     def clean(x, valid, like):  # exact zeros at padding (also drops whatever a kernel
         return jnp.where(valid, x, 0.0).astype(like.dtype)  # left in rows that saw no key)

@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.shared_prefix_attention.config import LAUNCHES, BlockSizes, LaunchConfig
-from kernels.shared_prefix_attention.smem import (
-    HOPPER_SMEM_BYTES, fit_block_sizes, padded_head_dim)
+from kernels.shared_prefix_attention.smem import HOPPER_SMEM_BYTES, fit_block_sizes, padded_head_dim
 from kernels.shared_prefix_attention.split import SplitOptions
 
 TUNED_DIR = Path(__file__).parent / "tuned"

@@ -7,19 +7,23 @@ checked at lowering) and dtypes fail here. With impl=None the kernel must follow
 platform LOWERED FOR (kernels.dispatch), not jax.default_backend() (cpu here): the cuda
 module holds exactly the Triton kernels (or, for shared-prefix attention in bf16 at head dims
 cuDNN takes, exactly the cuDNN calls of the split design), the tpu module exactly the
-Mosaic ones, and the cpu module neither. Shapes: ragged lengths are runtime inputs; the static sizes include
-non-power-of-two P, R, N, heads and GQA ratios, in bf16 (and one fp32).
+Mosaic ones, and the cpu module neither. Shapes: ragged lengths are runtime inputs; the
+static sizes include non-power-of-two P, R, N, heads and GQA ratios, in bf16 (and fp32).
 """
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-import re
-
 from kernels.dispatch import (
-    MOSAIC_CUSTOM_CALL, TRITON_CUSTOM_CALL, lowered_kernels, lowered_triton_launches)
+    MOSAIC_CUSTOM_CALL,
+    TRITON_CUSTOM_CALL,
+    lowered_kernels,
+    lowered_triton_launches,
+)
 from kernels.segment_decode import segment_decode_attention
 from kernels.shared_prefix_attention import SplitOptions, shared_prefix_attention
 from kernels.shared_prefix_attention.cudnn import CUDNN_CUSTOM_CALLS

@@ -1,4 +1,4 @@
-"""Shared-prefix attention: reference vs a float64 loop, xla/split_xla/pallas vs reference (fwd+vjp)."""
+"""Shared-prefix attention: reference vs a float64 loop; xla, split_xla, pallas vs reference."""
 from __future__ import annotations
 
 import dataclasses

@@ -12,12 +12,24 @@ import numpy as np
 import pytest
 
 from kernels.shared_prefix_attention import (
-    BlockSizes, LaunchConfig, SplitOptions, shared_prefix_attention)
+    BlockSizes,
+    LaunchConfig,
+    SplitOptions,
+    shared_prefix_attention,
+)
 from kernels.shared_prefix_attention.config import LAUNCHES, default_num_warps
 from kernels.shared_prefix_attention.smem import (
-    HOPPER_SMEM_BYTES, fit_block_sizes, launch_fits, launch_shared_memory)
+    HOPPER_SMEM_BYTES,
+    fit_block_sizes,
+    launch_fits,
+    launch_shared_memory,
+)
 from kernels.shared_prefix_attention.tuned import (
-    choose_block_sizes, choose_split_options, device_file_name, tuned_entry)
+    choose_block_sizes,
+    choose_split_options,
+    device_file_name,
+    tuned_entry,
+)
 
 DTYPES = (jnp.bfloat16, jnp.float32)
 HEAD_DIMS = (64, 128, 256)
@@ -180,3 +192,13 @@ def test_per_launch_tiles_match_the_reference_in_interpret_mode():
         {"xla_backend_optimization_level": 0})(qkv, cts)
     for w, x in zip(want, got):
         np.testing.assert_allclose(np.asarray(x), np.asarray(w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_every_head_dim_up_to_256_gets_configs_that_fit(dtype):
+    """fp32 (and bf16) at every head dim <= 256: the Triton fallback has a config for each
+    launch within Hopper's shared memory, so no call is refused for its head dim."""
+    for head_dim in range(1, 257):
+        chosen = choose_block_sizes(dtype, head_dim)
+        for name in LAUNCHES:
+            assert launch_fits(name, chosen.launch(name), head_dim, dtype), (head_dim, name)

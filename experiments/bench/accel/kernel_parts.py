@@ -5,6 +5,7 @@ decode. Every function takes `emit` (writes one row) and JSON-able keyword argum
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.segment_decode import segment_decode_attention
-from kernels.shared_prefix_attention import shared_prefix_attention
+from kernels.shared_prefix_attention import SplitOptions, shared_prefix_attention
 
 
 def _rand(key, shape, dtype):
@@ -75,7 +76,8 @@ def _spa_inputs(g, n, p, r, h, kvh, d, dtype, seed=1):
 def correctness(emit, *, dtype: str, head_dims: list, heads: int, kv_heads: int,
                 impls: list, shape: list, tol: float) -> None:
     """Each impl's shared-prefix fwd+vjp and the platform's segment decode against the
-    references, at ragged lengths; one row per (kernel, impl, head_dim)."""
+    references, at ragged lengths; one row per (kernel, impl, head_dim). `impls` holds
+    [impl, interpret] or [impl, interpret, SplitOptions fields]."""
     from kernels.shared_prefix_attention.cudnn import cudnn_supports
     g, n, p, r = shape
     plen = jnp.array([p, max(1, p // 8)], jnp.int32)[:g]
@@ -83,11 +85,13 @@ def correctness(emit, *, dtype: str, head_dims: list, heads: int, kv_heads: int,
     for d in head_dims:
         qkv, cts = _spa_inputs(g, n, p, r, heads, kv_heads, d, dtype)
 
-        def spa(impl, interpret):
+        def spa(impl, interpret, options=None):
+            opts = None if options is None else SplitOptions(**options)
+
             def fwd_vjp(*a):
                 out, vjp = jax.vjp(lambda *x: shared_prefix_attention(
                     *x, prompt_lengths=plen, resp_lengths=rlen, impl=impl,
-                    interpret=interpret), *a)
+                    interpret=interpret, split_options=opts), *a)
                 return out, vjp(cts)
             return jax.jit(fwd_vjp)(*qkv)
 
@@ -98,13 +102,16 @@ def correctness(emit, *, dtype: str, head_dims: list, heads: int, kv_heads: int,
 
         want = {"shared_prefix fwd+vjp": spa("reference", None),
                 "segment_decode": dec("reference", None)}
-        for impl, interpret in impls:
-            kernels = [("shared_prefix fwd+vjp", spa)]
+        for impl, interpret, *options in impls:
+            options = options[0] if options else None
+            kernels = [("shared_prefix fwd+vjp", functools.partial(spa, options=options))]
             if impl in (None, "pallas", "pallas_triton", "pallas_mosaic", "xla"):
                 kernels.append(("segment_decode", dec))
             for kernel, run in kernels:
                 row = {"kernel": kernel, "impl": impl or "default", "dtype": dtype,
                        "head_dim": d, "tol": tol}
+                if options:
+                    row["split_options"] = options
                 if impl == "split_cudnn" and not cudnn_supports(dtype, d):
                     emit({**row, "status": "skipped", "ok": None,
                           "reason": f"cuDNN takes bf16/fp16 at head dims it supports, not "

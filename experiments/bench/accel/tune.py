@@ -84,13 +84,15 @@ def tune_triton(emit, *, launch: str, n: int, p: int, r: int, heads: int, kv_hea
 
 
 def tune_split(emit, *, impl: str, n: int, p: int, r: int, heads: int, kv_heads: int,
-               head_dim: int, dtype: str, seconds: float) -> None:
-    """Time the split design's options (joint prompt call or two calls)."""
+               head_dim: int, dtype: str, seconds: float, tol: float = 6e-2) -> None:
+    """Time the split design's options (joint prompt call or two calls), each checked
+    against the default option's output."""
     import jax
 
-    from experiments.bench.accel.kernel_parts import compile_and_time
+    from experiments.bench.accel.kernel_parts import compile_and_time, max_rel_err
     from kernels.shared_prefix_attention import SplitOptions, shared_prefix_attention
     qkv, cts = _inputs(n, p, r, heads, kv_heads, head_dim, dtype)
+    want = None
     for joint in (False, True):
         opts = SplitOptions(joint_prompt=joint)
 
@@ -103,7 +105,12 @@ def tune_split(emit, *, impl: str, n: int, p: int, r: int, heads: int, kv_heads:
                "N": n, "P": p, "R": r, "config": {"joint_prompt": joint},
                "is_default": not joint}
         try:
-            emit({**row, "status": "ok", **compile_and_time(fwd_bwd, tuple(qkv), seconds)})
+            timing = compile_and_time(fwd_bwd, tuple(qkv), seconds)
+            got = jax.jit(fwd_bwd)(*qkv)
+            want = got if want is None else want
+            err = max_rel_err(got, want)
+            emit({**row, "status": "ok", **timing, "max_rel_err_vs_default": err,
+                  "ok": err <= tol})
         except Exception as e:  # noqa: BLE001
             emit({**row, "status": "error", "error": f"{type(e).__name__}: {str(e)[:400]}"})
 
