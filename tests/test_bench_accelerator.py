@@ -212,16 +212,20 @@ def test_refuses_on_cpu_without_smoke():
 @pytest.mark.slow  # every part in its own process on 2 cores (kernels interpreted): minutes
 def test_smoke_runs_every_part_without_optional_packages(tmp_path):
     out = tmp_path / "acc.json"
+    before = {name: (ROOT / "experiments" / "results" / name).read_bytes()
+              for name in ("bench_spa_kernel.json", "bench_segment_decode_kernel.json")}
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.bench.accelerator", "--smoke", "--budget", "1500",
-         "--parts", *accelerator.DEFAULT_PARTS, "tune", "--out", str(out),
+         "--parts", *accelerator.DEFAULT_PARTS, "tune", *accelerator.CPU_PARTS,
+         "--out", str(out),
          "--tuned-dir", str(tmp_path / "tuned")],
         env=_blocked_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = json.loads(out.read_text())
     lines = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
     assert lines == saved["rows"] and saved["complete"] and saved["smoke"] is True
-    assert {r["part"] for r in saved["rows"]} == {"probe", *accelerator.DEFAULT_PARTS, "tune"}
+    assert {r["part"] for r in saved["rows"]} == {"probe", *accelerator.DEFAULT_PARTS, "tune",
+                                                  *accelerator.CPU_PARTS}
     assert not [r for r in saved["rows"] if r.get("status") not in ("ok", "skipped")]
     correct = saved["correctness"]
     assert {(r["kernel"], r["impl"], r["dtype"]) for r in correct} == {
@@ -237,6 +241,10 @@ def test_smoke_runs_every_part_without_optional_packages(tmp_path):
     assert saved["decode"][0]["max_rel_err"] < 0.05   # segment decode == replicated (bf16)
     assert saved["sampler"][0]["tokens"] == 2 * 2 * 5   # groups x samples x new tokens
     assert {r["packed"] for r in saved["train"]} == {True, False}
+    # the CPU micro-benchmarks ran (tiny shapes) and, in --smoke, left their old files alone
+    assert saved["spa_kernel"][0]["ms"]["xla"] > 0 and saved["decode_kernel"][0]["xla_ms"] > 0
+    assert all((ROOT / "experiments" / "results" / name).read_bytes() == before[name]
+               for name in before)
     tuned = [r for r in saved["tune"] if r["item"] != "table"]
     assert {r["kind"] for r in tuned} == {"triton", "split"}
     assert all(r["ok"] for r in tuned if r["kind"] == "triton")
