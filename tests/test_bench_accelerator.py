@@ -1,35 +1,250 @@
-"""experiments.bench_accelerator on this CPU: it refuses without an accelerator, and its
---smoke run (tiny shapes, both Pallas kernel families in interpret mode, the tiny model)
-passes its own correctness checks against the references and writes a complete JSON."""
+"""experiments.bench.accelerator on this CPU: the budgeted process runner (a hanging, a
+crashing and a raising task each become a row, rows written before a failure survive, a
+spent budget skips), the plan (cuDNN on copies first, baselines too big for the device
+skipped), the tuned table written from sweep rows and read back by the dispatcher, the
+import path without the optional packages, and the whole --smoke run (tiny shapes, Pallas
+in interpret mode) with its parts' rows and headline."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
-from experiments import bench_accelerator
+from experiments.bench import accelerator
+from experiments.bench.accelerator import runner, tune
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONAL = ("wandb", "gguf", "reasoning_gym", "math_verify")
+FAKE = "tests.test_bench_accelerator"
+
+
+# ----------------------------------------------------------------------------- fake tasks
+def fake_rows_then_hang(emit, *, rows):
+    for i in range(rows):
+        emit({"status": "ok", "i": i})
+    time.sleep(600)
+
+
+def fake_rows_then_crash(emit):
+    emit({"status": "ok", "i": 0})
+    os._exit(3)
+
+
+def fake_raises(emit):
+    emit({"status": "ok", "i": 0})
+    raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded")
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_runner_turns_hang_crash_and_exception_into_rows(tmp_path):
+    log = runner.RowLog(tmp_path / "rows.jsonl")
+    tasks = [
+        {"part": "p", "item": "hang", "fn": f"{FAKE}:fake_rows_then_hang", "args": {"rows": 2},
+         "cap_s": 6},
+        {"part": "p", "item": "crash", "fn": f"{FAKE}:fake_rows_then_crash", "cap_s": 60},
+        {"part": "p", "item": "raise", "fn": f"{FAKE}:fake_raises", "cap_s": 60},
+    ]
+    t0 = time.perf_counter()
+    runner.run_tasks(tasks, budget_s=120, log=log, env=_env())
+    assert time.perf_counter() - t0 < 100          # the hanging task was killed at its cap
+    rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert rows == log.rows
+    by_item = {}
+    for row in rows:
+        by_item.setdefault(row["item"], []).append(row)
+    hang = by_item["hang"]
+    assert [r["status"] for r in hang] == ["ok", "ok", "timeout"]
+    assert "killed at its time limit of 6 s after 2 row(s)" in hang[-1]["error"]
+    crash = by_item["crash"]
+    assert [r["status"] for r in crash] == ["ok", "error"]
+    assert "process ended with exit 3 after 1 row(s)" in crash[-1]["error"]
+    raised = by_item["raise"]
+    assert [r["status"] for r in raised] == ["ok", "error"]
+    assert raised[-1]["error"].startswith("RuntimeError: RESOURCE_EXHAUSTED")
+
+
+def test_runner_skips_tasks_once_the_budget_is_spent(tmp_path):
+    log = runner.RowLog(None)
+    runner.run_tasks([{"part": "p", "item": "late", "fn": f"{FAKE}:fake_raises"}], budget_s=1.0,
+                     log=log)
+    assert log.rows == [{"part": "p", "item": "late", "status": "skipped",
+                         "reason": "budget of 1 s spent"}]
+
+
+def _plan(parts, platform="gpu", memory=80 * 2**30, smoke=False):
+    sz = accelerator.SMOKE if smoke else accelerator.FULL
+    return accelerator.plan_tasks(parts, sz, platform, memory, smoke, 989.0, legacy=False)
+
+
+def test_plan_runs_cudnn_on_copies_first_and_skips_what_cannot_fit():
+    tasks, skipped = _plan(list(accelerator.DEFAULT_PARTS))
+    items = [t["item"] for t in tasks]
+    assert items[:4] == ["copies_cudnn 16,4096,1024", "default 16,4096,1024",
+                         "copies_cudnn 8,2048,512", "default 8,2048,512"]
+    assert all(t["part"] != "tune" for t in tasks)
+    # XLA on 16 copies of 5120 tokens x 32 heads needs far more than 80 GiB
+    assert [s["item"] for s in skipped] == ["copies_xla 16,4096,1024"]
+    assert "exceeds 90% of the device's 80 GiB" in skipped[0]["reason"]
+    assert "copies_xla 8,2048,512" in items
+    assert all(t["cap_s"] > 0 and t["fn"].count(":") == 1 for t in tasks)
+    tune_tasks, _ = _plan(["tune"])
+    assert len(tune_tasks) == 2 * 6 + 1     # two (dtype, head_dim) x six launches + split
+    cpu_tasks, _ = _plan(["dualkv"], platform="cpu", memory=None, smoke=True)
+    assert [t["item"] for t in cpu_tasks][:2] == ["copies_xla 3,40,17", "split_xla 3,40,17"]
+
+
+def test_memory_estimate_of_the_copies_baselines():
+    # XLA materialises 16 x 32 x 5120^2 fp32 scores (and three companions): ~200 GiB;
+    # cuDNN only the bf16 q/k/v/o/dO/dq/dk/dv of the copies: ~3 GiB
+    shape = (16, 4096, 1024, 32, 8, 128)
+    assert accelerator.copies_memory_bytes("copies_xla", *shape) > 150 * 2**30
+    assert 2**30 < accelerator.copies_memory_bytes("copies_cudnn", *shape) < 4 * 2**30
+
+
+def test_headline_is_ours_over_cudnn_on_copies_at_the_headline_shape():
+    rows = [{"part": "dualkv", "status": "ok", "N": 16, "P": 4096, "R": 1024,
+             "impl": "copies_cudnn", "ms": 23.6},
+            {"part": "dualkv", "status": "ok", "N": 16, "P": 4096, "R": 1024,
+             "impl": "default", "ms": 11.8},
+            {"part": "dualkv", "status": "ok", "N": 8, "P": 2048, "R": 512,
+             "impl": "default", "ms": 1.0}]
+    head = accelerator.headline(rows, "H100", smoke=False)
+    assert head["value"] == 2.0 and head["target"] == 2.0 and head["machine"] == "H100"
+    assert accelerator.headline(rows[1:], "H100", smoke=False)["value"] == 0.0
+
+
+def test_tuned_table_from_sweep_rows_is_read_back_by_the_dispatcher(tmp_path):
+    import jax.numpy as jnp
+
+    from kernels.shared_prefix_attention import BlockSizes, LaunchConfig, SplitOptions
+    from kernels.shared_prefix_attention.smem import launch_fits
+    from kernels.shared_prefix_attention.tuned import choose_block_sizes, choose_split_options
+
+    def row(launch, cfg, ms, default=False, ok=True, kind="triton"):
+        return {"part": "tune", "status": "ok", "kind": kind, "launch": launch,
+                "dtype": "float32", "head_dim": 128, "N": 8, "P": 2048, "R": 512,
+                "config": cfg, "ms": ms, "is_default": default, "ok": ok}
+
+    fast = {"block_q": 64, "block_k": 32, "num_warps": 4, "num_stages": 3}
+    wrong = {"block_q": 128, "block_k": 32, "num_warps": 8, "num_stages": 2}
+    base = {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2}
+    rows = [row("dq_resp", base, 10.0, default=True), row("dq_resp", fast, 8.0),
+            row("dq_resp", wrong, 5.0, ok=False),            # fastest but wrong: dropped
+            row("fwd_resp", base, 10.0, default=True),
+            row("fwd_resp", fast, 9.9),                      # 1% faster: not worth a change
+            row(None, {"joint_prompt": False}, 3.0, default=True, kind="split"),
+            row(None, {"joint_prompt": True}, 2.5, kind="split")]
+    table = tune.best_table(rows, "NVIDIA H100 80GB HBM3", "0.11.2")
+    path = tune.write_table(table, tmp_path)
+    assert path.name == "nvidia_h100_80gb_hbm3.json"
+    kind = "NVIDIA H100 80GB HBM3"
+    chosen = choose_block_sizes(jnp.float32, 128, device_kind=kind, directory=tmp_path)
+    assert chosen.launch("dq_resp") == LaunchConfig(**fast)
+    assert chosen.launch("fwd_resp") == choose_block_sizes(jnp.float32, 128).launch("fwd_resp")
+    assert choose_split_options(jnp.float32, 128, device_kind=kind,
+                                directory=tmp_path) == SplitOptions(joint_prompt=True)
+    assert tune.best_table(rows[3:5], kind, "0.11.2") is None
+    # every candidate of the sweep fits the chip as it is (nothing for the fit to shrink)
+    defaults = {"fwd_resp": {**base, "block_q": 128},   # 128x128 shrunk to 128x64 for fp32
+                "dkdv_prompt": base}
+    for launch, default in defaults.items():
+        cands = tune.candidates(launch, 128, "float32")
+        assert cands[0] == default
+        assert len(cands) > 10
+        assert len({json.dumps(c, sort_keys=True) for c in cands}) == len(cands)
+        for cfg in cands:
+            assert launch_fits(launch, LaunchConfig(**cfg), 128, jnp.float32)
+    assert isinstance(chosen, BlockSizes)
+
+
+def _blocker(tmp_path) -> Path:
+    """A sitecustomize.py making the optional packages unimportable in every process that
+    has its folder on PYTHONPATH (the bench's task processes inherit it)."""
+    folder = tmp_path / "block"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import importlib.abc, sys
+        class _Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in {OPTIONAL!r}:
+                    raise ImportError("blocked for the test: " + name)
+        sys.meta_path.insert(0, _Block())
+    """))
+    return folder
+
+
+def _blocked_env(tmp_path):
+    return {**os.environ, "PYTHONPATH": f"{_blocker(tmp_path)}{os.pathsep}{ROOT}"}
+
+
+def test_import_path_needs_none_of_the_optional_packages(tmp_path):
+    """The modules the check imports (and those its parts import lazily) import without
+    wandb, gguf, reasoning-gym or math-verify, as on the stock GPU image."""
+    modules = ["experiments.bench.accelerator", "experiments.bench.accelerator.kernel_parts",
+               "experiments.bench.accelerator.model_parts", "experiments.bench.accelerator.tune",
+               "experiments.bench.accelerator.micro", "experiments.common.benchmarking", "rl.rollout",
+               "rl.learner", "rl.trajectory", "models.config", "models.decoder",
+               "models.attention", "kernels.shared_prefix_attention.cudnn"]
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            f"assert not any(m.split('.')[0] in {OPTIONAL!r} for m in sys.modules)\n"
+            "try:\n    import wandb\nexcept ImportError:\n    print('blocked')\n")
+    out = subprocess.run([sys.executable, "-c", code], env=_blocked_env(tmp_path), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "blocked"
 
 
 def test_refuses_on_cpu_without_smoke():
     with pytest.raises(SystemExit, match="no accelerator here"):
-        bench_accelerator.main(["--parts", "decode"])
+        accelerator.main(["--parts", "decode", "--budget", "5"])
 
 
-@pytest.mark.slow  # ~40 s on 2 cores: every part compiles (kernels interpreted, tiny model)
-def test_smoke_runs_every_part(tmp_path):
+@pytest.mark.slow  # every part in its own process on 2 cores (kernels interpreted): minutes
+def test_smoke_runs_every_part_without_optional_packages(tmp_path):
     out = tmp_path / "acc.json"
-    result = bench_accelerator.main(["--smoke", "--out", str(out)])
+    before = {name: (ROOT / "experiments" / "results" / name).read_bytes()
+              for name in ("bench_spa_kernel.json", "bench_segment_decode_kernel.json")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench.accelerator", "--smoke", "--budget", "1500",
+         "--parts", *accelerator.DEFAULT_PARTS, "tune", *accelerator.CPU_PARTS,
+         "--out", str(out),
+         "--tuned-dir", str(tmp_path / "tuned")],
+        env=_blocked_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = json.loads(out.read_text())
-    assert saved["headline"]["target"] == 1.65 and saved["smoke"] is True
-    rows = saved["correctness"]
-    assert {(r["kernel"], r["impl"], r["dtype"]) for r in rows} == {
-        (k, i, d) for k in ("shared_prefix fwd+vjp", "segment_decode")
-        for i in ("pallas_triton", "pallas_mosaic") for d in ("float32", "bfloat16")}
-    assert all(r["ok"] for r in rows), rows
-    assert all(r["max_rel_err"] < 1e-4 for r in rows if r["dtype"] == "float32")
-    dualkv, decode = saved["dualkv"][0], saved["decode"][0]
-    assert dualkv["ms"]["dualkv"] > 0 and "copies_xla" in dualkv["ms"]
-    assert decode["max_abs_diff"] < 0.05   # segment decode == replicated cache (bf16)
+    lines = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert lines == saved["rows"] and saved["complete"] and saved["smoke"] is True
+    assert {r["part"] for r in saved["rows"]} == {"probe", *accelerator.DEFAULT_PARTS, "tune",
+                                                  *accelerator.CPU_PARTS}
+    assert not [r for r in saved["rows"] if r.get("status") not in ("ok", "skipped")]
+    correct = saved["correctness"]
+    assert {(r["kernel"], r["impl"], r["dtype"]) for r in correct} == {
+        *((k, i, d) for k in ("shared_prefix fwd+vjp", "segment_decode")
+          for i in ("pallas_triton", "pallas_mosaic") for d in ("float32", "bfloat16")),
+        *(("shared_prefix fwd+vjp", "split_xla", d) for d in ("float32", "bfloat16"))}
+    assert all(r["ok"] for r in correct), correct
+    assert all(r["max_rel_err"] < 1e-4 for r in correct if r["dtype"] == "float32")
+    dual = {r["impl"]: r for r in saved["dualkv"]}
+    assert set(dual) == {"copies_xla", "split_xla", "pallas_triton"}
+    assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in dual.values())
+    assert saved["headline"]["value"] > 0 and saved["headline"]["target"] == 2.0
+    assert saved["decode"][0]["max_rel_err"] < 0.05   # segment decode == replicated (bf16)
     assert saved["sampler"][0]["tokens"] == 2 * 2 * 5   # groups x samples x new tokens
-    assert saved["train"][0]["tokens_per_s"] > 0 and saved["train"][0]["mfu"] is None
-    assert result["headline"] == saved["headline"]
+    assert {r["packed"] for r in saved["train"]} == {True, False}
+    # the CPU micro-benchmarks ran (tiny shapes) and, in --smoke, left their old files alone
+    assert saved["spa_kernel"][0]["ms"]["xla"] > 0 and saved["decode_kernel"][0]["xla_ms"] > 0
+    assert all((ROOT / "experiments" / "results" / name).read_bytes() == before[name]
+               for name in before)
+    tuned = [r for r in saved["tune"] if r["item"] != "table"]
+    assert {r["kind"] for r in tuned} == {"triton", "split"}
+    assert all(r["ok"] for r in tuned if r["kind"] == "triton")

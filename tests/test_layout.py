@@ -147,9 +147,19 @@ def layer(module: str) -> str:
 
 
 def is_script(module: str, path: Path) -> bool:
-    """A module of experiments/ outside experiments/common/ (package __init__s aside)."""
-    return (module.split(".")[0] == "experiments" and layer(module) != "experiments.common"
-            and path.name != "__init__.py")
+    """A module of experiments/ outside experiments/common/ (package __init__s aside, but
+    for a script that is a package of its own, experiments/<room>/<name>/__init__.py)."""
+    if module.split(".")[0] != "experiments" or layer(module) == "experiments.common":
+        return False
+    parts = module.split(".")
+    return path.name != "__init__.py" or (len(parts) == 3 and parts[1] in ROOMS)
+
+
+def script_of(module: str) -> str:
+    """The script a module belongs to: itself, or for the modules of a script package
+    (experiments/<room>/<name>/...: its parts) that package."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) > 3 and parts[1] in ROOMS else module
 
 
 def direction_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -173,7 +183,8 @@ def script_imports(root: Path, packages=PACKAGES) -> list[str]:
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     return [f"{src} imports {t} (a script: move what they share into experiments.common)"
             for src in sorted(graph) if is_script(src, modules[src])
-            for t in sorted(graph[src]) if is_script(t, modules[t])]
+            for t in sorted(graph[src]) if is_script(t, modules[t])
+            and script_of(t) != script_of(src)]  # a script package's own parts
 
 
 def _is_private(name: str) -> bool:
@@ -403,10 +414,17 @@ def test_checker_flags_a_script_importing_a_script(tmp_path):
         "experiments/repro/b.py": "def f():\n    from experiments.repro import a\n",
         "experiments/bench/__init__.py": "",
         "experiments/bench/c.py": "import experiments.train\nimport experiments.bench\n",
+        # a script that is a package: its own parts import each other freely
+        "experiments/bench/pkg/__init__.py": "from experiments.bench.pkg.part import z\n",
+        "experiments/bench/pkg/part.py": "from experiments.bench.pkg.other import w\nz = 1\n",
+        "experiments/bench/pkg/other.py": "w = 1\n",
+        "experiments/bench/d.py": "from experiments.bench.pkg.part import z\n",  # not fine
     })
     assert script_imports(root) == [
         "experiments.bench.c imports experiments.train (a script: move what they share into "
         "experiments.common)",
+        "experiments.bench.d imports experiments.bench.pkg.part (a script: move what they "
+        "share into experiments.common)",
         "experiments.repro.b imports experiments.repro.a (a script: move what they share into "
         "experiments.common)"]
 

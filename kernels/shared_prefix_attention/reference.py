@@ -1,4 +1,6 @@
-"""Naive shared-prefix attention: N copies of [prompt, resp_n], dense causal mask, fp32.
+"""Naive shared-prefix attention: N copies of [prompt, resp_n], dense causal mask.
+
+Computed in float32, or in float64 for float64 inputs (so float64 tests compare exactly).
 
 Obviously correct and slow (it recomputes the prompt N times); the other
 implementations are tested against it. Differentiable by plain autodiff.
@@ -24,14 +26,15 @@ def shared_prefix_attention_reference(
       rows beyond the lengths are zero.
     """
     dtype = q_prompt.dtype
+    acc = jnp.promote_types(dtype, jnp.float32)
     g, n, r, h, _ = q_resp.shape
     p = q_prompt.shape[1]
     rep = h // k_prompt.shape[2]
 
     def naive_batch(prompt, resp):
-        # [G, P, h, D] + [G, N, R, h, D] -> [G, N, P+R, h, D] in fp32, one copy per response
+        # [G, P, h, D] + [G, N, R, h, D] -> [G, N, P+R, h, D] in `acc`, one copy per response
         copies = jnp.broadcast_to(prompt[:, None], (g, n) + prompt.shape[1:])
-        return jnp.concatenate([copies, resp], axis=2).astype(jnp.float32)
+        return jnp.concatenate([copies, resp], axis=2).astype(acc)
 
     q = naive_batch(q_prompt, q_resp)
     # GQA: repeat every kv head for the `rep` query heads that share it

@@ -1,4 +1,4 @@
-"""Shared-prefix attention: reference vs a float64 loop, xla/pallas vs reference (fwd+vjp)."""
+"""Shared-prefix attention: reference vs a float64 loop; xla, split_xla, pallas vs reference."""
 from __future__ import annotations
 
 import dataclasses
@@ -103,7 +103,7 @@ def _check_padding_is_zero(case: Case, res, impl):
                 assert not np.any(x[gi, ni, rlen:]), f"{impl}: {name} nonzero beyond length"
 
 
-def _compare(case: Case, impls=("xla", "pallas")):
+def _compare(case: Case, impls=("xla", "split_xla", "pallas")):
     want, *gots = _fwd_bwd(case, ("reference",) + tuple(impls))
     tol = _TOL[case.dtype]
     _check_padding_is_zero(case, want, "reference")
