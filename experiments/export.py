@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from models.config import ModelConfig
-from rl.run.record import RunDirError, RunPolicy, lora_config, load_run
+from rl.run.record import RunDirError, RunPolicy, load_run, lora_config
 
 HF_PARENT = {"attn": "self_attn", "mlp": "mlp"}
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")

@@ -12,10 +12,11 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from rl.runtime.host import load_average, machine  # noqa: F401  (re-exported for the scripts)
+from rl.runtime.host import load_average, machine
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"  # experiments/results
 

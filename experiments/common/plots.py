@@ -9,9 +9,9 @@ import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from rl.runtime.logging import atomic_write_bytes  # noqa: E402
+from rl.runtime.logging import atomic_write_bytes
 
 
 def save_png(fig, path: str | os.PathLike) -> None:
