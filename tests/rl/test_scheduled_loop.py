@@ -144,8 +144,8 @@ def test_dots_runs_and_resumes_bit_exactly(policy, tmp_path):
     opts = SchedulerOptions("dots", pool_size=6, reference_size=2)
     full = run(config, params, RecordingTask(), cfg(tmp_path / "full", scheduler=opts))
     assert [r["reference_groups"] for r in full.train] == [2, 0, 2]
-    run(config, params, RecordingTask(),
-        cfg(tmp_path / "split", dataclasses.replace(LOOP, steps=1), scheduler=opts))  # stops mid-round
+    one_step = dataclasses.replace(LOOP, steps=1)  # stops mid-round
+    run(config, params, RecordingTask(), cfg(tmp_path / "split", one_step, scheduler=opts))
     resumed = run(config, params, RecordingTask(), cfg(tmp_path / "split", scheduler=opts),
                   resume=True)
     assert same_params(full.state.params, resumed.state.params)
