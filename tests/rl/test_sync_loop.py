@@ -25,10 +25,11 @@ LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=
                            eval_every=0, save_every=0, eval_greedy=False)
 
 
-def cfg(run_dir, loop=LOOP):
-    """The preset with this file's loop, writing into run_dir, no wandb, no progress bar."""
+def cfg(run_dir, loop=LOOP, **sections):
+    """The preset with this loop (and other sections, e.g. asynchronous=), writing into
+    run_dir, no wandb, no progress bar."""
     return dataclasses.replace(PRESET, loop=loop, run_dir=str(run_dir),
-                               logging=LoggingConfig(wandb="disabled", progress=False))
+                               logging=LoggingConfig(wandb="disabled", progress=False), **sections)
 
 
 @pytest.fixture(scope="module")
