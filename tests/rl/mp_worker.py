@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from experiments.common.flags import add_distributed_flags, distributed_from_args  # noqa: E402
-from rl.runtime.distributed import initialize_distributed  # noqa: E402
+from experiments.common.flags import add_distributed_flags, distributed_from_args
+from rl.runtime.distributed import initialize_distributed
 
 STEPS, GROUPS, GROUP, P_MAX, R_MAX = 3, 2, 4, 4, 4
 MESH = "data=1,fsdp=2,tensor=2"

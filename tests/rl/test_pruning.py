@@ -28,8 +28,8 @@ from rl.rollout.pruning import (
     pruned_rows,
     settle_rollouts,
 )
-from rl.run import PRESETS, LoggingConfig, load_policy
 from rl.rollout.sampler_state import SamplingConfig
+from rl.run import PRESETS, LoggingConfig, load_policy
 from rl.tasks import SyntheticTask
 from rl.trajectory import Trajectory
 
