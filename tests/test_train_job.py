@@ -5,14 +5,16 @@ wandb files, and CLI mistakes give clear errors.
 
 Same geometry as tests/rl/test_sync_loop.py (2 groups of 4, 8 eval prompts), so the
 compiled sampler and train step are shared within one pytest process."""
+import dataclasses
 import json
 
 import jax
 import numpy as np
 import pytest
 
-from experiments.train import PRESETS, load_policy, main
+from experiments.common.train_cli import main
 from rl.learner import init_train_state
+from rl.run import PRESETS, load_policy
 from rl.runtime.checkpoint import Checkpointer
 
 SMALL = ["--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "8",
@@ -98,19 +100,22 @@ def test_time_limit_stops_after_the_crossing_step(tmp_path):
 
 
 def test_task_flags(tmp_path, capsys):
-    from experiments.train import parse_task_options, task_override
+    from experiments.common.flags import build_train_parser, parse_task_options, task_overrides
+
+    def task_override(cfg, *argv):
+        return task_overrides(cfg, build_train_parser().parse_args(argv))
 
     assert parse_task_options(["max_terms=2", "operators=('+', '-')", "name=x y", "a.b=0.5"]) == {
         "max_terms": 2, "operators": ("+", "-"), "name": "x y", "a.b": 0.5}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_task_options(["max_terms"])
     rg = PRESETS["smollm2-rg"]
-    other = task_override(rg, "reasoning_gym:leg_counting", ["max_animals=2"])
+    other = task_override(rg, "--task", "reasoning_gym:leg_counting",
+                          "--task-option", "max_animals=2")
     # a new task drops the preset's dataset options but keeps its sampling budget
-    assert dict(other.task_options) == {"max_new_tokens": 48, "max_prompt_len": 128,
-                                        "max_animals": 2}
-    same = task_override(rg, None, ["max_digits=1"])
-    assert dict(same.task_options)["max_digits"] == 1 and same.task == rg.task
+    assert other.task.kwargs == {"max_new_tokens": 48, "max_prompt_len": 128, "max_animals": 2}
+    same = task_override(rg, "--task-option", "max_digits=1")
+    assert same.task.kwargs["max_digits"] == 1 and same.task.spec == rg.task.spec
     with pytest.raises(SystemExit):  # the tiny model has no tokenizer for a text task
         main(["--task", "reasoning_gym:chain_sum", "--run-dir", str(tmp_path / "x"),
               "--wandb", "disabled", *SMALL])
@@ -125,8 +130,10 @@ def test_time_limit_is_refused_by_the_async_loop(tmp_path, capsys):
         main(["--time-limit", "5", "--max-staleness", "1", "--run-dir", str(tmp_path / "a"),
               "--wandb", "disabled", *SMALL])
     assert "synchronous loop" in capsys.readouterr().err
-    from rl.loops import AsyncConfig, LoopConfig, run_async
+    from rl.loops import run_async
+    from rl.run import AsyncConfig
 
-    with pytest.raises(ValueError, match="synchronous loop only"):
-        run_async(None, None, None, None, LoopConfig(time_limit_s=60.0), AsyncConfig(),
-                  tmp_path / "b")
+    cfg = PRESETS["tiny-synthetic"].overrides({"loop.time_limit_s": 60.0,
+                                               "run_dir": str(tmp_path / "b")})
+    with pytest.raises(ValueError, match="time limit .* is for the synchronous loop"):
+        run_async(None, None, None, dataclasses.replace(cfg, asynchronous=AsyncConfig()))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from experiments.train import PRESETS
 from experiments.train_seeds import main
+from rl.run import PRESETS
 
 SMALL = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "8",
          "--eval-every", "0", "--wandb", "disabled"]

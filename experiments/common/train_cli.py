@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python -m experiments.train " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
         prepared = prepare(cfg, resume)
-    except (CheckpointError, ConfigError, RunLockError) as err:
+    except (CheckpointError, RunLockError) as err:
         sys.exit(f"error: {err}")
-    except ValueError as err:  # the model, task or mesh cannot run
+    except ValueError as err:  # the run dir (checkpoints but no --resume), model, task or mesh
         parser.error(str(err))
     try:
         result = prepared.run(command=command.strip())

@@ -3,8 +3,7 @@ against transformers (an independent implementation) loading that directory.
 
 A fake run dir is written exactly as the training loop writes one (TrainState from
 rl.learner.init_train_state with the preset's optimizer, saved by rl.runtime.checkpoint's
-Checkpointer, model.json from experiments.export.model_record as experiments.train writes
-it). Its model is SmolLM2-135M's architecture and tokenizer (the smollm2-rg preset's
+Checkpointer, model.json from rl.run.record.model_record as rl.run.train writes it). Its model is SmolLM2-135M's architecture and tokenizer (the smollm2-rg preset's
 model) shrunk to 2 layers of width 64: the full 135M model made the test take ~50 s on 2
 cores (two 1.6 GB TrainState checkpoints), and its 30 fp32 layers alone differ from
 transformers' by ~1.3e-4, above this test's 1e-4. The checkpoint holds the initial weights
@@ -20,21 +19,18 @@ import pytest
 import torch
 import transformers
 
-from experiments.export import (
-    ExportError,
-    RunPolicy,
-    load_run,
-    load_tokenizer,
-    main,
-    model_config_from_dict,
-    model_config_to_dict,
-    model_record,
-)
-from experiments.train import PRESETS, load_policy
+from experiments.export import main
 from models.assets import load_model
 from models.config import get_config
 from models.decoder import forward, init_params
 from rl.learner import init_train_state
+from rl.run import PRESETS, RunDirError, RunPolicy, TaskSpec, load_policy, load_run
+from rl.run.record import (
+    load_tokenizer,
+    model_config_from_dict,
+    model_config_to_dict,
+    model_record,
+)
 from rl.runtime.checkpoint import Checkpointer
 from rl.runtime.logging import atomic_write_json
 
@@ -56,15 +52,16 @@ def perturb(params, seed: int, scale: float = 0.05):
 
 
 def write_run(run_dir, preset, config, checkpoints: dict, seed: int = 0) -> None:
-    """A run dir as experiments.train leaves it: model.json + orbax TrainState checkpoints
+    """A run dir as rl.run.train leaves it: model.json + orbax TrainState checkpoints
     ({step: params}; the optimizer state is the preset's, as the loop builds it)."""
-    atomic_write_json(run_dir / "model.json", model_record(preset, config, seed))
+    atomic_write_json(run_dir / "model.json", model_record(preset.override("loop.seed", seed),
+                                                           config))
     with Checkpointer(run_dir / "checkpoints", keep=preset.loop.keep_checkpoints) as ck:
         for step, params in checkpoints.items():
             state = init_train_state(params, preset.train, seed)
             state = state.replace(step=jnp.int32(step), version=jnp.int32(step))
             ck.save(step, state, {"data_position": step * preset.loop.prompts_per_step,
-                                  "task": preset.task})
+                                  "task": preset.task.spec})
 
 
 def hf_model(path):
@@ -88,8 +85,9 @@ def smollm2_export(tmp_path_factory):
     """(out_dir, initial params, perturbed params, config, tokenizer) of an exported fake
     smollm2-rg run whose latest checkpoint (step 50) holds the perturbed weights."""
     preset = PRESETS["smollm2-rg"]
-    config = get_config(preset.model, **SMALL_SMOLLM2)  # SmolLM2's vocab and special ids, fp32
-    tok = load_tokenizer({"model": preset.model})  # Tandem's SmolLM2 tokenizer (from the GGUF)
+    # SmolLM2's vocab and special ids, fp32
+    config = get_config(preset.model.name, **SMALL_SMOLLM2)
+    tok = load_tokenizer({"model": preset.model.name})  # Tandem's SmolLM2 tokenizer (from the GGUF)
     params = init_params(config, 0)
     trained = perturb(params, seed=1)
     root = tmp_path_factory.mktemp("export")
@@ -165,7 +163,7 @@ def test_tiny_run_exports_weights_without_tokenizer(tmp_path, capsys):
     policy = load_run(tmp_path / "run", step=1)  # no TrainConfig needed: params only
     assert isinstance(policy, RunPolicy) and policy.step == 1 and policy.tokenizer is None
     assert policy.model_config == config and policy.meta["task"] == "synthetic"
-    assert policy.meta["task_options"] == dict(preset.task_options)
+    assert policy.meta["task_options"] == preset.task.kwargs
     for a, b in zip(jax.tree.leaves(policy.params), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -188,8 +186,9 @@ def test_model_config_json_round_trip():
         config = get_config(name)
         d = model_config_to_dict(config)
         assert model_config_from_dict(json.loads(json.dumps(d))) == config
-    record = model_record(PRESETS["tiny-synthetic"], get_config("tiny"), 3,
-                          task="reasoning_gym:chain_sum", task_options={"size": 2})
+    run = PRESETS["tiny-synthetic"].override("loop.seed", 3)
+    record = model_record(run.override("task", TaskSpec("reasoning_gym:chain_sum", {"size": 2})),
+                          get_config("tiny"))
     assert record["task"] == "reasoning_gym:chain_sum" and record["task_options"] == {"size": 2}
     assert record["seed"] == 3 and record["model"] == "tiny" and record["preset"] == "tiny-synthetic"
     with pytest.raises(ValueError, match="colour"):
@@ -201,7 +200,7 @@ def test_bad_input_gives_clear_errors(tmp_path):
     preset = PRESETS["tiny-synthetic"]
     config = get_config("tiny", vocab_size=16)
     out = ["--out", str(tmp_path / "hf")]
-    with pytest.raises(SystemExit, match="does not exist; pass the --run-dir"):
+    with pytest.raises(SystemExit, match="does not exist; pass the run dir of a run made by rl.run.train"):
         main(["--run-dir", str(tmp_path / "missing"), *out])
 
     run = tmp_path / "run"
@@ -212,12 +211,12 @@ def test_bad_input_gives_clear_errors(tmp_path):
     with pytest.raises(SystemExit, match="not a valid model.json"):
         main(["--run-dir", str(run), *out])
 
-    atomic_write_json(run / "model.json", model_record(preset, config, 0))
+    atomic_write_json(run / "model.json", model_record(preset, config))
     no_ckpt = "run has no checkpoint.*train with --save-every or let it finish"
     with pytest.raises(SystemExit, match=no_ckpt):
         main(["--run-dir", str(run), *out])
     (run / "checkpoints").mkdir()  # a run stopped before its first save
-    with pytest.raises(ExportError, match=no_ckpt):
+    with pytest.raises(RunDirError, match=no_ckpt):
         load_run(run)
 
     write_run(run, preset, config, {3: init_params(config, 0)})
@@ -234,7 +233,7 @@ def test_bad_input_gives_clear_errors(tmp_path):
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
     wrong = get_config("tiny", vocab_size=32)  # model.json that does not match the weights
-    atomic_write_json(run / "model.json", model_record(preset, wrong, 0))
-    with pytest.raises(ExportError, match=r"does not match model.json's model_config: "
+    atomic_write_json(run / "model.json", model_record(preset, wrong))
+    with pytest.raises(RunDirError, match=r"does not match model.json's model_config: "
                        r"\['params'\]\['embed'\]\['embedding'\] has shape \(16, 64\)"):
         load_run(run)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rl.runtime.distributed import add_distributed_flags, initialize_distributed  # noqa: E402
+from experiments.common.flags import add_distributed_flags, distributed_from_args
+from rl.runtime.distributed import initialize_distributed
 
 STEPS, GROUPS, GROUP, P_MAX, R_MAX = 3, 2, 4, 4, 4
 MESH = "data=1,fsdp=2,tensor=2"
@@ -47,7 +48,7 @@ def main():
     parser.add_argument("--check-only", action="store_true")
     add_distributed_flags(parser)
     args = parser.parse_args()
-    multi = initialize_distributed(args)  # before any other JAX call
+    multi = initialize_distributed(distributed_from_args(args))  # before any other JAX call
 
     import jax
     import numpy as np

@@ -14,10 +14,11 @@ import threading
 import jax
 import numpy as np
 import pytest
-from test_sync_loop import LOOP, PRESET, policy  # noqa: F401  (same geometry: shared compilations)
+from test_sync_loop import LOOP, PRESET, cfg, policy  # noqa: F401  (same geometry)
 
 from rl.learner import init_train_state
 from rl.loops import AsyncConfig, build_batch, run, run_async, sample_batch_groups
+from rl.run import RunHooks
 from rl.tasks import SyntheticTask
 
 FAST = {"xla_backend_optimization_level": 0}  # a config of its own: compile it quickly
@@ -40,7 +41,7 @@ class FailingTask(SyntheticTask):
     the counter lives in a list)."""
 
     def __init__(self, fail_at):
-        base = SyntheticTask(**dict(PRESET.task_options))
+        base = SyntheticTask(**PRESET.task.kwargs)
         super().__init__(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
         object.__setattr__(self, "_calls", [0, fail_at])
 
@@ -53,12 +54,11 @@ class FailingTask(SyntheticTask):
 
 def test_eta_zero_equals_the_sync_loop(policy, tmp_path):
     config, params, task = policy
-    sync = run(config, params, task, PRESET.train, LOOP, tmp_path / "sync", progress=False)
+    sync = run(config, params, task, cfg(tmp_path / "sync"))
     for mode, rollout in (("deterministic", "static"), ("threaded", "static"),
                           ("threaded", "continuous")):  # continuous: equal-length responses
-        res = run_async(config, params, task, PRESET.train, LOOP,
-                        AsyncConfig(max_staleness=0, mode=mode, rollout=rollout),
-                        tmp_path / (mode + rollout), progress=False)
+        acfg = AsyncConfig(max_staleness=0, mode=mode, rollout=rollout)
+        res = run_async(config, params, task, cfg(tmp_path / (mode + rollout), asynchronous=acfg))
         for a, b in zip(leaves(sync), leaves(res)):
             np.testing.assert_array_equal(a, b)
         assert [r["reward_mean"] for r in res.train] == [r["reward_mean"] for r in sync.train]
@@ -72,9 +72,9 @@ def test_deterministic_staleness_and_exact_proximal(policy, tmp_path):
     config, params, task = policy
     k = 2
     loop = dataclasses.replace(LOOP, steps=5)
-    res = run_async(config, params, task, PRESET.train, loop,
-                    AsyncConfig(max_staleness=k, mode="deterministic", proximal="exact"),
-                    tmp_path / "r", progress=False, compiler_options=FAST)
+    acfg = AsyncConfig(max_staleness=k, mode="deterministic", proximal="exact")
+    res = run_async(config, params, task, cfg(tmp_path / "r", loop, asynchronous=acfg),
+                    hooks=RunHooks(compiler_options=FAST))
     for v, r in enumerate(res.train):  # record of step v + 1 trained at version v
         want = max(v - k, 0)
         assert r["behaviour_version_min"] == r["behaviour_version_max"] == want
@@ -90,10 +90,9 @@ def test_ewma_proximal_with_beta_zero_is_the_current_policy(policy, tmp_path):
     config, params, task = policy
     # β = 0: θ_prox is the params after the last update = the step's starting params, so
     # the staleness factor π_θ/π_prox is 1 and the whole ratio is the mismatch π_prox/μ.
-    res = run_async(config, params, task, PRESET.train, LOOP,
-                    AsyncConfig(max_staleness=1, mode="deterministic", proximal="ewma",
-                                ewma_beta=0.0),
-                    tmp_path / "r", progress=False, compiler_options=FAST)
+    acfg = AsyncConfig(max_staleness=1, mode="deterministic", proximal="ewma", ewma_beta=0.0)
+    res = run_async(config, params, task, cfg(tmp_path / "r", asynchronous=acfg),
+                    hooks=RunHooks(compiler_options=FAST))
     for r in res.train:
         assert r["staleness_log_ratio_abs_mean"] < 1e-5
         assert r["mismatch_log_ratio_abs_mean"] == pytest.approx(r["total_log_ratio_abs_mean"],
@@ -105,13 +104,12 @@ def test_deterministic_resume_is_exact(policy, tmp_path):
     config, params, task = policy
     acfg = AsyncConfig(max_staleness=1, mode="deterministic")
     loop4 = dataclasses.replace(LOOP, steps=4)
-    straight = run_async(config, params, task, PRESET.train, loop4, acfg, tmp_path / "a",
-                         progress=False)
-    run_async(config, params, task, PRESET.train, dataclasses.replace(LOOP, steps=2), acfg,
-              tmp_path / "b", progress=False)
+    straight = run_async(config, params, task, cfg(tmp_path / "a", loop4, asynchronous=acfg))
+    run_async(config, params, task,
+              cfg(tmp_path / "b", dataclasses.replace(LOOP, steps=2), asynchronous=acfg))
     assert (tmp_path / "b" / "snapshots" / "2.npz").exists()
-    resumed = run_async(config, params, task, PRESET.train, loop4, acfg, tmp_path / "b",
-                        resume=True, progress=False)
+    resumed = run_async(config, params, task, cfg(tmp_path / "b", loop4, asynchronous=acfg),
+                        resume=True)
     for a, b in zip(leaves(straight), leaves(resumed)):
         np.testing.assert_array_equal(a, b)
 
@@ -121,8 +119,8 @@ def test_rollout_thread_error_surfaces_with_a_final_checkpoint(policy, tmp_path)
     task = FailingTask(fail_at=8 + 2 * 8 + 3)  # eval (8 rows), two batches, then fail
     loop = dataclasses.replace(LOOP, steps=50)
     with pytest.raises(RuntimeError, match="rollout thread failed: OSError: verifier") as info:
-        run_async(config, params, task, PRESET.train, loop, AsyncConfig(max_staleness=1),
-                  tmp_path / "r", progress=False)
+        run_async(config, params, task,
+                  cfg(tmp_path / "r", loop, asynchronous=AsyncConfig(max_staleness=1)))
     cause = info.value.__cause__
     assert isinstance(cause, OSError)
     frames = []
@@ -148,11 +146,12 @@ def test_keyboard_interrupt_checkpoints_and_threaded_resume(policy, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_async(config, params, task, PRESET.train, loop, acfg, tmp_path / "r",
-                  progress=False, on_step=stop_at_two)
+        run_async(config, params, task, cfg(tmp_path / "r", loop, asynchronous=acfg),
+                  hooks=RunHooks(on_step=stop_at_two))
     assert ckpt_steps(tmp_path / "r") == [2] and not rollout_threads()
-    res = run_async(config, params, task, PRESET.train, dataclasses.replace(loop, steps=3), acfg,
-                    tmp_path / "r", resume=True, progress=False)
+    res = run_async(config, params, task,
+                    cfg(tmp_path / "r", dataclasses.replace(loop, steps=3), asynchronous=acfg),
+                    resume=True)
     assert [r["step"] for r in res.train] == [1, 2, 3] and int(res.state.step) == 3
     # Groups queued or being sampled at the checkpoint are not restored: counted as dropped.
     first = res.train[2]
@@ -194,15 +193,19 @@ def test_async_config_validation(kwargs, match):
 
 
 def test_cli_async_flags(tmp_path):
-    from experiments.train import async_config, build_parser, main
+    from experiments.common.flags import build_train_parser, config_from_args
+    from experiments.common.train_cli import main
 
-    assert async_config(build_parser().parse_args([])) is None  # no flag: the sync loop
-    acfg = async_config(build_parser().parse_args(
+    def async_config(argv):
+        return config_from_args(build_train_parser().parse_args(argv)).asynchronous
+
+    assert async_config([]) is None  # no flag: the sync loop
+    acfg = async_config(
         ["--max-staleness", "3", "--async-mode", "deterministic", "--rollout", "april",
-         "--over-provision", "2", "--proximal", "versions", "--stale-policy", "downweight"]))
+         "--over-provision", "2", "--proximal", "versions", "--stale-policy", "downweight"])
     assert acfg == AsyncConfig(max_staleness=3, mode="deterministic", rollout="april",
                                over_provision=2.0, proximal="versions", stale_policy="downweight")
-    assert async_config(build_parser().parse_args(["--rollout", "continuous"])).max_staleness == 1
+    assert async_config(["--rollout", "continuous"]).max_staleness == 1
     summary = main(["--steps", "2", "--run-dir", str(tmp_path / "r"), "--wandb", "disabled",
                     "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "8",
                     "--eval-every", "0", "--no-progress", "--max-staleness", "1"])
@@ -215,6 +218,6 @@ def test_rollout_devices_must_leave_a_training_device(policy, tmp_path):
     config, params, task = policy
     n = len(jax.devices())
     with pytest.raises(ValueError, match="leaves no training device"):
-        run_async(config, params, task, PRESET.train, LOOP, AsyncConfig(rollout_devices=n),
-                  tmp_path / "r", progress=False)
+        run_async(config, params, task,
+                  cfg(tmp_path / "r", asynchronous=AsyncConfig(rollout_devices=n)))
     assert not rollout_threads()

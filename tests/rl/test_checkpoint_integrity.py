@@ -204,18 +204,18 @@ def test_reserved_meta_key_is_refused(tmp_path):
 
 
 def test_export_refuses_damaged_params(tmp_path):
-    from experiments.export import ExportError, load_run, model_record
-    from experiments.train import PRESETS
+    from rl.run import PRESETS, RunDirError, load_run
+    from rl.run.record import model_record
     from rl.runtime.logging import atomic_write_json
 
-    preset = PRESETS["tiny-synthetic"]
+    preset = PRESETS["tiny-synthetic"]  # its run seed (loop.seed) is 0
     state = random_state(7)
-    atomic_write_json(tmp_path / "run" / "model.json", model_record(preset, CFG, 0))
+    atomic_write_json(tmp_path / "run" / "model.json", model_record(preset, CFG))
     with Checkpointer(tmp_path / "run" / "checkpoints") as ck:
         ck.save(1, state, {"data_position": 0})
     policy = load_run(tmp_path / "run")  # intact: verified and exported
     assert leaves_equal(policy.params, state.params)
     changed = flip_accepted_bit(tmp_path / "run" / "checkpoints", 1, state,
                                 want=lambda path: path.startswith("params/"))
-    with pytest.raises(ExportError, match=f"array {changed[0]} fails its checksum"):
+    with pytest.raises(RunDirError, match=f"array {changed[0]} fails its checksum"):
         load_run(tmp_path / "run")

@@ -9,16 +9,23 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.train import PRESETS, load_policy
 from rl.loops import SchedulerOptions, run
 from rl.loops.buffer import ScoredGroup
 from rl.loops.scheduling import make_prompt_source
+from rl.run import PRESETS, LoggingConfig, load_policy
 from rl.tasks import SyntheticTask
 from rl.trajectory import Trajectory
 
 PRESET = PRESETS["tiny-synthetic"]
 LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=4, eval_prompts=8,
                            eval_every=0, save_every=0, eval_greedy=False)
+
+
+def cfg(run_dir, loop=LOOP, **sections):
+    """The preset with this loop (and other sections, e.g. scheduler=), writing into
+    run_dir, no wandb, no progress bar."""
+    return dataclasses.replace(PRESET, loop=loop, run_dir=str(run_dir),
+                               logging=LoggingConfig(wandb="disabled", progress=False), **sections)
 
 
 def hand_allocation(acc, n, blocks):
@@ -72,7 +79,7 @@ class FixedRewards:
 def test_dars_extra_groups_go_to_hard_prompts_and_sum_to_the_budget(acc):
     n, b, budget = 8, 4, 8 * 4 * 3  # T = 3 · B · N: E = 2 · B · N = 8 extra groups
     loop = dataclasses.replace(LOOP, prompts_per_step=b, group_size=n)
-    task = SyntheticTask(**dict(PRESET.task_options))
+    task = SyntheticTask(**PRESET.task.kwargs)
     source = make_prompt_source(SchedulerOptions("dars", dars_budget=budget), task, loop, None)
     stream = task.train_prompts(5, b)
     draw = FixedRewards({p.index: np.repeat([1.0, 0.0], [round(a * n), n - round(a * n)])
@@ -87,7 +94,7 @@ def test_dars_extra_groups_go_to_hard_prompts_and_sum_to_the_budget(acc):
 
 
 def test_dars_budget_must_be_whole_groups():
-    task = SyntheticTask(**dict(PRESET.task_options))
+    task = SyntheticTask(**PRESET.task.kwargs)
     with pytest.raises(ValueError, match="multiple of unit"):
         make_prompt_source(SchedulerOptions("dars", dars_budget=2 * 4 + 3), task, LOOP, None)
     with pytest.raises(ValueError, match="micro_batches=3"):  # 16 rollouts = 4 groups
@@ -100,7 +107,7 @@ def test_dars_budget_must_be_whole_groups():
 def test_batch_rows_is_what_the_learner_sees():
     """The row count the CLI validates a mesh against (SchedulerOptions.batch_rows) equals
     the rows of the batches a DARS / uniform source actually produces."""
-    task = SyntheticTask(**dict(PRESET.task_options))
+    task = SyntheticTask(**PRESET.task.kwargs)
     for options, rows in ((SchedulerOptions(), 2 * 4), (SchedulerOptions("dars"), 2 * 2 * 4),
                           (SchedulerOptions("dars", dars_budget=24), 24),
                           (SchedulerOptions("dps", pool_size=8), 2 * 4)):
@@ -122,14 +129,12 @@ def test_dars_runs_with_a_fixed_batch_shape_and_resumes_bit_exactly(tmp_path):
     config, params, task = load_policy(PRESET, 0)
     params = jax.device_put(params, jax.devices()[0])
     opts = SchedulerOptions("dars")  # T = 2 · B · N: 4 groups per batch
-    full = run(config, params, task, PRESET.train, LOOP, tmp_path / "full", progress=False,
-               scheduler=opts)
+    full = run(config, params, task, cfg(tmp_path / "full", scheduler=opts))
     assert [r["kept_groups"] for r in full.train] == [4, 4, 4]
     assert [r["dars_extra_groups"] for r in full.train] == [2, 2, 2]
-    run(config, params, task, PRESET.train, dataclasses.replace(LOOP, steps=2),
-        tmp_path / "split", progress=False, scheduler=opts)
-    resumed = run(config, params, task, PRESET.train, LOOP, tmp_path / "split", progress=False,
-                  resume=True, scheduler=opts)
+    run(config, params, task, cfg(tmp_path / "split", dataclasses.replace(LOOP, steps=2),
+                                  scheduler=opts))
+    resumed = run(config, params, task, cfg(tmp_path / "split", scheduler=opts), resume=True)
     train = [r for r in records(tmp_path / "full") if r["kind"] == "train"]
     assert train == [r for r in records(tmp_path / "split") if r["kind"] == "train"]
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in

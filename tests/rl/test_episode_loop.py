@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import rl.envs
+from experiments.common.train_cli import main
 from experiments.evaluate import main as evaluate_main
-from experiments.train import main
 from rl.envs.base import StepResult
 from rl.learner import OptimizerConfig, TrainConfig
 from rl.loops import AsyncConfig, LoopConfig, run_async
@@ -134,20 +134,22 @@ def test_train_env_end_to_end(scripted, tmp_path):
 
 
 def test_async_deterministic_runs_episodes(scripted, tmp_path):
-    from experiments.train_env import make_any_task
     from models.config import get_config
     from models.decoder import init_params
+    from rl.run import LoggingConfig, RunConfig, TaskSpec, make_task
 
-    task = make_any_task("env:scripted", seed=0, max_turns=3)
+    run_cfg = RunConfig(
+        task=TaskSpec("env:scripted", {"max_turns": 3}),
+        train=TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
+                          optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3)),
+        loop=LoopConfig(steps=3, prompts_per_step=2, group_size=4, segment_len=1, eval_every=0,
+                        eval_prompts=4),
+        asynchronous=AsyncConfig(max_staleness=1, mode="deterministic", proximal="exact"),
+        run_dir=str(tmp_path / "a"), logging=LoggingConfig(progress=False))
+    task = make_task(run_cfg.task, seed=0)
     assert isinstance(task, EnvTask) and task.options == EpisodeOptions()
     cfg = get_config("tiny", vocab_size=16)
-    train = TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
-                        optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3))
-    loop = LoopConfig(steps=3, prompts_per_step=2, group_size=4, segment_len=1, eval_every=0,
-                      eval_prompts=4)
-    acfg = AsyncConfig(max_staleness=1, mode="deterministic", proximal="exact")
-    res = run_async(cfg, init_params(cfg, 0), task, train, loop, acfg, tmp_path / "a",
-                    progress=False)
+    res = run_async(cfg, init_params(cfg, 0), task, run_cfg)
     assert [r["step"] for r in res.train] == [1, 2, 3]
     for rec in res.train:
         assert rec["episode_turns"] >= 1
@@ -160,8 +162,9 @@ def test_async_deterministic_runs_episodes(scripted, tmp_path):
     assert res.train[-1]["staleness_log_ratio_abs_mean"] > 1e-6  # π_θ (v=2) vs π_prox (v=1)
     assert take_episode_metrics(task) == {}  # every record drained its episodes
     with pytest.raises(ValueError, match="deterministic"):
-        run_async(cfg, init_params(cfg, 0), task, train, loop,
-                  AsyncConfig(max_staleness=1, mode="threaded"), tmp_path / "b", progress=False)
+        run_async(cfg, init_params(cfg, 0), task, dataclasses.replace(
+            run_cfg, asynchronous=AsyncConfig(max_staleness=1, mode="threaded"),
+            run_dir=str(tmp_path / "b")))
 
 
 @pytest.mark.parametrize("extra, match", [

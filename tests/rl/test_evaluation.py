@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 
 from experiments import evaluate as evaluate_cli
+from experiments.common.train_cli import main as train_main
 from experiments.plots import plot_reward_curve
-from experiments.train import PRESETS, format_summary, summarize
-from experiments.train import main as train_main
 from rl.loops import RunResult
 from rl.loops.evaluation import (
     batch_reward_metrics,
@@ -27,6 +26,7 @@ from rl.loops.evaluation import (
     pass_at_k,
     zero_spread_fraction,
 )
+from rl.run import PRESETS, ModelSpec, format_summary, summarize
 from rl.tasks import make_task
 
 SMALL = ["--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "8",
@@ -121,16 +121,16 @@ def test_evaluate_cli_on_a_training_run(tmp_path, capsys):
 def test_evaluate_cli_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         evaluate_cli.main(["--model", "tiny", "--task", "synthetic", "--n", "0"])
-    assert "--n must be >= 1" in capsys.readouterr().err
+    assert "n must be an int >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         evaluate_cli.main(["--model", "tiny", "--task", "synthetic", "--k", "-1"])
-    assert "--k must be >= 0" in capsys.readouterr().err
+    assert "k must be an int >= 0, got -1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         evaluate_cli.main(["--model", str(tmp_path / "nope.gguf"), "--task", "synthetic"])
     assert "neither a registered name" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         evaluate_cli.main(["--model", "tiny"])
-    assert "--task is required" in capsys.readouterr().err
+    assert "a task is required" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         evaluate_cli.main(["--model", "tiny", "--task", "synthetic", "--task-option", "oops"])
     assert "KEY=VALUE" in capsys.readouterr().err
@@ -187,8 +187,9 @@ def test_summarize_reports_each_reward_before_and_after(tmp_path):
     result = RunResult(state=SimpleNamespace(step=10), train=train, eval=evals,
                        run_dir=tmp_path, data_position=80)
     tiny = PRESETS["tiny-synthetic"]
-    pre = dataclasses.replace(tiny, model="smollm2-135m", headline_target=None)
-    s = summarize(result, pre, pre.train, pre.loop, task, 12.0, [0.0] * 3, "cmd")
+    pre = dataclasses.replace(tiny, model=ModelSpec("smollm2-135m"), headline_target=None)
+    run_info = {"wall_s": 12.0, "command": "cmd", "machine": "test machine"}
+    s = summarize(result, pre, task, **run_info)
     assert s["rewards"] == {
         "reward": {"initial": 0.3, "final": 1.5, "initial_greedy": 0.4, "final_greedy": 1.6},
         "correct": {"initial": 0.1, "final": 0.6, "initial_greedy": 0.15, "final_greedy": 0.7},
@@ -204,7 +205,7 @@ def test_summarize_reports_each_reward_before_and_after(tmp_path):
     assert "correct          0.100 -> 0.600 sampled, 0.150 -> 0.700 greedy" in text
     assert "format" in text and "truncated_frac" in text
 
-    s_tiny = summarize(result, tiny, tiny.train, tiny.loop, task, 12.0, [0.0] * 3, "cmd")
+    s_tiny = summarize(result, tiny, task, **run_info)
     assert s_tiny["initial_policy"] == "random policy"
     assert s_tiny["random_policy_eval_reward"] == s_tiny["initial_eval_reward"] == 0.3
     assert s_tiny["headline"]["metric"] == "final eval reward / random-policy eval reward"

@@ -22,11 +22,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_sync_loop import LOOP, PRESET, policy  # noqa: F401  (shared compilations)
+from test_sync_loop import LOOP, PRESET, cfg, policy  # noqa: F401  (shared compilations)
 
 from models.lora import PROJECTIONS, LoraConfig, compose, init_lora
 from rl.loops import AsyncConfig, run, run_async, sample_groups
-from rl.loops.adapters import BASE_KEY, base_hash, lora_run, lora_train_config, merged_params
+from rl.loops.adapters import BASE_KEY, base_hash, lora_run, merged_params
 from rl.loops.sync import evaluate
 from rl.loops.validation import ConfigError
 from rl.rollout import SamplingConfig
@@ -37,6 +37,11 @@ TRAIN = dataclasses.replace(
     PRESET.train, lora=LCFG,
     loss=dataclasses.replace(PRESET.train.loss, kl_coef=0.05),  # the base is the reference
     optimizer=dataclasses.replace(PRESET.train.optimizer, learning_rate=3e-2))
+
+
+def lora_cfg(run_dir, loop=LOOP, train=TRAIN, **sections):
+    """test_sync_loop's run config with the LoRA learner TRAIN."""
+    return cfg(run_dir, loop, train=train, **sections)
 
 
 def leaves(tree):
@@ -59,7 +64,7 @@ def noisy_adapters(base, seed, scale=0.3):
 def straight(policy, tmp_path_factory):  # noqa: F811
     config, params, task = policy
     d = tmp_path_factory.mktemp("lora") / "straight"
-    return run(config, params, task, TRAIN, LOOP, d, progress=False)
+    return run(config, params, task, lora_cfg(d))
 
 
 def test_run_starts_as_the_base_checkpoints_adapters_and_resumes_bit_exact(
@@ -83,8 +88,8 @@ def test_run_starts_as_the_base_checkpoints_adapters_and_resumes_bit_exact(
     assert meta["config"]["train.lora.rank"] == 4
     # 2 steps + resume + 1 step == 3 steps, bit for bit (adapters and optimizer state)
     two = dataclasses.replace(LOOP, steps=2)
-    run(config, params, task, TRAIN, two, tmp_path / "b", progress=False)
-    resumed = run(config, params, task, TRAIN, LOOP, tmp_path / "b", resume=True, progress=False)
+    run(config, params, task, lora_cfg(tmp_path / "b", two))
+    resumed = run(config, params, task, lora_cfg(tmp_path / "b"), resume=True)
     for a, b in zip(leaves((straight.state.params, straight.state.opt_state)),
                     leaves((resumed.state.params, resumed.state.opt_state))):
         np.testing.assert_array_equal(a, b)
@@ -94,11 +99,11 @@ def test_run_starts_as_the_base_checkpoints_adapters_and_resumes_bit_exact(
     other["final_norm"] = {"scale": params["final_norm"]["scale"] * 1.001}
     four = dataclasses.replace(LOOP, steps=4)
     with pytest.raises(ConfigError) as err:
-        run(config, other, task, TRAIN, four, tmp_path / "b", resume=True, progress=False)
+        run(config, other, task, lora_cfg(tmp_path / "b", four), resume=True)
     assert base_hash(params) in str(err.value) and base_hash(other) in str(err.value)
     rank8 = dataclasses.replace(TRAIN, lora=LoraConfig(rank=8, alpha=8.0))
     with pytest.raises(ConfigError, match="train.lora.rank"):
-        run(config, params, task, rank8, four, tmp_path / "b", resume=True, progress=False)
+        run(config, params, task, lora_cfg(tmp_path / "b", four, rank8), resume=True)
 
 
 def test_merged_sampler_params_and_composed_sample_alike(policy):  # noqa: F811
@@ -129,12 +134,12 @@ def test_merged_sampler_params_and_composed_sample_alike(policy):  # noqa: F811
 
 def test_async_eta_zero_equals_sync_and_exact_proximal(policy, straight, tmp_path):  # noqa: F811
     config, params, task = policy
-    res = run_async(config, params, task, TRAIN, LOOP, AsyncConfig(max_staleness=0,
-                    mode="deterministic"), tmp_path / "a0", progress=False)
+    res = run_async(config, params, task, lora_cfg(tmp_path / "a0", asynchronous=AsyncConfig(
+        max_staleness=0, mode="deterministic")))
     for a, b in zip(leaves(straight.state.params), leaves(res.state.params)):
         np.testing.assert_array_equal(a, b)
     acfg = AsyncConfig(max_staleness=1, mode="deterministic", proximal="exact")
-    res = run_async(config, params, task, TRAIN, LOOP, acfg, tmp_path / "a1", progress=False)
+    res = run_async(config, params, task, lora_cfg(tmp_path / "a1", asynchronous=acfg))
     for r in res.train:  # π_prox from composed adapter snapshots == the merged sampler's μ
         assert r["mismatch_log_ratio_abs_mean"] < 1e-4
     snap = np.load(tmp_path / "a1" / "snapshots" / "3.npz")
@@ -143,13 +148,12 @@ def test_async_eta_zero_equals_sync_and_exact_proximal(policy, straight, tmp_pat
 
 
 def test_cli_trains_and_exports_merged_weights_and_adapters(tmp_path):
-    from experiments.export import load_run
+    from experiments.common.train_cli import main as train_main
     from experiments.export import main as export_main
-    from experiments.train import load_policy
-    from experiments.train import main as train_main
     from models.convert import hf_from_params
     from models.decoder import forward
     from models.hf_loader import load_hf_checkpoint
+    from rl.run import load_policy, load_run
 
     run_dir = tmp_path / "run"
     train_main(["--steps", "2", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
@@ -190,19 +194,19 @@ def test_cli_trains_and_exports_merged_weights_and_adapters(tmp_path):
 def test_cli_flags_to_lora_config():
     import argparse
 
+    from experiments.common.flags import lora_from_args
+
     args = argparse.Namespace(lora_rank=8, lora_alpha=None, lora_targets="q, v,*_proj",
                               qlora="int4")
-    got = lora_train_config(args, PRESET.train).lora
+    got = lora_from_args(args)
     assert got == LoraConfig(rank=8, alpha=16.0, targets=("q_proj", "v_proj", "*_proj"),
                              qlora="int4")
     none = argparse.Namespace(lora_rank=None, lora_alpha=None, lora_targets=None, qlora=None)
-    assert lora_train_config(none, PRESET.train) is PRESET.train
+    assert lora_from_args(none) is None  # full fine-tuning: the config's train.lora stays None
     with pytest.raises(ValueError, match="--qlora needs --lora-rank"):
-        lora_train_config(argparse.Namespace(**{**vars(none), "qlora": "int8"}),
-                          PRESET.train)
+        lora_from_args(argparse.Namespace(**{**vars(none), "qlora": "int8"}))
     with pytest.raises(ValueError, match="matches no projection"):
-        lora_train_config(argparse.Namespace(**{**vars(args), "lora_targets": "qq"}),
-                          PRESET.train)
+        lora_from_args(argparse.Namespace(**{**vars(args), "lora_targets": "qq"}))
 
 
 _MESH = textwrap.dedent("""

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import pytest
 
+from experiments.common.flags import add_distributed_flags, distributed_from_args
 from rl.runtime.distributed import (
     DistributedConfig,
-    add_distributed_flags,
     distributed_config,
     initialize_distributed,
     process_shard,
@@ -106,7 +106,7 @@ def test_process_count_disagreeing_with_coordinator_is_a_clear_error(tmp_path):
 
 def parse(argv, environ=None):
     parser = add_distributed_flags(argparse.ArgumentParser())
-    return distributed_config(parser.parse_args(argv), environ=environ or {})
+    return distributed_from_args(parser.parse_args(argv), environ=environ or {})
 
 
 def test_flags_and_environment():
@@ -119,6 +119,9 @@ def test_flags_and_environment():
     assert parse([], env) == DistributedConfig("10.0.0.1:9999", 2, 1)
     assert parse(["--process-id", "0"], env).process_id == 0  # the flag wins
     assert parse(["--distributed-auto"]).enabled
+    # the library's own entry point takes values (the flags above are experiments' view)
+    assert distributed_config("h:1", 2, 1, environ=env) == DistributedConfig("h:1", 2, 1)
+    assert distributed_config(environ=env) == DistributedConfig("10.0.0.1:9999", 2, 1)
 
 
 @pytest.mark.parametrize("argv, env, match", [

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.train import PRESETS, load_policy, main
+from experiments.common.train_cli import main
 from models.config import get_config
 from models.decoder import Decoder, init_params
 from rl.learner import TrainConfig
@@ -29,6 +29,7 @@ from rl.rollout.pruning import (
     settle_rollouts,
 )
 from rl.rollout.sampler_state import SamplingConfig
+from rl.run import PRESETS, LoggingConfig, load_policy
 from rl.tasks import SyntheticTask
 from rl.trajectory import Trajectory
 
@@ -211,15 +212,19 @@ LOOP = dataclasses.replace(PRESET.loop, steps=2, prompts_per_step=2, group_size=
                            segment_len=2)
 
 
+def cfg(run_dir, loop=LOOP, prune=None):
+    """The preset with this loop and online pruning `prune`, writing into run_dir, no
+    wandb, no progress bar."""
+    return dataclasses.replace(PRESET, loop=loop, prune=prune, run_dir=str(run_dir),
+                               logging=LoggingConfig(wandb="disabled", progress=False))
+
+
 def test_sync_loop_with_prune_resumes_bit_exactly(tmp_path):
     config, params, task = load_policy(PRESET, 0)
     prune = PruneConfig(warmup=8, threshold=0.2)  # random policy: some rows > 1/4 right
-    full = run(config, params, task, PRESET.train, LOOP, tmp_path / "full", progress=False,
-               prune=prune)
-    run(config, params, task, PRESET.train, dataclasses.replace(LOOP, steps=1),
-        tmp_path / "split", progress=False, prune=prune)
-    resumed = run(config, params, task, PRESET.train, LOOP, tmp_path / "split",
-                  progress=False, resume=True, prune=prune)
+    full = run(config, params, task, cfg(tmp_path / "full", prune=prune))
+    run(config, params, task, cfg(tmp_path / "split", dataclasses.replace(LOOP, steps=1), prune))
+    resumed = run(config, params, task, cfg(tmp_path / "split", prune=prune), resume=True)
 
     def records(d):
         def measured(k):

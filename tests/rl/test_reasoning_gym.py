@@ -150,7 +150,7 @@ def test_bad_input_is_a_clear_error():
 def test_prompt_plus_budget_beyond_the_context_is_a_clear_error():
     from types import SimpleNamespace
 
-    from experiments.train import check_context
+    from rl.run import check_context
 
     task = _chain_sum()
     check_context(SimpleNamespace(max_position_embeddings=1024), task)  # 400 + 128 fits

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.train import PRESETS, load_policy
 from models.decoder import forward
 from rl.learner import TrainConfig, init_train_state, make_train_step
 from rl.loops import SchedulerOptions, build_batch, run, sample_batch_groups
@@ -27,6 +26,7 @@ from rl.loops.replay import (
 )
 from rl.loops.scheduling import make_prompt_source
 from rl.objectives import AdvantageConfig, LossConfig
+from rl.run import PRESETS, LoggingConfig, load_policy
 from rl.trajectory import Trajectory
 
 PRESET = PRESETS["tiny-synthetic"]
@@ -38,6 +38,13 @@ BEHAVIOUR = TrainConfig(
     loss=LossConfig(name="ppo_clip", params={"clip_low": CLIP, "clip_high": CLIP,
                                              "dual_clip": None}, aggregation="token-mean"),
     advantage=AdvantageConfig("grpo"), optimizer=PRESET.train.optimizer, old_logp="behaviour")
+
+
+def cfg(run_dir, loop=LOOP, **sections):
+    """The preset with the BEHAVIOUR learner and this loop (and other sections, e.g.
+    scheduler=), writing into run_dir, no wandb, no progress bar."""
+    return dataclasses.replace(PRESET, train=BEHAVIOUR, loop=loop, run_dir=str(run_dir),
+                               logging=LoggingConfig(wandb="disabled", progress=False), **sections)
 
 
 def tiny_group(seed: int, rewards, version: int = 0, n: int = 4) -> ScoredGroup:
@@ -178,36 +185,37 @@ def test_replay_with_a_scheduler_resumes_bit_exactly(policy, tmp_path, name):
     config, params, _ = policy
     _, _, task = load_policy(PRESET, 0)
     opts = SchedulerOptions(name, pool_size=6, reference_size=3, replay_fraction=0.5)
-    full = run(config, params, task, BEHAVIOUR, LOOP, tmp_path / "full", progress=False,
-               scheduler=opts)
+    full = run(config, params, task, cfg(tmp_path / "full", scheduler=opts))
     assert [r["replayed_groups"] for r in full.train] == [0, 1, 1, 1]
     short = dataclasses.replace(LOOP, steps=2)
-    run(config, params, task, BEHAVIOUR, short, tmp_path / "split", progress=False,
-        scheduler=opts)
-    resumed = run(config, params, task, BEHAVIOUR, LOOP, tmp_path / "split", progress=False,
-                  resume=True, scheduler=opts)
+    run(config, params, task, cfg(tmp_path / "split", short, scheduler=opts))
+    resumed = run(config, params, task, cfg(tmp_path / "split", scheduler=opts), resume=True)
     train = [r for r in records(tmp_path / "full") if r["kind"] == "train"]
     assert train == [r for r in records(tmp_path / "split") if r["kind"] == "train"]
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
                zip(jax.tree.leaves(full.state.params), jax.tree.leaves(resumed.state.params)))
     with pytest.raises(ValueError, match="replay"):  # resuming without replay is refused
-        run(config, params, task, BEHAVIOUR, dataclasses.replace(LOOP, steps=5),
-            tmp_path / "split", progress=False, resume=True,
-            scheduler=SchedulerOptions(name, pool_size=6, reference_size=3))
+        run(config, params, task, cfg(tmp_path / "split", dataclasses.replace(LOOP, steps=5),
+                                      scheduler=SchedulerOptions(name, pool_size=6,
+                                                                 reference_size=3)),
+            resume=True)
 
 
 def test_train_flags_build_the_options_and_async_refuses_them(tmp_path, capsys):
-    from experiments.train import build_parser, main
-    from rl.loops.scheduling import scheduler_from_args
+    from experiments.common.flags import build_train_parser, config_from_args
+    from experiments.common.train_cli import main
 
-    args = build_parser().parse_args(["--prompt-scheduler", "dars", "--dars-budget", "256",
-                                      "--dars-schedule", "hw"])
+    def scheduler_from_args(args):
+        return config_from_args(args).scheduler
+
+    args = build_train_parser().parse_args(["--prompt-scheduler", "dars", "--dars-budget", "256",
+                                            "--dars-schedule", "hw"])
     assert scheduler_from_args(args) == SchedulerOptions("dars", dars_budget=256,
                                                          dars_schedule="hw")
-    args = build_parser().parse_args(["--replay-fraction", "0.25", "--replay-capacity", "9"])
+    args = build_train_parser().parse_args(["--replay-fraction", "0.25", "--replay-capacity", "9"])
     assert scheduler_from_args(args) == SchedulerOptions(replay_fraction=0.25, replay_capacity=9)
     with pytest.raises(ValueError, match="fresh"):
-        scheduler_from_args(build_parser().parse_args(["--replay-fraction", "1"]))
+        scheduler_from_args(build_train_parser().parse_args(["--replay-fraction", "1"]))
     with pytest.raises(SystemExit):
         main(["--max-staleness", "1", "--replay-fraction", "0.5", "--run-dir",
               str(tmp_path / "a"), "--steps", "1", "--wandb", "disabled"])

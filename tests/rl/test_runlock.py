@@ -103,24 +103,26 @@ def test_reentrant_in_one_process_and_disabled_lock(tmp_path):
 
 
 def test_the_loop_holds_the_lock_and_refuses_a_second_writer(tmp_path):
-    from experiments.train import PRESETS, load_policy
     from rl.loops import run
+    from rl.run import PRESETS, LoggingConfig, RunHooks, load_policy
 
     preset = PRESETS["tiny-synthetic"]
     loop = dataclasses.replace(preset.loop, steps=1, prompts_per_step=2, group_size=4,
                                eval_prompts=8, eval_every=0, save_every=0, eval_greedy=False)
+    run_cfg = dataclasses.replace(preset, loop=loop, run_dir=str(tmp_path / "run"),
+                                  logging=LoggingConfig(wandb="disabled", progress=False))
     config, params, task = load_policy(preset, 0)
     holder = python(HOLD_LOCK, tmp_path / "run")
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunLockError, match=f"pid {holder.pid}"):
-            run(config, params, task, preset.train, loop, tmp_path / "run", progress=False)
+            run(config, params, task, run_cfg)
         assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any work
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=60)
     seen = []
-    run(config, params, task, preset.train, loop, tmp_path / "run", progress=False,
-        on_eval=lambda rec: seen.append(lock_is_free(tmp_path / "run")))
+    run(config, params, task, run_cfg,
+        hooks=RunHooks(on_eval=lambda rec: seen.append(lock_is_free(tmp_path / "run"))))
     assert seen == [False, False]  # held while training (evals at steps 0 and 1)
     assert lock_is_free(tmp_path / "run")  # given back at the end

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.train import PRESETS, load_policy
 from rl.loops import LoopConfig, SchedulerOptions, run
 from rl.loops.scheduling import make_prompt_source
+from rl.run import PRESETS, LoggingConfig, load_policy
 from rl.tasks import SyntheticTask
 
 PRESET = PRESETS["tiny-synthetic"]
@@ -20,11 +20,18 @@ LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=
                            eval_every=0, save_every=0, eval_greedy=False)
 
 
+def cfg(run_dir, loop=LOOP, **sections):
+    """The preset with this loop (and other sections, e.g. scheduler=), writing into
+    run_dir, no wandb, no progress bar."""
+    return dataclasses.replace(PRESET, loop=loop, run_dir=str(run_dir),
+                               logging=LoggingConfig(wandb="disabled", progress=False), **sections)
+
+
 class RecordingTask(SyntheticTask):
     """The preset's task; remembers the train prompts it was asked to reward, in order."""
 
     def __init__(self):
-        base = SyntheticTask(**dict(PRESET.task_options))
+        base = SyntheticTask(**PRESET.task.kwargs)
         super().__init__(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
         object.__setattr__(self, "_train", set())
         object.__setattr__(self, "rewarded", [])
@@ -62,12 +69,12 @@ def same_params(a, b):
 def test_uniform_samples_the_stream_in_order_and_matches_the_default_run(policy, tmp_path):
     config, params = policy
     task = RecordingTask()
-    default = run(config, params, task, PRESET.train, LOOP, tmp_path / "a", progress=False)
+    default = run(config, params, task, cfg(tmp_path / "a"))
     n = LOOP.group_size
     # the stream positions 0..5 in order, each rewarded once per rollout
     assert task.rewarded == [i for i in range(3 * 2) for _ in range(n)]
-    explicit = run(config, params, RecordingTask(), PRESET.train, LOOP, tmp_path / "b",
-                   progress=False, scheduler=SchedulerOptions("uniform"))
+    explicit = run(config, params, RecordingTask(),
+                   cfg(tmp_path / "b", scheduler=SchedulerOptions("uniform")))
     ra, rb = records(tmp_path / "a"), records(tmp_path / "b")
     assert [sorted(k for k in x if x[k] != y.get(k)) for x, y in zip(ra, rb)] == [[]] * len(ra)
     assert same_params(default.state.params, explicit.state.params)
@@ -77,14 +84,12 @@ def test_dps_chooses_from_its_pool_and_resumes_bit_exactly(policy, tmp_path):
     config, params = policy
     opts = SchedulerOptions("dps", pool_size=6)
     task = RecordingTask()
-    full = run(config, params, task, PRESET.train, LOOP, tmp_path / "full", progress=False,
-               scheduler=opts)
+    full = run(config, params, task, cfg(tmp_path / "full", scheduler=opts))
     assert set(task.rewarded) <= set(range(6)) and len(task.rewarded) == 3 * 2 * LOOP.group_size
     short = dataclasses.replace(LOOP, steps=2)
-    run(config, params, RecordingTask(), PRESET.train, short, tmp_path / "split", progress=False,
-        scheduler=opts)
-    resumed = run(config, params, RecordingTask(), PRESET.train, LOOP, tmp_path / "split",
-                  progress=False, resume=True, scheduler=opts)
+    run(config, params, RecordingTask(), cfg(tmp_path / "split", short, scheduler=opts))
+    resumed = run(config, params, RecordingTask(), cfg(tmp_path / "split", scheduler=opts),
+                  resume=True)
     train = [r for r in records(tmp_path / "full") if r["kind"] == "train"]
     train_split = [r for r in records(tmp_path / "split") if r["kind"] == "train"]
     assert train == train_split
@@ -94,11 +99,11 @@ def test_dps_chooses_from_its_pool_and_resumes_bit_exactly(policy, tmp_path):
 def test_resume_without_the_scheduler_in_the_record_is_refused(policy, tmp_path):
     config, params = policy
     short = dataclasses.replace(LOOP, steps=1)
-    run(config, params, RecordingTask(), PRESET.train, short, tmp_path / "r", progress=False)
+    run(config, params, RecordingTask(), cfg(tmp_path / "r", short))
     with pytest.raises(ValueError, match="scheduler"):
-        run(config, params, RecordingTask(), PRESET.train, dataclasses.replace(LOOP, steps=2),
-            tmp_path / "r", progress=False, resume=True,
-            scheduler=SchedulerOptions("dps", pool_size=6))
+        run(config, params, RecordingTask(), cfg(tmp_path / "r", dataclasses.replace(LOOP, steps=2),
+                                                 scheduler=SchedulerOptions("dps", pool_size=6)),
+            resume=True)
 
 
 def test_dots_source_embeds_the_pool_and_measures_its_reference_set(policy):
@@ -137,13 +142,12 @@ def test_dots_source_embeds_the_pool_and_measures_its_reference_set(policy):
 def test_dots_runs_and_resumes_bit_exactly(policy, tmp_path):
     config, params = policy
     opts = SchedulerOptions("dots", pool_size=6, reference_size=2)
-    full = run(config, params, RecordingTask(), PRESET.train, LOOP, tmp_path / "full",
-               progress=False, scheduler=opts)
+    full = run(config, params, RecordingTask(), cfg(tmp_path / "full", scheduler=opts))
     assert [r["reference_groups"] for r in full.train] == [2, 0, 2]
-    run(config, params, RecordingTask(), PRESET.train, dataclasses.replace(LOOP, steps=1),
-        tmp_path / "split", progress=False, scheduler=opts)  # stops mid-round
-    resumed = run(config, params, RecordingTask(), PRESET.train, LOOP, tmp_path / "split",
-                  progress=False, resume=True, scheduler=opts)
+    one_step = dataclasses.replace(LOOP, steps=1)  # stops mid-round
+    run(config, params, RecordingTask(), cfg(tmp_path / "split", one_step, scheduler=opts))
+    resumed = run(config, params, RecordingTask(), cfg(tmp_path / "split", scheduler=opts),
+                  resume=True)
     assert same_params(full.state.params, resumed.state.params)
     assert [r["reference_groups"] for r in resumed.train][-2:] == [0, 2]
 
@@ -161,5 +165,5 @@ def test_non_uniform_scheduler_refuses_dynamic_sampling(policy, tmp_path):
     loop = dataclasses.replace(LOOP, dynamic_sampling=True)
     assert isinstance(loop, LoopConfig)
     with pytest.raises(ValueError, match="dynamic"):
-        run(config, params, RecordingTask(), PRESET.train, loop, tmp_path / "d", progress=False,
-            scheduler=SchedulerOptions("dps", pool_size=6))
+        run(config, params, RecordingTask(),
+            cfg(tmp_path / "d", loop, scheduler=SchedulerOptions("dps", pool_size=6)))

@@ -10,14 +10,21 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.train import PRESETS, load_policy
 from rl.loops import AsyncConfig, run, run_async, sample_groups
 from rl.rollout import SamplingConfig
+from rl.run import PRESETS, LoggingConfig, load_policy
 from rl.runtime.logging import EXTRA_PHASES, PHASES, StepProfile, format_profile, profile_summary
 
 PRESET = PRESETS["tiny-synthetic"]
 LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=4, eval_prompts=8,
                            eval_every=0, save_every=0, eval_greedy=False)
+
+
+def cfg(run_dir, asynchronous=None):
+    """The preset with this file's loop (asynchronous: an AsyncConfig for run_async),
+    writing into run_dir, no wandb, no progress bar."""
+    return dataclasses.replace(PRESET, loop=LOOP, asynchronous=asynchronous, run_dir=str(run_dir),
+                               logging=LoggingConfig(wandb="disabled", progress=False))
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +35,7 @@ def policy():
 
 def test_sync_run_logs_a_complete_step_profile(policy, tmp_path):
     config, params, task = policy
-    res = run(config, params, task, PRESET.train, LOOP, tmp_path / "run", progress=False)
+    res = run(config, params, task, cfg(tmp_path / "run"))
     for r in res.train:
         for k in (*PHASES, "other_s", "step_s"):
             assert r[k] >= 0.0 or k == "other_s", (k, r[k])
@@ -120,9 +127,8 @@ def test_profile_summary_means_and_shares():
 @pytest.mark.parametrize("mode,proximal", [("deterministic", "exact"), ("threaded", "current")])
 def test_async_run_logs_the_learner_side_profile(policy, tmp_path, mode, proximal):
     config, params, task = policy
-    res = run_async(config, params, task, PRESET.train, LOOP,
-                    AsyncConfig(max_staleness=1, mode=mode, proximal=proximal),
-                    tmp_path / mode, progress=False)
+    res = run_async(config, params, task, cfg(tmp_path / mode, AsyncConfig(
+        max_staleness=1, mode=mode, proximal=proximal)))
     for r in res.train:
         phases = (*PHASES, *EXTRA_PHASES)
         assert sum(r[k] for k in phases) + r["other_s"] == pytest.approx(r["step_s"], abs=1e-9)

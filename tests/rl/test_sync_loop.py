@@ -14,15 +14,22 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.train import PRESETS, load_policy
 from rl.learner import NonFiniteError, init_train_state
 from rl.loops import LoopConfig, collect_batch, run, sample_groups, score
 from rl.rollout import SamplingConfig
+from rl.run import PRESETS, LoggingConfig, load_policy
 from rl.tasks import SyntheticTask
 
 PRESET = PRESETS["tiny-synthetic"]
 LOOP = dataclasses.replace(PRESET.loop, steps=3, prompts_per_step=2, group_size=4, eval_prompts=8,
                            eval_every=0, save_every=0, eval_greedy=False)
+
+
+def cfg(run_dir, loop=LOOP, **sections):
+    """The preset with this loop (and other sections, e.g. asynchronous=), writing into
+    run_dir, no wandb, no progress bar."""
+    return dataclasses.replace(PRESET, loop=loop, run_dir=str(run_dir),
+                               logging=LoggingConfig(wandb="disabled", progress=False), **sections)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +43,7 @@ class _Task(SyntheticTask):
     """The preset's task with a replaceable reward (frozen dataclass subclass)."""
 
     def __init__(self, fn, names=("correct",)):
-        base = SyntheticTask(**dict(PRESET.task_options))
+        base = SyntheticTask(**PRESET.task.kwargs)
         super().__init__(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
         object.__setattr__(self, "_fn", fn)
         object.__setattr__(self, "_names", names)
@@ -60,7 +67,7 @@ def no_temp_files(run_dir):
 
 def test_short_run_records_and_checkpoint(policy, tmp_path):
     config, params, task = policy
-    res = run(config, params, task, PRESET.train, LOOP, tmp_path / "run", progress=False)
+    res = run(config, params, task, cfg(tmp_path / "run"))
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in lines] == [("eval", 0), ("train", 1), ("train", 2),
                                                        ("train", 3), ("eval", 3)]
@@ -115,7 +122,7 @@ def test_empty_batch_after_dynamic_sampling_raises(policy, tmp_path):
     constant = _Task(lambda p, r, base: {"correct": 0.5})
     loop = dataclasses.replace(LOOP, dynamic_sampling=True, max_resample_rounds=1)
     with pytest.raises(ValueError, match="empty batch after dynamic sampling"):
-        run(config, params, constant, PRESET.train, loop, tmp_path / "r", progress=False)
+        run(config, params, constant, cfg(tmp_path / "r", loop))
     assert no_temp_files(tmp_path / "r")
 
 
@@ -131,7 +138,7 @@ def test_non_finite_rewards_raise(policy, tmp_path, value):
     # the step, the row and its group are named (group_size 4: row 3 is in group 0)
     with pytest.raises(NonFiniteError, match=r"^step 2: reward 'correct' of row 3 \(group 0\) "
                                              r"is .*NaN/inf"):
-        run(config, params, _Task(reward), PRESET.train, LOOP, tmp_path / "r", progress=False)
+        run(config, params, _Task(reward), cfg(tmp_path / "r"))
     # What was written before the error is whole: valid JSON lines, no temp files.
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in lines] == [("eval", 0), ("train", 1)]
@@ -155,7 +162,7 @@ def test_sequence_longer_than_the_model_raises(policy, tmp_path):
     config, params, task = policy
     short = config.replace(max_position_embeddings=8)  # prompt 6 + response 4 > 8
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        run(short, params, task, PRESET.train, LOOP, tmp_path / "r", progress=False)
+        run(short, params, task, cfg(tmp_path / "r"))
 
 
 def test_loop_config_validation():

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 from test_multiprocess import finish, free_port
 
-from experiments.train import PRESETS, load_policy
 from rl.learner import init_train_state
+from rl.run import PRESETS, load_policy
 from rl.runtime.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from test_checkpoint_integrity import flip_accepted_bit
 
-from experiments.train import PRESETS, load_policy, main
+from experiments.common.train_cli import main
 from rl.learner import init_train_state
+from rl.run import PRESETS, load_policy
 from rl.runtime.checkpoint import Checkpointer
 from rl.runtime.runlock import RunLock
 

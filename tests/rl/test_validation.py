@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from experiments.train import PRESETS, load_policy, main
+from experiments.common.train_cli import main
 from rl.learner import TrainConfig
 from rl.loops import LoopConfig, run
 from rl.loops.validation import (
@@ -20,10 +20,17 @@ from rl.loops.validation import (
 )
 from rl.objectives import AdvantageConfig
 from rl.objectives.vcpo import VCPOConfig
+from rl.run import PRESETS, LoggingConfig, Resume, load_policy
 
 PRESET = PRESETS["tiny-synthetic"]
 LOOP = dataclasses.replace(PRESET.loop, steps=2, prompts_per_step=2, group_size=4, eval_prompts=8,
                            eval_every=0, save_every=0, eval_greedy=False)
+
+
+def cfg(run_dir, loop=LOOP):
+    """The preset with this loop, writing into run_dir, no wandb, no progress bar."""
+    return dataclasses.replace(PRESET, loop=loop, run_dir=str(run_dir),
+                               logging=LoggingConfig(wandb="disabled", progress=False))
 
 
 @pytest.mark.parametrize("adv", ["grpo", "dr_grpo", "rloo", "mc_grpo", "gdpo"])
@@ -115,16 +122,16 @@ def test_config_record_is_flat_json_of_every_field():
 
 def test_run_resume_checks_the_checkpoint_config(tmp_path):
     config, params, task = load_policy(PRESET, 0)
-    run(config, params, task, PRESET.train, LOOP, tmp_path, progress=False)
+    run(config, params, task, cfg(tmp_path))
     other = dataclasses.replace(LOOP, steps=4, group_size=2)
     with pytest.raises(ConfigError, match=r"loop.group_size: checkpoint 4 -> now 2"):
-        run(config, params, task, PRESET.train, other, tmp_path, resume=True, progress=False)
+        run(config, params, task, cfg(tmp_path, other), resume=True)
     # a finished run resumed without more steps would silently do nothing
     with pytest.raises(ConfigError, match="nothing to resume: the checkpoint is at step 2"):
-        run(config, params, task, PRESET.train, LOOP, tmp_path, resume=True, progress=False)
+        run(config, params, task, cfg(tmp_path), resume=True)
     more = dataclasses.replace(LOOP, steps=3, eval_every=1)
     with pytest.raises(ConfigError, match="--allow-config-change eval_every"):
-        run(config, params, task, PRESET.train, more, tmp_path, resume=True, progress=False)
-    res = run(config, params, task, PRESET.train, more, tmp_path, resume=True, progress=False,
-              allow_config_changes=["eval_every"])
+        run(config, params, task, cfg(tmp_path, more), resume=True)
+    res = run(config, params, task, cfg(tmp_path, more),
+              resume=Resume(allow_changes=("eval_every",)))
     assert int(res.state.step) == 3
