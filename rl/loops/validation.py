@@ -36,7 +36,8 @@ MIN_TRAIN_TEMPERATURE = 0.05
 # How far a resumed run goes: the resume itself says it may change.
 FREE_ON_RESUME = frozenset({"loop.steps", "loop.time_limit_s"})
 # Fields that change what is measured or saved, not what is learned: allowed on resume
-# when named explicitly (rl.loops.run(allow_config_changes=...), --allow-config-change).
+# when named explicitly (rl.loops.run(..., resume=Resume(allow_changes=...)),
+# --allow-config-change).
 CHANGEABLE_ON_RESUME = frozenset({"eval_every", "eval_prompts", "eval_greedy",
                                   "eval_sampled_prompts", "save_every", "keep_checkpoints",
                                   "segment_len", "checked"})
@@ -101,8 +102,8 @@ def config_record(train: TrainConfig, loop: Any, extra: Mapping[str, Any] | None
 
 
 def check_allowed_changes(allow: Iterable[str]) -> set[str]:
-    """The `allow_config_changes` names as a set; ConfigError for a name outside
-    CHANGEABLE_ON_RESUME."""
+    """The names allowed to change on resume (Resume.allow_changes) as a set; ConfigError
+    for a name outside CHANGEABLE_ON_RESUME."""
     allow = set(allow)
     unknown = allow - CHANGEABLE_ON_RESUME
     if unknown:
@@ -135,7 +136,7 @@ def check_resume_config(saved: Mapping[str, Any] | None, current: Mapping[str, A
     if changeable:
         hint.append(f"to change {', '.join(changeable)} on purpose, pass "
                     f"--allow-config-change {' '.join(changeable)} "
-                    "(rl.loops.run(..., allow_config_changes=...))")
+                    "(rl.loops.run(..., resume=Resume(allow_changes=...)))")
     if fixed:
         hint.append("the others define what is learned: resume with the checkpoint's values "
                     "or start a new run dir")
