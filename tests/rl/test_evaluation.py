@@ -18,7 +18,7 @@ import pytest
 
 from experiments import evaluate as evaluate_cli
 from experiments.common.train_cli import main as train_main
-from experiments.plots import plot_reward_curve
+from experiments.common.plots import plot_reward_curve
 from rl.loops import RunResult
 from rl.loops.evaluation import (
     batch_reward_metrics,
