@@ -5,8 +5,9 @@ sampler's segmented fill (shared-prefix forward) and its decode segment (segment
 masked and bounded) are traced once on abstract inputs (jax.ShapeDtypeStruct: random
 weights are never materialised, no model file is read) for the `tiny` and `smollm2-135m`
 configs in bf16, then lowered for each platform. With attn_impl=None (the default), the
-cuda module must hold the Triton kernels and the tpu module the Mosaic ones, whatever
-jax.default_backend() of this host is. Ragged lengths are runtime values; the static
+tpu module must hold the Mosaic kernels and the cuda module the Triton decode kernels and,
+for shared-prefix attention in bf16, the split design's cuDNN fused-attention calls
+(forward, and backward in the train step), whatever jax.default_backend() of this host is. Ragged lengths are runtime values; the static
 geometry is non-power-of-two (P, R, N, heads).
 """
 from __future__ import annotations
@@ -27,7 +28,14 @@ from rl.learner.step import train_step
 from rl.rollout.sampler_core import SegmentedFill, decode_segment_impl, fill_impl
 from rl.rollout.sampler_state import SamplingConfig, init_state
 from rl.trajectory import Trajectory
-from tests.kernels.test_lowering_kernels import DECODE, SPA_BWD, SPA_FWD
+from tests.kernels.test_lowering_kernels import (
+    CUDNN_BWD,
+    CUDNN_FWD,
+    DECODE,
+    SPA_BWD,
+    SPA_FWD,
+    cudnn_calls,
+)
 
 MODELS = ("tiny", "smollm2-135m")
 PLATFORMS = ("cuda", "tpu")
@@ -45,8 +53,9 @@ def abstract(tree):
 @functools.lru_cache(maxsize=None)
 def lowered_names(program: str, model: str, platform: str) -> dict[str, list[str]]:
     traced = traced_program(program, model)
-    found = lowered_kernels(traced.lower(lowering_platforms=(platform,)).as_text())
-    return {"cuda": found["triton"], "tpu": found["mosaic"]}
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    found = lowered_kernels(text)
+    return {"cuda": found["triton"] + cudnn_calls(text), "tpu": found["mosaic"]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +109,9 @@ def segmented_fill():
         stopped=jax.ShapeDtypeStruct((GROUPS, N), bool))
 
 
-EXPECTED = {"train_step": lambda p: SPA_FWD[p] + SPA_BWD[p], "fill": lambda p: SPA_FWD[p],
+# bf16 shared-prefix attention on cuda: the split design on cuDNN; elsewhere the kernels
+EXPECTED = {"train_step": lambda p: [CUDNN_FWD, CUDNN_BWD] if p == "cuda" else SPA_FWD[p] + SPA_BWD[p],
+            "fill": lambda p: [CUDNN_FWD] if p == "cuda" else SPA_FWD[p],
             "decode": lambda p: DECODE[p], "decode_bounded": lambda p: DECODE[p]}
 
 
