@@ -5,6 +5,7 @@
       model      ModelSpec     which policy: "tiny" (random init) or a model name / file / dir
       task       TaskSpec      rl.tasks.make_task spec (or "env:NAME": an environment), its
                                options and split seed
+      reward     RewardConfig  the verifier of "correct" and a reward function of your own
       train      TrainConfig   the learner: loss, advantage, optimizer, LoRA, VCPO, packing
                                (rl.learner.config)
       loop       LoopConfig    steps, batch geometry, eval / save cadence, seed, time limit
@@ -234,6 +235,60 @@ class TaskSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """verifier: what the task's "correct" reward is, passed to the task as its `verifier`
+    option (None: the task's default: "strict" for reasoning-gym, "math" for a file task):
+    "exact", "numeric", "math", "regex" (rl.tasks.verifiers) or, for reasoning-gym,
+    "strict" / "dataset"; tolerance: the numeric verifier's (None: the task's default);
+    function: a reward function of your own (rl.tasks.rewards): "module:function",
+    "path/to/file.py:function" or a name given to rl.tasks.rewards.register_reward (a
+    callable passed as RunConfig(reward=fn) is registered and stored by that name);
+    timeout_s: the time limit of one call of the function."""
+
+    verifier: str | None = None
+    function: str | None = None
+    timeout_s: float = 10.0
+    tolerance: float | None = None
+
+    def __post_init__(self):
+        for name in ("verifier", "function"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"RewardConfig.{name} must be None or a non-empty string, got "
+                                 f"{value!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"RewardConfig.timeout_s must be a number of seconds > 0, got {t!r}")
+        tol = self.tolerance
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
+                                or not tol >= 0):
+            raise ValueError(f"RewardConfig.tolerance must be None or a number >= 0, got {tol!r}")
+
+    @property
+    def task_options(self) -> dict[str, Any]:
+        """The options it sets on the task (verifier, tolerance)."""
+        return {k: v for k, v in (("verifier", self.verifier), ("tolerance", self.tolerance))
+                if v is not None}
+
+
+def as_reward_config(reward: Any) -> RewardConfig:
+    """A RewardConfig from a RewardConfig, None (the default), a spec string (the
+    function) or a callable (registered: rl.tasks.rewards.reward_spec)."""
+    if isinstance(reward, RewardConfig):
+        return reward
+    if reward is None:
+        return RewardConfig()
+    if isinstance(reward, str):
+        return RewardConfig(function=reward)
+    if callable(reward):
+        from rl.tasks.rewards import reward_spec
+
+        return RewardConfig(function=reward_spec(reward))
+    raise ValueError(f"RunConfig.reward must be a RewardConfig, a reward function or its spec "
+                     f"'module:function', got {type(reward).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     """wandb: "offline" (files in the run dir), "online" or "disabled"; progress: a tqdm bar."""
 
@@ -250,12 +305,15 @@ class LoggingConfig:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A whole run (module docstring). Build it from a preset (rl.run.PRESETS) and
-    override by dotted path, or field by field; `validate()` before running."""
+    override by dotted path, or field by field; `validate()` before running. Shorthands:
+    model="NAME|FILE.gguf|HF_DIR" (a ModelSpec), task="SPEC" (a TaskSpec), reward=fn or
+    "module:function" (a RewardConfig with that function)."""
 
     name: str = "custom"
     description: str = ""
     model: ModelSpec = ModelSpec()
     task: TaskSpec = TaskSpec()
+    reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
     loop: LoopConfig = LoopConfig()
     asynchronous: AsyncConfig | None = None
@@ -270,6 +328,11 @@ class RunConfig:
     def __post_init__(self):
         if isinstance(self.run_dir, Path):
             object.__setattr__(self, "run_dir", str(self.run_dir))
+        if isinstance(self.model, (str, Path)):
+            object.__setattr__(self, "model", ModelSpec(str(self.model)))
+        if isinstance(self.task, str):
+            object.__setattr__(self, "task", TaskSpec(self.task))
+        object.__setattr__(self, "reward", as_reward_config(self.reward))
         for name, cls in (("model", ModelSpec), ("task", TaskSpec), ("train", TrainConfig),
                           ("loop", LoopConfig), ("scheduler", SchedulerOptions),
                           ("distributed", DistributedConfig), ("logging", LoggingConfig)):
@@ -373,6 +436,18 @@ class RunConfig:
             from rl.loops.replay import check_replay_correction
 
             check_replay_correction(self.train)
+        r = self.reward
+        if r.task_options:
+            clash = {k: v for k, v in r.task_options.items()
+                     if k in self.task.kwargs and self.task.kwargs[k] != v}
+            if clash:
+                key = next(iter(clash))
+                raise ValueError(f"reward.{key}={clash[key]!r} and task option {key}="
+                                 f"{self.task.kwargs[key]!r} disagree; set it in one place "
+                                 f"(--verifier / reward.{key})")
+        if self.task.is_env and (r.function is not None or r.task_options):
+            raise ValueError(f"{self.task.spec}: an environment scores its own episodes; "
+                             "reward.function / reward.verifier are for single-turn tasks")
         if self.task.is_env:
             if a is not None and (a.mode, a.rollout) != ("deterministic", "static"):
                 raise ValueError(f"{self.task.spec}: environments run in the synchronous loop "
