@@ -144,13 +144,22 @@ def load_policy(cfg: RunConfig, seed: int | None = None) -> tuple[ModelConfig, A
 
 def with_logged_reward_weights(cfg: RunConfig, task: Any) -> RunConfig:
     """cfg with weight 0 for each of the task's logged_rewards that train.reward_weights
-    does not name (they are logged, not trained on); cfg itself when there are none."""
+    does not name (they are logged, not trained on); with GDPO, which normalises each named
+    reward on its own and reads its weights from advantage.params, also those weights
+    (logged ones 0, the others their reward_weights, default 1) unless they are set. cfg
+    itself when the task has no logged rewards."""
     weights = dict(cfg.train.reward_weights)
-    extra = {n: 0.0 for n in getattr(task, "logged_rewards", ()) if n not in weights}
-    if not extra:
+    logged = tuple(getattr(task, "logged_rewards", ()))
+    extra = {n: 0.0 for n in logged if n not in weights}
+    if not logged:
         return cfg
-    return dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, reward_weights={**weights, **extra}))
+    train = dataclasses.replace(cfg.train, reward_weights={**weights, **extra})
+    adv = cfg.train.advantage
+    if adv.name == "gdpo" and "weights" not in adv.kwargs:
+        all_weights = {**weights, **extra}
+        train = dataclasses.replace(train, advantage=dataclasses.replace(adv, params={
+            **adv.kwargs, "weights": {n: all_weights.get(n, 1.0) for n in task.reward_names}}))
+    return dataclasses.replace(cfg, train=train)
 
 
 def check_context(config: ModelConfig, task: Any) -> None:

@@ -73,6 +73,10 @@ def test_module_function_rewards_come_first_and_the_task_rewards_are_logged(tok,
     kept = RunConfig().override("train.reward_weights", {"correct": 0.5})
     assert dict(with_logged_reward_weights(kept, task).train.reward_weights) == {
         "correct": 0.5, "format": 0.0}
+    # GDPO normalises each named reward on its own, weighted by its params' weights
+    gdpo = with_logged_reward_weights(kept.override("train.advantage.name", "gdpo"), task)
+    assert dict(dict(gdpo.train.advantage.params)["weights"]) == {
+        "digits": 1.0, "short": 1.0, "correct": 0.5, "format": 0.0}
 
 
 def test_file_path_registered_name_and_callable(tok):
