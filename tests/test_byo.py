@@ -182,6 +182,7 @@ CASES = {
     "column": ({"answer": "solution"}, {}, "has no column 'solution'"),
     "reward": ({}, {"function": "no_such_module_q:f"}, "cannot import module"),
     "verifier": ({}, {"verifier": "dataset"}, "verifier must be one of"),
+    "synthetic": ({}, {}, "token-level, for the tiny random model.*--task file:PATH"),
 }
 
 
@@ -191,6 +192,8 @@ def test_bad_inputs_are_refused_before_anything_compiles(tiny_dir, tmp_path, cas
     model = broken_copy(tiny_dir, tmp_path, case) if case in (
         "mistral", "no weights", "torch weights", "no chat template") else tiny_dir
     cfg = base_config(model, **task_options)
+    if case == "synthetic":
+        cfg = cfg.override("task", TaskSpec("synthetic"))
     if reward:
         cfg = cfg.overrides({f"reward.{k}": v for k, v in reward.items()})
     compiles = []

@@ -128,6 +128,10 @@ def load_policy(cfg: RunConfig, seed: int | None = None) -> tuple[ModelConfig, A
         return config, init_params(config, cfg.model.init_seed + seed), task
     from models.assets import inspect_model, load_model, load_tokenizer
 
+    if cfg.task.spec.split(":")[0] == "synthetic":
+        raise ValueError(f"task {cfg.task.spec!r} is token-level, for the tiny random model; "
+                         f"to train {cfg.model.name!r} give a text task: --task file:PATH "
+                         "(your prompts) or reasoning_gym:NAME")
     info = inspect_model(cfg.model.name)
     tokenizer = load_tokenizer(info.path)
     if needs_chat_template(cfg.task) and tokenizer.chat_template is None:
