@@ -77,7 +77,8 @@ def test_prompts_go_through_the_chat_template(tok):
     want = ("<|im_start|>system\nYou are a careful calculator.<|im_end|>\n<|im_start|>user\n"
             "What is 2 + 3?\nAnswer in \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(p.ids, skip_special_tokens=False) == want
-    assert p.answer["system"] == "You are a careful calculator." and p.answer["source"].endswith(":1")
+    assert p.answer["system"] == "You are a careful calculator."
+    assert p.answer["source"].endswith(":1")
     no_system = by_text["What is 7 - 4?"]  # an empty system cell: no system message
     assert tok.decode(no_system.ids, skip_special_tokens=False).startswith("<|im_start|>user\n")
     plain = FileTask(str(JSONL), tokenizer=tok, chat=False, instruction="")

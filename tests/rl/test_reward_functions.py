@@ -135,7 +135,8 @@ def test_a_failure_during_training_names_the_prompt(tok):
     register_reward("late_nan", late_nan)
     task = task_with(tok, "late_nan")
     prompt = task.eval_prompts(1)[0]
-    with pytest.raises(RewardFunctionError, match=re.escape(f"on prompt '{prompt.text}' returned r=nan")):
+    want = re.escape(f"on prompt '{prompt.text}' returned r=nan")
+    with pytest.raises(RewardFunctionError, match=want):
         task.reward(prompt, "x")
 
 
