@@ -27,7 +27,8 @@ Against measurements (the peak resident memory of the run's step profile, CPU): 
 smollm2-rg preset estimates 9.9 GB and measured 10.3 GB (docs/results/real-model-step.md);
 a run of the tiny HF model (models.tiny_hf; 2 prompts x 4 samples, 160 + 8 tokens)
 estimates 1.09 GB and measured 1.05 GB, nearly all of it the runtime. On a GPU XLA's
-allocator preallocates most of the device's memory, so compare with the profile's peak, not with nvidia-smi.
+allocator preallocates most of the device's memory, so compare with the profile's peak,
+not with nvidia-smi.
 """
 from __future__ import annotations
 
