@@ -10,6 +10,7 @@ Also: each bad model, prompt file or reward function is refused before anything 
 import contextlib
 import io
 import json
+import os
 import shutil
 import stat
 import sys
@@ -107,8 +108,10 @@ def test_export_loads_in_transformers_with_the_same_greedy_tokens(trained, dtype
     out = root / f"hf-{dtype}"
     summary = export_main(["--model", str(run), "--out", str(out), "--dtype", dtype])
     assert summary["dtype"] == dtype and summary["step"] == 2
-    for f in out.iterdir():  # the usual mode (umask 022 in CI): readable by others
-        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():  # the usual mode under the umask (0644 under 022), not 0600
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
     with safe_open(out / "model.safetensors", framework="np") as f:
         t = f.get_tensor("model.embed_tokens.weight")
     assert t.dtype == {"float32": np.float32, "float16": np.float16}.get(dtype, t.dtype)
