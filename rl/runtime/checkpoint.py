@@ -69,11 +69,17 @@ from rl.runtime.storage import (
     StorageError,
     StorageWarning,
     free_space_warning,
+    quiet_orbax_echoes,
     tree_bytes,
 )
 
 # Orbax logs every save at INFO; a training loop's progress bar is the better place.
 logging.getLogger("absl").setLevel(logging.WARNING)
+# Orbax also logs each failure of its writer threads with a traceback, from several threads
+# (some still running after the save was reported failed); the Checkpointer raises those
+# failures as one exception, so their tracebacks stay out of the log (module doc).
+ORBAX_ERRORS = OrbaxErrorLog()
+logging.getLogger("absl").addFilter(ORBAX_ERRORS)
 
 
 class CheckpointError(ValueError):
@@ -140,16 +146,16 @@ class Checkpointer:
         self._lock = lock
         self.directory = Path(directory).absolute()
         self._pending: int | None = None  # the step of the save orbax may still be writing
-        self._errors = OrbaxErrorLog()
+        self._failed = False  # a save failed (what closing orbax then says is its echo)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save,
                                                cleanup_tmp_directories=cleanup_tmp)
-        logging.getLogger("absl").addFilter(self._errors)
+        ORBAX_ERRORS.take()
+        quiet_orbax_echoes()  # a failed save's leftover writes fail noisily (storage doc)
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options,
                                                   item_names=("state", "meta"))
         except BaseException as err:
-            logging.getLogger("absl").removeFilter(self._errors)
             if lock is not None:
                 lock.release()
             failure = StorageError.of(err, what="checkpoints", path=self.directory)
@@ -184,11 +190,9 @@ class Checkpointer:
         except Exception as err:
             raise self._write_error(err, step) from err
         if step is not None and step not in self._manager.all_steps():
-            logged = self._errors.take()  # an error orbax logged without raising it
+            logged = ORBAX_ERRORS.take()  # an error orbax logged without raising it
             why = logged[-1] if logged else "orbax did not finalize it"
-            err = RuntimeError(why)
-            raise self._write_error(err, step) from None
-        self._errors.take()
+            raise self._write_error(RuntimeError(why), step) from None
 
     def poll(self) -> None:
         """Without blocking: raise the failure of a background save that has finished
@@ -208,7 +212,7 @@ class Checkpointer:
     def _write_error(self, err: BaseException, step: int | None) -> Exception:
         """StorageError (a storage cause) or CheckpointError for a save that failed."""
         what = "checkpoint" if step is None else f"checkpoint step {step}"
-        self._pending = None
+        self._pending, self._failed = None, True
         good = self.last_good(exclude=step)
         failure = StorageError.of(err, what=what, path=self.directory, last_good=good)
         if failure is not None:
@@ -337,9 +341,12 @@ class Checkpointer:
             try:
                 self.wait()
             finally:
-                self._manager.close()
+                try:
+                    self._manager.close()
+                except Exception as err:
+                    if not self._failed:  # else: the echo of the failure already raised
+                        raise self._write_error(err, None) from err
         finally:
-            logging.getLogger("absl").removeFilter(self._errors)
             if self._lock is not None:
                 self._lock.release()
 

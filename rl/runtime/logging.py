@@ -42,7 +42,8 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` atomically (temp file + fsync + rename)."""
+    """Write `data` to `path` atomically (temp file + fsync + rename). An OSError (e.g.
+    no space left) names `path` and leaves no temp file behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -55,9 +56,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
 
 
@@ -156,8 +159,14 @@ class MetricsLogger:
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                if os.write(fd, line) != len(line):  # one write: no torn records on a crash
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+                end = os.fstat(fd).st_size
+                try:  # one write of the whole line: no torn records on a crash
+                    if os.write(fd, line) != len(line):
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+                except OSError:
+                    with contextlib.suppress(OSError):  # no torn line left behind
+                        os.ftruncate(fd, end)
+                    raise
             finally:
                 os.close(fd)
         except OSError as err:

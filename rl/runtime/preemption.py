@@ -25,9 +25,14 @@ Several processes (jax.distributed): every process must stop after the same step
 their collectives would hang. `agree(*flags)` ORs boolean flags over all processes with
 jax.experimental.multihost_utils.process_allgather (a collective every process calls at
 the same point); `RunControl.boundary` agrees on (stop, time-based save due, time limit
-reached) once per step, and also honours JAX's own preemption service
-(multihost_utils.reached_preemption_sync_point, when jax.distributed runs it). Abandoning
-a step needs no agreement in one process and is off with several (they stop at the next
+reached) once per step, and also asks JAX's own preemption service
+(multihost_utils.reached_preemption_sync_point). That service is on by default: once
+`jax.distributed.initialize` has run, JAX's notifier owns SIGTERM (it replaced this
+module's handler when it started, and a SIGTERM to any process then makes every process
+reach the same sync step, the one after the furthest process's current step); SIGINT
+stays this module's, agreed through `agree`. With the service off
+(jax_enable_preemption_service=False) SIGTERM is this module's too. Abandoning a step
+needs no agreement in one process and is off with several (they stop at the next
 boundary instead).
 
 Exit statuses of `python -m experiments.train` (what a job script or scheduler sees):
@@ -218,12 +223,16 @@ class RunControl:
         self.time_limit_s = float(time_limit_s)
         self.single_process = jax.process_count() == 1
         self._last_save = time.monotonic()
+        self._notice = False  # the stop came from JAX's preemption service
 
     @property
     def signal_name(self) -> str:
-        """The stop signal received here, or (several processes) "a signal to another
-        process" when the stop was agreed because of one."""
-        return requested() or "a signal to another process"
+        """What stopped the run: the stop signal received here ("SIGTERM" / "SIGINT"), or
+        with several processes "a preemption notice" (JAX's preemption service) or "a
+        signal to another process"."""
+        if requested() is not None:
+            return requested()
+        return "a preemption notice" if self._notice else "a signal to another process"
 
     def saved(self) -> None:
         """A checkpoint was just written: the time-based save counts from now."""
@@ -233,7 +242,9 @@ class RunControl:
         due = self.save_every_s > 0 and time.monotonic() - self._last_save >= self.save_every_s
         late = self.time_limit_s > 0 and time_s >= self.time_limit_s
         stop, due, late = agree(requested() is not None, due, late)
-        return Boundary(stop or jax_preemption_notice(step), due, late)
+        if not stop and jax_preemption_notice(step):
+            stop = self._notice = True
+        return Boundary(stop, due, late)
 
     def abandonable(self, allowed: bool = True):
         """abandonable(allowed and this is the only process)."""

@@ -16,11 +16,12 @@ message when the file system holding `directory` has room for fewer than two mor
 checkpoints of `need_bytes` (the early warning) or less than one (this save will fail);
 `tree_bytes(path)` measures a checkpoint on disk.
 
-`OrbaxErrorLog`: a logging filter the Checkpointer installs on orbax's logger ("absl")
-while it is open: orbax logs every failure of its background writer with a full
-traceback (several, from several threads) before the error reaches the caller; the filter
-keeps those records (the error surfaces as one exception from Checkpointer.wait / poll)
-and drops them from the log.
+`OrbaxErrorLog`: a logging filter rl.runtime.checkpoint installs on orbax's logger
+("absl"): orbax logs every failure of its background writer with a full traceback
+(several, from several threads, some after the save was reported failed) besides raising
+it to the caller; the filter drops those records from the log (the Checkpointer raises
+the failure as one exception) and keeps the last few messages (for an error orbax logs
+but never raises).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -169,7 +171,7 @@ class OrbaxErrorLog(logging.Filter):
         path = Path(record.pathname).as_posix()
         if record.levelno >= logging.ERROR and record.exc_info and "/orbax/" in path:
             with self._lock:
-                self.messages.append(record.getMessage())
+                self.messages = [*self.messages[-19:], record.getMessage()]
             return False
         return True
 
@@ -177,3 +179,44 @@ class OrbaxErrorLog(logging.Filter):
         with self._lock:
             out, self.messages = self.messages, []
         return out
+
+
+_echoes_quiet = False
+
+
+def _closed_loop_echo(err: BaseException | None) -> bool:
+    return isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
+
+
+def quiet_orbax_echoes() -> None:
+    """Keep the echoes of a failed checkpoint write out of stderr (process-wide, idempotent;
+    rl.runtime.checkpoint calls it when a Checkpointer opens). When one of orbax's writer
+    operations fails, orbax closes that save's event loop while its other writes are
+    still running in tensorstore; as those finish they call back into the closed loop,
+    and each prints a "RuntimeError: Event loop is closed" traceback (through
+    sys.excepthook or sys.unraisablehook, from tensorstore's threads), and their futures
+    report the write error through asyncio's logger ("Future exception was never
+    retrieved"). The failure itself reaches the caller as one exception (Checkpointer.wait
+    / poll); these echoes are dropped. Nothing else is: other exceptions pass to the
+    previous hooks, and asyncio records whose exception is not a storage failure stay."""
+    global _echoes_quiet
+    if _echoes_quiet:
+        return
+    _echoes_quiet = True
+
+    def storage_echo(record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return not (err is not None and storage_errno(err) is not None)
+
+    logging.getLogger("asyncio").addFilter(storage_echo)
+    previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
+
+    def unraisable(info) -> None:
+        if not _closed_loop_echo(info.exc_value):
+            previous_unraisable(info)
+
+    def excepthook(kind, err, tb) -> None:
+        if not _closed_loop_echo(err):
+            previous_except(kind, err, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable, excepthook

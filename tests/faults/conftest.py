@@ -177,6 +177,14 @@ def train_env(cache) -> dict:
     return env
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def launch(cache, *args, **popen) -> subprocess.Popen:
     """`python -m experiments.train *args` in a subprocess (stdout/stderr piped)."""
     return subprocess.Popen([sys.executable, "-m", "experiments.train", *map(str, args)],
