@@ -99,7 +99,10 @@ class ToolWorker:
         self._proc = subprocess.Popen([sys.executable, "-c", _SERVE, self.target, path],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         self._buf = b""
-        reply = self._read(time.monotonic() + STARTUP_TIMEOUT_S)
+        try:
+            reply = self._read(time.monotonic() + STARTUP_TIMEOUT_S)
+        except EOFError:
+            reply = None
         if reply != ("ready",):
             self._kill()
             raise RuntimeError(f"the tool worker for {self.target!r} did not start (can "
@@ -117,14 +120,15 @@ class ToolWorker:
                 stream.close()
 
     def _read_exactly(self, n: int, deadline: float) -> bytes | None:
+        """n bytes from the worker; None at the deadline; EOFError if it died."""
         fd = self._proc.stdout.fileno()
         while len(self._buf) < n:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
                 return None
             chunk = os.read(fd, 1 << 16)
-            if not chunk:  # the worker died
-                return None
+            if not chunk:
+                raise EOFError("the worker closed its pipe")
             self._buf += chunk
         out, self._buf = self._buf[:n], self._buf[n:]
         return out
@@ -150,12 +154,14 @@ class ToolWorker:
             except (BrokenPipeError, OSError, ValueError):
                 self._kill()
                 raise RuntimeError(f"the tool worker for {self.target!r} died") from None
-            reply = self._read(time.monotonic() + self.timeout_s)
-            if reply is None:
-                dead = self._proc.poll() is not None
+            try:
+                reply = self._read(time.monotonic() + self.timeout_s)
+            except EOFError:
                 self._kill()
-                if dead:
-                    raise RuntimeError(f"the tool worker for {self.target!r} died during a call")
+                raise RuntimeError(f"the tool worker for {self.target!r} died during a "
+                                   "call") from None
+            if reply is None:
+                self._kill()
                 self.timeouts += 1
                 raise ToolTimeout(f"tool {self.target!r} did not finish within "
                                   f"{self.timeout_s:g} s; its worker process was killed")

@@ -487,7 +487,7 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
     state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn
     data_position, start, ctl = ctx.data_position, ctx.start, ctx.control
     last = (state, data_position)  # the last completed step's: what a stop saves
-    in_step = 0  # the step being made, between its first sample and its record
+    in_step, doing = False, "setup"  # in a step (between sampling and its record); what for
     try:
         source = make_prompt_source(scheduler, task, loop, params, seed=loop.seed,
                                     config=train)
@@ -518,6 +518,7 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
         if ctl.boundary(start).stop:  # a signal before the first step
             raise stop(start, pending_eval=pending)
         if pending is not None:  # the step-0 eval, or the one a stop left undone
+            doing = f"the eval of step {pending}"
             try:
                 with ctl.abandonable():
                     do_eval(pending, process_local(ctx.policy(state.params)),
@@ -530,7 +531,7 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
         for step in range(start, loop.steps):
             prof.start()
             t0 = time.perf_counter()
-            in_step = step + 1  # the step being made (for an error's note)
+            in_step, doing = True, f"step {step + 1}"
             try:
                 with ctl.abandonable(can_abandon):
                     batch, state, data_position, stats = collect_batch(
@@ -563,7 +564,7 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
             metrics.update(prof.finish())
             done = step + 1
             record = logger.log(done, metrics, kind="train")
-            last, in_step = (state, data_position), 0
+            last, in_step = (state, data_position), False
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
@@ -573,6 +574,7 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
             if is_last or (loop.eval_every and done % loop.eval_every == 0):
                 if when.stop:  # the resumed run evaluates first
                     raise stop(done, f"the eval of step {done}", done)
+                doing = f"the eval of step {done}"
                 try:
                     with ctl.abandonable():
                         ev = do_eval(done, process_local(ctx.policy(state.params)),
@@ -607,8 +609,8 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
         ctx.close(quiet=True)
         if failure is not None and failure is not err:
             raise failure from err
-        if in_step and failure is None:  # e.g. the task's reward function (or its worker)
-            err.add_note(f"while making step {in_step} of the run in {str(run_dir)!r}")
+        if failure is None:  # e.g. the task's reward function (or its worker) failed
+            err.add_note(f"(during {doing} of the run in {str(run_dir)!r})")
         raise
     ctx.close()
     return RunResult(state=state, train=[r for r in logger.records if r["kind"] == "train"],

@@ -37,7 +37,9 @@ Time limits (`MultiTurnConfig.time_limits`, a `TimeLimits`; 0 = none): `step_s` 
 every call into the environment (reset, decode_turn, step, encode_observation, outcome;
 default: the environment's own `step_timeout_s`, if it has one; rl.rollout.episodes runs
 the call in a daemon thread), `episode_s` the wall time of an episode from its reset
-(decoding included: checked after every engine step and at every turn boundary). An
+(decoding included: checked after every engine step and at every turn boundary; the
+episodes decoding together share that time, environment calls being made one after
+another on the host, so a slow episode also ages its batch mates). An
 episode past either ends with EndReason.TIMEOUT: its slot stops decoding, its group
 leaves when its other episodes end, the rest of the batch is untouched, and its rewards
 are its outcome() (0 when a call into it is still running).
