@@ -69,11 +69,16 @@ params θ_prox ← β θ_prox + (1 − β) θ (rl.learner.proximal.ewma_update) 
 π_prox/μ, staleness_* = π_θ/π_prox), plus the buffer's counters (buffer_*) and the
 behaviour-version lag of each batch.
 
-Faults: an exception in the producer thread stops the run: the learner writes a final
-checkpoint and raises RuntimeError chained to the original exception (its traceback
-intact); KeyboardInterrupt (Ctrl-C, or raised from a hook) writes a final checkpoint and
-re-raises; the producer is always stopped and joined (timeout, then it is a daemon
-thread, so it can never keep the process alive). Resume: deterministic mode resumes
+Faults: an exception in the producer thread stops the run at the step the learner waits
+for: the learner writes a final checkpoint and raises RuntimeError ("step N: the rollout
+thread failed: ...") chained to the original exception (its traceback intact); SIGTERM /
+Ctrl-C (rl.runtime.preemption) stop it as they stop rl.loops.run: at the next safe point
+(waiting for or sampling a batch: dropped, except inside deterministic APRIL rounds; an
+eval: left to the resumed run), with a checkpoint of the last completed step, raising
+Preempted; a KeyboardInterrupt (a second Ctrl-C, or raised from a hook) writes a final
+checkpoint and re-raises; a failed write is one StorageError; the producer is always
+stopped and joined (timeout, then it is a daemon thread, so it can never keep the
+process alive). Resume: deterministic mode resumes
 exactly with static rollouts (the snapshot ring is saved beside each checkpoint under
 run_dir/snapshots/); with APRIL its FIFO is saved under run_dir/rollout_state/ and
 restored whole, but rl.rollout.april reseeds new groups on a restore, so the continuation is

@@ -8,7 +8,8 @@ current params, scores, and makes one learner update on exactly that data.
 with a periodic eval on the task's eval split, metrics to JSONL (+ wandb), a tqdm bar,
 and orbax checkpoints from which `resume=True` continues exactly: the checkpoint holds
 params, optimizer state, step, rng (the source of every rollout seed) and the data
-position, so 2 steps + resume + 2 steps == 4 steps, bit for bit on CPU.
+position, so 2 steps + resume + 2 steps == 4 steps, bit for bit on CPU. SIGTERM / Ctrl-C
+stop it at a safe point with a checkpoint (rl.runtime.preemption; docs: guides/faults.md).
 
 Its pieces are shared with the asynchronous loop (rl.loops.asynchronous): open_run (run dir, state,
 checkpointer, logger, jitted step: rl.loops.context), make_evaluator, sample_batch_groups (one batch of
@@ -243,8 +244,7 @@ def rollout_seed(rng: jax.Array) -> tuple[int, jax.Array]:
     return int(jax.random.randint(sub, (), 0, np.iinfo(np.int32).max)), key
 
 
-def loop_time_limits(loop: LoopConfig) -> TimeLimits:
-    """An environment's time limits from the loop's env_step_timeout_s / episode_timeout_s."""
+def loop_time_limits(loop: LoopConfig) -> TimeLimits:  # an environment's, from the loop's
     return TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s)
 
 

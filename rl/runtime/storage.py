@@ -194,7 +194,7 @@ def quiet_orbax_echoes() -> None:
     operations fails, orbax closes that save's event loop while its other writes are
     still running in tensorstore; as those finish they call back into the closed loop,
     and each prints a "RuntimeError: Event loop is closed" traceback (through
-    sys.excepthook or sys.unraisablehook, from tensorstore's threads), and their futures
+    sys.unraisablehook, from tensorstore's threads), and their futures
     report the write error through asyncio's logger ("Future exception was never
     retrieved"). The failure itself reaches the caller as one exception (Checkpointer.wait
     / poll); these echoes are dropped. Nothing else is: other exceptions pass to the
@@ -209,14 +209,10 @@ def quiet_orbax_echoes() -> None:
         return not (err is not None and storage_errno(err) is not None)
 
     logging.getLogger("asyncio").addFilter(storage_echo)
-    previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
+    previous = sys.unraisablehook
 
     def unraisable(info) -> None:
         if not _closed_loop_echo(info.exc_value):
-            previous_unraisable(info)
+            previous(info)
 
-    def excepthook(kind, err, tb) -> None:
-        if not _closed_loop_echo(err):
-            previous_except(kind, err, tb)
-
-    sys.unraisablehook, sys.excepthook = unraisable, excepthook
+    sys.unraisablehook = unraisable

@@ -156,3 +156,23 @@ def test_sigterm_in_the_async_loop(policy, tmp_path, monkeypatch, mode):
                     resume=True)
     assert [r["step"] for r in res.train] == [1, 2, 3, 4]
 
+
+
+@pytest.mark.parametrize("loop_kind", ["sync", "async"])
+def test_time_based_saves(policy, tmp_path, monkeypatch, loop_kind):
+    """save_every_minutes: a save after the first step that ends that long after the last
+    save (here 1 µs: after every step), in both loops; 0 keeps the schedule as it was."""
+    config, params, task = policy
+    saved = []
+    save = Checkpointer.save
+    monkeypatch.setattr(Checkpointer, "save",
+                        lambda self, step, *a, **k: (saved.append(step), save(self, step, *a, **k)))
+    sections = {} if loop_kind == "sync" else {
+        "asynchronous": AsyncConfig(max_staleness=1, mode="deterministic")}
+    run_fn = run if loop_kind == "sync" else run_async
+    run_fn(config, params, task, cfg(tmp_path / "off", LOOP, **sections))
+    assert saved == [4]  # save_every=0: the end only
+    saved.clear()
+    timed = dataclasses.replace(LOOP, save_every_minutes=1e-6 / 60)
+    run_fn(config, params, task, cfg(tmp_path / "on", timed, **sections))
+    assert saved == [1, 2, 3, 4] and checkpoint_steps(tmp_path / "on") == [3, 4]
