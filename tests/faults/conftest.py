@@ -1,10 +1,10 @@
 """Shared pieces of the fault-injection suite (tests/faults/): the tiny config in the
 geometry of tests/rl/test_sync_loop.py and tests/test_train_job.py (2 groups of 4, 8 eval
 prompts: the compiled sampler and train step are shared with them inside one pytest
-process), the uninterrupted reference run every fault is compared with (params, optimizer
-state and the non-timing metric records, bit for bit), a way to send a real signal at the
-k-th call of any function, subprocess runs of `python -m experiments.train` that share
-one persistent XLA compilation cache, and a small disk (a tmpfs when this machine lets us
+process), how a run is compared with the uninterrupted one (params, optimizer state and
+the non-timing metric records, bit for bit), a way to send a real signal at the k-th
+call of any function, subprocess runs of `python -m experiments.train` that share one
+persistent XLA compilation cache, and a small disk (a tmpfs, where this process may
 mount one).
 
 The number of random fault points each test draws: TANDEM_FAULT_SAMPLES (default 1, the
@@ -35,9 +35,6 @@ LOOP = dataclasses.replace(PRESET.loop, steps=4, prompts_per_step=2, group_size=
                            eval_prompts=8, eval_every=2, save_every=0, eval_greedy=False)
 SAMPLES = int(os.environ.get("TANDEM_FAULT_SAMPLES", "1"))
 SEED = int(os.environ.get("TANDEM_FAULT_SEED", "0"))
-# the CLI flags of the same run (experiments.train)
-CLI = ["--steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "8",
-       "--eval-every", "2", "--wandb", "disabled", "--no-progress"]
 TIMING = ("tokens_per_s", "peak_rss_mb", "peak_rss_per_step")
 
 
@@ -104,17 +101,6 @@ def lock_is_free(run_dir) -> bool:
     except RunLockError:
         return False
     return True
-
-
-@pytest.fixture(scope="module")
-def reference(policy, tmp_path_factory):
-    """The uninterrupted run of LOOP (sync): its final state and non-timing records."""
-    from rl.loops import run
-
-    config, params, task = policy
-    run_dir = tmp_path_factory.mktemp("reference")
-    res = run(config, params, task, cfg(run_dir))
-    return res.state, comparable(records(run_dir))
 
 
 # ----------------------------------------------------------------------------- signals
@@ -216,9 +202,8 @@ def train_steps_logged(run_dir) -> int:
 
 # ----------------------------------------------------------------------------- a small disk
 class SmallDisk:
-    """A directory on a file system of `size` bytes: a real tmpfs when this process may
-    mount one (root), else None (see `small_disk`). fill() takes every free byte (a
-    filler file), free() gives them back."""
+    """A directory on a tmpfs of `size` bytes (mount_tmpfs): fill() takes every free byte
+    (a filler file), free() gives them back."""
 
     def __init__(self, path: Path, size: int):
         self.path, self.size = path, size
@@ -251,17 +236,3 @@ def mount_tmpfs(path: Path, size: int) -> bool:
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                           capture_output=True)
     return proc.returncode == 0
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """SmallDisk of 4 MB on a fresh tmpfs, or None where mounting is not allowed (then the
-    tests simulate the failing writes instead)."""
-    path = tmp_path / "disk"
-    if not mount_tmpfs(path, 4 << 20):
-        yield None
-        return
-    try:
-        yield SmallDisk(path, 4 << 20)
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -1,5 +1,5 @@
 """Signals from outside, as a scheduler sends them, to `python -m experiments.train` in a
-subprocess, at a random point of a 30-step run (after a random number of logged steps):
+subprocess, at a random point of a 20-step run (after a random number of logged steps):
 
   * SIGTERM / SIGINT: the process exits with status 0 (EXIT_PREEMPTED) after one
     "preempted: ..." line on stderr and no traceback, its lock is free, and `--resume`
@@ -36,7 +36,7 @@ from conftest import (
 
 from experiments.common.train_cli import main
 
-STEPS = 30
+STEPS = 20
 ARGS = ["--steps", str(STEPS), "--prompts-per-step", "2", "--group-size", "4",
         "--eval-prompts", "8", "--eval-every", "10", "--save-every", "3", "--wandb",
         "disabled", "--no-progress"]
@@ -102,7 +102,7 @@ def test_sigkill_then_resume_from_last_good_is_exact(full_run, xla_cache, tmp_pa
     got = records(run_dir)
     train = [r["step"] for r in got if r["kind"] == "train"]
     evals = [r["step"] for r in got if r["kind"] == "eval"]
-    assert train == list(range(1, STEPS + 1)) and evals == [0, 10, 20, 30]
+    assert train == list(range(1, STEPS + 1)) and evals == [0, 10, 20]
     state, want = full_run
     assert_same_state(restore(run_dir, STEPS)[0], state)
     assert comparable(got) == want
