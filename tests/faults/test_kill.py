@@ -1,14 +1,15 @@
-"""Signals from outside, as a scheduler sends them, to `python -m experiments.train` in a
-subprocess, at a random point of a 20-step run (after a random number of logged steps):
+"""Signals to the main job (`experiments.train`), at a random point of a 20-step run:
 
-  * SIGTERM / SIGINT: the process exits with status 0 (EXIT_PREEMPTED) after one
-    "preempted: ..." line on stderr and no traceback, its lock is free, and `--resume`
-    ends with the params, optimizer state and metric records of the uninterrupted run;
-  * SIGKILL: nothing runs at all, yet `--resume --resume-from-last-good` always succeeds
-    (a save cut short leaves only a temporary directory, removed on resume) and ends with
+  * SIGTERM / SIGINT (a real signal at a random decode segment of main(), in this
+    process): exit status 0 (or --preempted-exit-code) after one "preempted: ..." line on
+    stderr and no traceback, its lock is free, and `--resume` ends with the params,
+    optimizer state and metric records of the uninterrupted run;
+  * SIGKILL to a `python -m experiments.train` subprocess after a random number of logged
+    steps: nothing runs at all, yet `--resume --resume-from-last-good` always succeeds (a
+    save cut short leaves only a temporary directory, removed on resume) and ends with
     the uninterrupted run's state and records: no metric step duplicated or missing;
-  * two processes (jax.distributed on localhost, 1 CPU device each), SIGTERM to one of
-    them: both stop after the same step, each with exit status 0.
+  * two processes (jax.distributed on localhost, 1 CPU device each), SIGTERM from outside
+    to one of them: both stop after the same step, each with exit status 0 and one line.
 
 The subprocesses share one persistent XLA compilation cache (conftest.xla_cache); the
 resumes and the reference run in this process (same programs as the other fault tests).
@@ -70,19 +71,29 @@ def stop_after(xla_cache, run_dir, logged, sig):
     return proc.returncode, err
 
 
-@pytest.mark.parametrize("logged", draws(STEPS - 1, "sigterm"))
-def test_sigterm_from_outside_then_resume_is_exact(full_run, xla_cache, tmp_path, logged):
-    sig = (signal.SIGTERM, signal.SIGINT)[logged % 2]
+@pytest.mark.parametrize("k", draws(STEPS + 3, "cli-signal"))  # segments: 1 a step or eval
+def test_the_cli_exits_0_after_a_stop_then_resume_is_exact(full_run, tmp_path, capfd,
+                                                            monkeypatch, k):
+    """SIGTERM / SIGINT at a random decode segment of experiments.train's main(): status
+    0 (--preempted-exit-code changes it), one "preempted:" line, no traceback."""
+    from conftest import SignalAt
+
+    from rl.rollout.engine import RolloutEngine
+
+    sig = (signal.SIGTERM, signal.SIGINT)[k % 2]
     run_dir = tmp_path / "r"
-    code, err = stop_after(xla_cache, run_dir, logged, sig)
+    stop = SignalAt(monkeypatch, RolloutEngine, "step", k, sig=sig)
+    code = 0 if k % 3 else 143
+    with pytest.raises(SystemExit) as info:
+        main([*ARGS, "--run-dir", str(run_dir), "--preempted-exit-code", str(code)])
+    err = capfd.readouterr().err
+    assert stop.sent and info.value.code == code, err[-3000:]
     lines = err.strip().splitlines()
-    if code == 0 and lines[-1:] and not lines[-1].startswith("preempted:"):
-        pytest.fail(f"the run finished before the signal:\n{err[-2000:]}")
-    assert code == 0, err[-3000:]
     assert lines[-1].startswith(f"preempted: stopped by {sig.name} after step ")
     assert "Traceback" not in err
     step = stopped_step(lines[-1])
     assert step in checkpoint_steps(run_dir) and lock_is_free(run_dir)
+    monkeypatch.undo()
     main([*ARGS, "--run-dir", str(run_dir), "--resume"])
     state, want = full_run
     assert_same_state(restore(run_dir, STEPS)[0], state)

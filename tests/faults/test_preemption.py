@@ -11,6 +11,7 @@ In-process runs of the suite's tiny config (tests/faults/conftest.py); each poin
 one interrupted run and one resume (~2 s once compiled)."""
 import dataclasses
 import signal
+import threading
 
 import pytest
 from conftest import (
@@ -129,33 +130,46 @@ def test_sigterm_during_a_checkpoint_save(policy, timeline, tmp_path, monkeypatc
     assert err.step == 2 and checkpoint_steps(tmp_path / "r") == [2, 4]
 
 
-@pytest.mark.parametrize("mode", ["deterministic", "threaded"])
-def test_sigterm_in_the_async_loop(policy, tmp_path, monkeypatch, mode):
-    acfg = AsyncConfig(max_staleness=0 if mode == "threaded" else 1, mode=mode)
+DETERMINISTIC = AsyncConfig(max_staleness=1, mode="deterministic")
+
+
+@pytest.fixture(scope="module")
+def async_reference(policy, tmp_path_factory):
     config, params, task = policy
-    straight = run_async(config, params, task, cfg(tmp_path / "a", SAVING, asynchronous=acfg))
-    reference = (straight.state, comparable(records(tmp_path / "a")))
+    run_dir = tmp_path_factory.mktemp("async")
+    res = run_async(config, params, task, cfg(run_dir, SAVING, asynchronous=DETERMINISTIC))
+    return res.state, comparable(records(run_dir))
+
+
+@pytest.mark.parametrize("k", draws(7, "async"))  # 4 steps and 3 evals: 7 decode segments
+def test_sigterm_in_the_deterministic_async_loop(policy, async_reference, tmp_path,
+                                                 monkeypatch, k):
+    SignalAt(monkeypatch, RolloutEngine, "step", k)
+    interrupted_then_resumed(policy, tmp_path / "b", async_reference,
+                             asynchronous=DETERMINISTIC)
+
+
+def test_sigterm_in_the_threaded_async_loop(policy, tmp_path):
+    """Threaded: the producer's queued groups are dropped on resume (documented), so the
+    continuation differs from an uninterrupted run; the stop itself is clean and resumes."""
+    from rl.run import RunHooks
+
+    config, params, task = policy
+    acfg = AsyncConfig(max_staleness=1)
 
     def stop_after_step_one(record):
         if record["step"] == 1:
             signal.raise_signal(signal.SIGTERM)
 
-    if mode == "deterministic":  # exact: every point must resume to the same run
-        SignalAt(monkeypatch, RolloutEngine, "step", 5)
-        interrupted_then_resumed(policy, tmp_path / "b", reference, asynchronous=acfg)
-        return
-    # threaded: the producer's queued groups are dropped on resume (documented), so the
-    # continuation differs; the stop itself must be clean and resumable
-    from rl.run import RunHooks
-
     with pytest.raises(Preempted) as info:
         run_async(config, params, task, cfg(tmp_path / "b", SAVING, asynchronous=acfg),
                   hooks=RunHooks(on_step=stop_after_step_one))
-    assert info.value.step in checkpoint_steps(tmp_path / "b") and lock_is_free(tmp_path / "b")
+    assert info.value.step == 1 and info.value.abandoned == "step 2's rollouts"
+    assert checkpoint_steps(tmp_path / "b") == [1] and lock_is_free(tmp_path / "b")
+    assert not [t for t in threading.enumerate() if t.name == "tandem-rollout"]
     res = run_async(config, params, task, cfg(tmp_path / "b", SAVING, asynchronous=acfg),
                     resume=True)
     assert [r["step"] for r in res.train] == [1, 2, 3, 4]
-
 
 
 @pytest.mark.parametrize("loop_kind", ["sync", "async"])
