@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Self
 
 from rl.envs.base import ToolTimeout
 
@@ -174,14 +174,14 @@ class ToolWorker:
         with self._lock:
             self._kill()
 
-    def __enter__(self) -> "ToolWorker":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-_WORKERS: "weakref.WeakSet[ToolWorker]" = weakref.WeakSet()
+_WORKERS: weakref.WeakSet[ToolWorker] = weakref.WeakSet()
 
 
 @atexit.register

@@ -103,7 +103,7 @@ class RunContext:
                               "checkpoint written (the last periodic one stands)")
                 return
             self.save_final(int(state.step), state, meta())
-        except Exception as err:  # keep the interrupt the error that surfaces
+        except Exception as err:  # noqa: BLE001 - the interrupt is the error to surface
             warnings.warn(f"final checkpoint failed: {type(err).__name__}: {err}")
 
     def preempted(self, step: int, abandoned: str = "") -> Preempted:
@@ -133,7 +133,7 @@ class RunContext:
                 finally:
                     if self.signals is not None:
                         self.signals.close()
-        except Exception as err:
+        except Exception as err:  # re-raised unless quiet
             if not quiet:
                 raise
             warnings.warn(f"while closing the run after an error: {type(err).__name__}: {err}")

@@ -110,7 +110,7 @@ class StorageError(RuntimeError):
 
     @classmethod
     def of(cls, err: BaseException, *, what: str, path: str | os.PathLike,
-           last_good: tuple[int, str | os.PathLike] | None = None) -> "StorageError | None":
+           last_good: tuple[int, str | os.PathLike] | None = None) -> StorageError | None:
         """The StorageError for `err` if it is a storage failure (storage_errno), else None."""
         code = storage_errno(err)
         if code is None:
@@ -118,7 +118,7 @@ class StorageError(RuntimeError):
         return cls(what, path, f"{STORAGE_ERRNOS[code]} ({errno.errorcode[code]})", code=code,
                    last_good=last_good)
 
-    def with_last_good(self, last_good: tuple[int, str | os.PathLike] | None) -> "StorageError":
+    def with_last_good(self, last_good: tuple[int, str | os.PathLike] | None) -> StorageError:
         """The same error naming `last_good` as the checkpoint to resume from."""
         return StorageError(self.what, self.path, self.reason, code=self.errno,
                             last_good=last_good)

@@ -100,7 +100,10 @@ def params():
     return init_params(CFG, 0)
 
 
-def rollout(params, env, limits=TimeLimits()):
+NO_LIMITS = TimeLimits()
+
+
+def rollout(params, env, limits=NO_LIMITS):
     eng = MultiTurnEngine(CFG, env, MultiTurnConfig(
         num_slots=4, group_size=2, segment_len=5, sampling=SamplingConfig(temperature=0.7),
         time_limits=limits))
