@@ -190,3 +190,23 @@ def test_time_based_saves(policy, tmp_path, monkeypatch, loop_kind):
     timed = dataclasses.replace(LOOP, save_every_minutes=1e-6 / 60)
     run_fn(config, params, task, cfg(tmp_path / "on", timed, **sections))
     assert saved == [1, 2, 3, 4] and checkpoint_steps(tmp_path / "on") == [3, 4]
+
+
+def test_a_stop_requested_by_code_stops_like_a_signal(policy, timeline, tmp_path):
+    """rl.runtime.preemption.request_stop: code that learns of a preemption another way
+    (a maintenance notice) stops the run as a signal does."""
+    from rl.run import RunHooks
+
+    config, params, task = policy
+
+    def notice_after_step_one(record):
+        if record["step"] == 1:
+            preemption.request_stop("a maintenance notice")
+
+    with pytest.raises(Preempted) as info:
+        run(config, params, task, cfg(tmp_path / "r", SAVING),
+            hooks=RunHooks(on_step=notice_after_step_one))
+    assert info.value.signal == "a maintenance notice" and info.value.step == 1
+    resumed = run(config, params, task, cfg(tmp_path / "r", SAVING), resume=True)
+    assert_same_state(resumed.state, timeline[0])
+    assert comparable(records(tmp_path / "r")) == timeline[1]
