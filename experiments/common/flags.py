@@ -36,6 +36,7 @@ from rl.runtime.config_tree import parse_value
 from rl.runtime.distributed import ENV_VARS, distributed_config
 from rl.runtime.logging import WANDB_MODES
 from rl.runtime.mesh import MESH_PRESETS
+from rl.runtime.preemption import EXIT_PREEMPTED
 from rl.schedulers import SCHEDULERS
 from rl.schedulers.dars import SCHEDULES
 
@@ -50,6 +51,8 @@ SIMPLE_FLAGS = {
     "wandb": "logging.wandb",
     "model": "model.name", "reward": "reward.function", "verifier": "reward.verifier",
     "reward_timeout": "reward.timeout_s",
+    "save_every_minutes": "loop.save_every_minutes",
+    "env_step_timeout": "loop.env_step_timeout_s", "episode_timeout": "loop.episode_timeout_s",
 }
 # store_true flag dest -> (path, value it sets)
 SWITCHES = {
@@ -151,7 +154,26 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
     add_lora_flags(p)
     add_vcpo_flags(p)
     add_async_flags(p)
+    add_fault_flags(p)
     return p
+
+
+def add_fault_flags(p: argparse.ArgumentParser) -> None:
+    f = p.add_argument_group("faults: preemption, time-based saves, time limits "
+                             "(rl.runtime.preemption)")
+    f.add_argument("--save-every-minutes", type=float, metavar="M",
+                   help="also checkpoint after the first step that ends M minutes after the "
+                        "last save (0 = off), so a killed run loses little")
+    f.add_argument("--preempted-exit-code", type=int, default=EXIT_PREEMPTED, metavar="N",
+                   help="exit status after a SIGTERM / Ctrl-C stop with its checkpoint saved "
+                        f"(default {EXIT_PREEMPTED}; e.g. 143 for a supervisor that restarts "
+                        "only failed jobs)")
+    f.add_argument("--env-step-timeout", type=float, metavar="S",
+                   help="environments: seconds a call into the environment may take (reset, "
+                        "step, ...); past it the episode ends with EndReason.TIMEOUT")
+    f.add_argument("--episode-timeout", type=float, metavar="S",
+                   help="environments: wall seconds an episode may take; past it it ends with "
+                        "EndReason.TIMEOUT")
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:

@@ -69,7 +69,13 @@ class LoopConfig:
     the greedy pass always uses all); time_limit_s: wall-time budget of the run in
     seconds (0 = none): the step that crosses it is the last (eval and save as usual);
     checked: run the checked train step (rl.learner.checked: a non-finite reward,
-    log-prob, loss or gradient stops the run naming the step and group)."""
+    log-prob, loss or gradient stops the run naming the step and group);
+    save_every_minutes: also checkpoint after the first step that ends this many minutes
+    after the last save (0 = off), so a killed run loses little (both loops; all processes
+    agree on the step, rl.runtime.preemption); env_step_timeout_s: an environment's time
+    limit per call (a turn's step, reset, outcome; 0 = the environment's own
+    `step_timeout_s`, if any) and episode_timeout_s: the wall-time limit of one episode (0
+    = none): an episode past either ends with EndReason.TIMEOUT (rl.rollout.multiturn)."""
 
     steps: int = 100
     prompts_per_step: int = 8
@@ -86,11 +92,20 @@ class LoopConfig:
     eval_sampled_prompts: int = 0
     time_limit_s: float = 0.0
     checked: bool = True
+    save_every_minutes: float = 0.0
+    env_step_timeout_s: float = 0.0
+    episode_timeout_s: float = 0.0
 
     def __post_init__(self):
         if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s >= 0):
             raise ValueError(f"LoopConfig.time_limit_s must be >= 0 seconds (0 = no limit), "
                              f"got {self.time_limit_s!r}")
+        for name in ("save_every_minutes", "env_step_timeout_s", "episode_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
+                    or v == float("inf"):
+                raise ValueError(f"LoopConfig.{name} must be a finite number >= 0 (0 = off), "
+                                 f"got {v!r}")
         for name, low in (("eval_sampled_prompts", 0), ("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
                           ("segment_len", 1), ("eval_every", 0), ("eval_prompts", 1),
                           ("save_every", 0), ("keep_checkpoints", 1), ("max_resample_rounds", 0),
