@@ -115,6 +115,9 @@ def scales_lr(vcpo: VCPOConfig | None) -> bool:
     return vcpo is not None and vcpo.enabled and vcpo.lr_scale != "none"
 
 
+OFFPOLICY_CORRECTIONS = ("none", "truncated_is", "behaviour", "m2po")
+
+
 @dataclasses.dataclass(frozen=True)
 class OffPolicyConfig:
     """Optional correction for the train/inference mismatch between the learner's π_prox
@@ -122,27 +125,35 @@ class OffPolicyConfig:
 
     correction "truncated_is": rl.objectives.offpolicy.truncated_is_weights (mode "truncate"|"mask",
     cap default 2 token / 8 sequence); "behaviour": AReaL's behaviour weights
-    (rl.objectives.offpolicy.behaviour_weights, mode "mask"|"clamp", cap default 5).
+    (rl.objectives.offpolicy.behaviour_weights, mode "mask"|"clamp", cap default 5);
+    "m2po": M2PO's second-moment mask (rl.objectives.offpolicy.m2po_weights: the tokens
+    with the largest (log π_prox - log μ)² are masked until the mean of the rest is <= cap,
+    default 0.04, the paper's τ_M2; kept tokens weighted by π_prox/μ, uncapped; level
+    "token" only). The mask is taken over one loss call's tokens: the whole batch with
+    micro_batches=1 (the paper's form), else each micro-batch's own.
     The weights multiply the per-token loss (aggregated over the original mask)."""
 
-    correction: str = "none"  # "none" | "truncated_is" | "behaviour"
+    correction: str = "none"  # "none" | "truncated_is" | "behaviour" | "m2po"
     level: str = "token"  # "token" | "sequence"
     cap: float | None = None
     mode: str | None = None
 
     def __post_init__(self):
-        if self.correction not in ("none", "truncated_is", "behaviour"):
-            raise ValueError("OffPolicyConfig.correction must be 'none', 'truncated_is' or "
-                             f"'behaviour', got {self.correction!r}")
+        if self.correction not in OFFPOLICY_CORRECTIONS:
+            raise ValueError(f"OffPolicyConfig.correction must be one of {OFFPOLICY_CORRECTIONS}, "
+                             f"got {self.correction!r}")
         if self.level not in ("token", "sequence"):
             raise ValueError(f"OffPolicyConfig.level must be 'token' or 'sequence', got {self.level!r}")
         modes = {"none": (None,), "truncated_is": (None, "truncate", "mask"),
-                 "behaviour": (None, "mask", "clamp")}[self.correction]
+                 "behaviour": (None, "mask", "clamp"), "m2po": (None,)}[self.correction]
         if self.mode not in modes:
             raise ValueError(f"OffPolicyConfig.mode for {self.correction!r} must be one of {modes}, "
                              f"got {self.mode!r}")
         if self.cap is not None and not self.cap > 0:
             raise ValueError(f"OffPolicyConfig.cap must be > 0 or None, got {self.cap}")
+        if self.correction == "m2po" and self.level != "token":
+            raise ValueError("OffPolicyConfig(correction='m2po') masks tokens: set level='token', "
+                             f"got {self.level!r}")
 
 
 OLD_LOGP_SOURCES = ("current", "behaviour", "proximal", "versions")

@@ -50,6 +50,7 @@ from rl.objectives.losses import compute_loss, token_entropy
 from rl.objectives.offpolicy import (
     approx_proximal_logp,
     behaviour_weights,
+    m2po_weights,
     ratio_decomposition_metrics,
     truncated_is_weights,
 )
@@ -231,6 +232,10 @@ def offpolicy_token_weights(config: OffPolicyConfig, prox: jax.Array, behaviour:
     π_prox/μ (rl.objectives.offpolicy); (None, {}) with correction "none"."""
     if config.correction == "none":
         return None, {}
+    if config.correction == "m2po":
+        ow = m2po_weights(prox, behaviour, mask,
+                          **({} if config.cap is None else {"threshold": config.cap}))
+        return ow.weights, ow.metrics
     kw = {"level": config.level}
     if config.cap is not None:
         kw["cap"] = config.cap

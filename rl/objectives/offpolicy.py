@@ -241,6 +241,27 @@ def m2po_mask(
     return keep, metrics
 
 
+def m2po_weights(
+    prox_logp: Array, behaviour_logp: Array, mask: Array, *, threshold: float = 0.04,
+) -> OffPolicyWeights:
+    """M2PO's per-token weights: w_t = M_t · sg[π_prox / μ], M the second-moment mask of
+    :func:`m2po_mask`. With π_prox the step's starting params (one update per batch, the
+    PPO ratio π_θ/π_prox = 1 in value, its clip inactive), the loss's gradient is the
+    paper's -Σ_t M_t r_t A_t ∇log π_θ / N with r_t = π_θ/μ and no clip: the mask is the
+    whole trust region. The kept tokens' weights are not capped (the paper's form).
+
+    Returns:
+        OffPolicyWeights(weights [batch, seq], keep [batch, seq], metrics m2po_*).
+    """
+    keep, metrics = m2po_mask(prox_logp, behaviour_logp, mask, threshold=threshold)
+    m = token_mask(mask)
+    log_w = jnp.where(keep, sg(token_array("prox_logp", prox_logp, m))
+                      - sg(token_array("behaviour_logp", behaviour_logp, m)), 0.0)
+    weights = jnp.where(keep, jnp.exp(log_w), 0.0)
+    metrics = {**metrics, "m2po_weight_max": jnp.max(jnp.where(keep, weights, 0.0))}
+    return OffPolicyWeights(sg(weights), keep, metrics)
+
+
 def ratio_decomposition_metrics(
     logp: Array, prox_logp: Array, behaviour_logp: Array, mask: Array,
 ) -> dict[str, Array]:

@@ -17,6 +17,7 @@ from rl.objectives import (
     dynamic_sampling_mask,
     kept_group_indices,
     m2po_mask,
+    m2po_weights,
     overlong_penalty,
     ratio_decomposition_metrics,
     sequence_log_ratio,
@@ -192,6 +193,25 @@ def test_m2po_keeps_at_least_one_token_and_all_when_below_threshold():
     np.testing.assert_array_equal(keep_all, mask)
     assert float(metrics_all["m2po_masked_frac"]) == 0.0
     assert not np.asarray(keep_none).any()
+
+
+@pytest.mark.parametrize("tau", [0.04, 0.5])
+def test_m2po_weights_are_the_kept_tokens_ratio_in_float64(tau):
+    _, prox, mu, _, mask, _ = make_inputs(4, 1.0)
+    ow = jax.jit(lambda p, b, m: m2po_weights(p, b, m, threshold=tau))(poison(prox, mask),
+                                                                      poison(mu, mask), mask)
+    keep = ref_m2po(prox, mu, mask, tau)
+    assert 0 < keep.sum() < mask.sum()  # both kept and masked tokens at this noise
+    want = np.where(keep, np.exp(prox.astype(np.float64) - mu.astype(np.float64)), 0.0)
+    np.testing.assert_array_equal(ow.keep, keep)
+    np.testing.assert_allclose(ow.weights, want, rtol=1e-5, atol=0.0)
+    np.testing.assert_allclose(ow.metrics["m2po_masked_frac"], 1 - keep.sum() / mask.sum(),
+                               atol=1e-6)
+    np.testing.assert_allclose(ow.metrics["m2po_weight_max"], want.max(), rtol=1e-5)
+    # constants of the step: no gradient through the weights
+    g = jax.grad(lambda p, b: jnp.sum(m2po_weights(p, b, mask, threshold=tau).weights),
+                 argnums=(0, 1))(prox, mu)
+    assert all(np.all(np.asarray(x) == 0.0) for x in g)
 
 
 def test_decoupled_loss_equals_compute_loss_with_token_weights():

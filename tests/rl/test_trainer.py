@@ -249,6 +249,44 @@ def test_kl_reference_and_truncated_is_enter_the_loss(params):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_m2po_correction_masks_by_second_moment_and_weights_by_the_ratio(params):
+    # M2PO (correction "m2po"): PPO-clip at ratio 1 (π_prox = the step's params), tokens
+    # with the largest (log π - log μ)² masked until the rest's mean <= 0.04, kept tokens
+    # weighted by π/μ; loss = mean over the ORIGINAL mask of -A w (a naive float64 twin)
+    config = TrainConfig(
+        loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
+        offpolicy=OffPolicyConfig(correction="m2po"), temperature=TEMP,
+        optimizer=OptimizerConfig(name="sgd", learning_rate=LR, max_grad_norm=None))
+    batch = batch_from_trajectory(make_traj(9), group_size=GROUP, model_config=CFG)
+    mask = np.asarray(batch.loss_mask)[:, 1:]
+    logp = _np_logprobs(params, batch.tokens)
+    noise = np.random.default_rng(10).uniform(-0.6, 0.6, logp.shape)
+    blp = np.zeros(batch.tokens.shape, np.float32)
+    blp[:, 1:] = np.where(mask, logp + noise, 0.0)
+    batch = batch.replace(behaviour_logprobs=blp)
+    _, metrics = make_train_step(config, CFG, compiler_options=FAST)(
+        fresh_state(params, config), batch)
+    mu = blp[:, 1:].astype(np.float64)
+    m2 = np.where(mask, (logp - mu) ** 2, -np.inf).ravel()
+    kept = list(np.argsort(-m2, kind="stable")[: int(mask.sum())])
+    while len(kept) > 1 and m2[kept].mean() > 0.04:
+        kept.pop(0)
+    keep = np.zeros(mask.size, bool)
+    keep[kept] = True
+    keep = keep.reshape(mask.shape)
+    assert 0 < keep.sum() < mask.sum()
+    w = np.where(keep, np.exp(logp - mu), 0.0)
+    adv = grpo_advantages_np(np.asarray(batch.rewards[:, 0]), GROUP)
+    np.testing.assert_allclose(metrics["pg_loss"], (-adv[:, None] * w)[mask].mean(),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["m2po_masked_frac"], 1 - keep.sum() / mask.sum(),
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="level='token'"):
+        OffPolicyConfig(correction="m2po", level="sequence")
+    with pytest.raises(ValueError, match="m2po"):
+        OffPolicyConfig(correction="m2po_typo")
+
+
 # ----------------------------------------------------------------------------- packing & input errors
 def test_batch_packs_prompt_then_response():
     traj = make_traj(2)
