@@ -44,6 +44,19 @@ _init = nn.initializers.normal(stddev=0.02)
 LAYER_LOOPS = ("scan", "unrolled")
 
 
+# remat "dots": keep the outputs of the layer's matmuls without batch dimensions (the
+# projections and the MLP), recompute the rest (norms, RoPE, attention, activations)
+SAVE_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def remat_policy(remat: bool | str) -> str:
+    """ModelConfig.remat as one of models.config.REMAT_POLICIES: False -> "none",
+    True -> "full", a policy name -> itself."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    return remat
+
+
 def check_layer_loop(layer_loop: str) -> str:
     """layer_loop if it is one of LAYER_LOOPS, else a ValueError naming them."""
     if layer_loop not in LAYER_LOOPS:
@@ -295,7 +308,9 @@ class Decoder(nn.Module):
                          param_dtype=jnp.dtype(c.param_dtype),
                          embedding_init=nn.with_logical_partitioning(_init, ("vocab", "embed")))
         x = nn.with_logical_constraint(embed(tokens), ("batch", "seq", "embed"))
-        block = nn.remat(Block, prevent_cse=False) if c.remat else Block
+        policy = remat_policy(c.remat)
+        block = Block if policy == "none" else nn.remat(
+            Block, prevent_cse=False, policy=None if policy == "full" else SAVE_DOTS)
         layers = nn.scan(
             block,
             variable_axes={"params": 0},

@@ -30,6 +30,26 @@ from models.inputs import validate_tokens
 DEFAULT_CHUNK = 1024  # tokens per head chunk: [1024, 49152] fp32 logits = 200 MB
 
 
+def head_chunk_for_memory(vocab_size: int, memory_bytes: int | None, *, share: float = 1 / 16,
+                          smallest: int = 256, largest: int = 16384) -> int:
+    """Tokens per head chunk for a device with memory_bytes of memory: the largest power
+    of two C whose chunk -- C x vocab_size fp32 logits and the two arrays of that size the
+    backward adds (softmax, gradient) -- takes at most `share` of it, clamped to
+    [smallest, largest]. Fewer, larger chunks mean fewer loop iterations (an accelerator
+    pays per iteration); DEFAULT_CHUNK when memory_bytes is None (e.g. a CPU, whose memory
+    the rest of the step needs). E.g. 80 GB: qwen2.5 (V = 151,936) 2048, SmolLM2
+    (V = 49,152) 8192."""
+    if memory_bytes is None:
+        return DEFAULT_CHUNK
+    if not memory_bytes > 0 or not 0 < share <= 1 or not 1 <= smallest <= largest:
+        raise ValueError(f"head_chunk_for_memory: need memory_bytes > 0, 0 < share <= 1 and "
+                         f"1 <= smallest <= largest, got {memory_bytes}, {share}, {smallest}, "
+                         f"{largest}")
+    fits = int(share * memory_bytes) // (3 * 4 * int(vocab_size))
+    chunk = 1 << max(0, fits.bit_length() - 1) if fits >= 1 else 1
+    return max(smallest, min(largest, chunk))
+
+
 def head_matrix(params: Params, config: ModelConfig) -> jax.Array:
     """The vocabulary head [embed, vocab] in the compute dtype: logits = hidden @ head
     (the embedding's transpose when tied, else lm_head/kernel)."""
