@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 
+from models.decoder import LAYER_LOOPS
 from rl.learner.config import TrainConfig
 from rl.loops.buffer import STALE_POLICIES
 from rl.loops.episodes import ENV_PREFIX
@@ -68,7 +69,10 @@ class LoopConfig:
     the greedy pass always uses all); time_limit_s: wall-time budget of the run in
     seconds (0 = none): the step that crosses it is the last (eval and save as usual);
     checked: run the checked train step (rl.learner.checked: a non-finite reward,
-    log-prob, loss or gradient stops the run naming the step and group)."""
+    log-prob, loss or gradient stops the run naming the step and group).
+    layer_loop / bucket_slots: the train rollouts' decode options (rl.rollout.RolloutConfig:
+    "scan" or "unrolled" layers; slot counts bucketed to powers of two up to 256); the
+    same tokens either way, off by default."""
 
     steps: int = 100
     prompts_per_step: int = 8
@@ -85,6 +89,8 @@ class LoopConfig:
     eval_sampled_prompts: int = 0
     time_limit_s: float = 0.0
     checked: bool = True
+    layer_loop: str = "scan"
+    bucket_slots: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s >= 0):
@@ -99,6 +105,12 @@ class LoopConfig:
                 raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {v!r}")
         if not isinstance(self.checked, bool):
             raise ValueError(f"LoopConfig.checked must be True or False, got {self.checked!r}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"LoopConfig.layer_loop must be one of {LAYER_LOOPS}, got "
+                             f"{self.layer_loop!r}")
+        if not isinstance(self.bucket_slots, bool):
+            raise ValueError(f"LoopConfig.bucket_slots must be True or False, got "
+                             f"{self.bucket_slots!r}")
 
 
 

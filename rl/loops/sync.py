@@ -87,14 +87,16 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
                   prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
                   segment_len: int, seed: int, first_group_id: int = 0,
                   max_new_tokens: int | None = None, profile=NULL_PROFILE,
-                  pruner: Pruner | None = None) -> Trajectory:
+                  pruner: Pruner | None = None, layer_loop: str = "scan",
+                  bucket_slots: bool = False) -> Trajectory:
     """Sample `group_size` responses for each prompt with the rollout engine (all groups
     decode together). Rows come back grouped in prompt order: group g = prompts[g].
     first_group_id: the global index of prompts[0] (a process's shard of a batch): the
     rng keys follow the global group ids, the returned group ids stay 0..G-1.
     max_new_tokens: the response budget (default task.max_new_tokens). profile: a
     StepProfile that gets the engine's prefill_s / decode_s and the rest as host_s.
-    pruner: online pruning in the engine (rl.rollout.pruning; None = off)."""
+    pruner: online pruning in the engine (rl.rollout.pruning; None = off). layer_loop,
+    bucket_slots: the engine's decode options (rl.rollout.RolloutConfig; same tokens)."""
     if episodes.is_episodic(task):  # an environment: multi-turn episodes (rl.loops.episodes)
         return episodes.sample_episodes(
             params, version, model_config, task, prompts, group_size=group_size,
@@ -108,7 +110,8 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
                        max_new_tokens=int(max_new_tokens or task.max_new_tokens),
                        sampling=sampling,
                        stop_ids=tuple(task.stop_ids), seed=int(seed),
-                       first_group_id=int(first_group_id))
+                       first_group_id=int(first_group_id), layer_loop=layer_loop,
+                       bucket_slots=bucket_slots)
     engine = RolloutEngine(model_config, rc, pruner=pruner)
     engine.submit([p.ids for p in prompts])
     parts = []
@@ -271,7 +274,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
         seed, state = _rollout_seed(state)
         traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
-                             seed=seed, profile=profile)
+                             seed=seed, profile=profile, layer_loop=loop.layer_loop,
+                             bucket_slots=loop.bucket_slots)
         with profile.phase("reward_s"):
             r = score(task, prompts, traj)
         acc = accuracy_name(task.reward_names)
@@ -297,7 +301,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
             seed, state = _rollout_seed(state)
         traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
-                             seed=seed, first_group_id=offset, profile=profile, pruner=pruner)
+                             seed=seed, first_group_id=offset, profile=profile, pruner=pruner,
+                             layer_loop=loop.layer_loop, bucket_slots=loop.bucket_slots)
         sampled_tokens += traj.num_tokens()
         with profile.phase("reward_s"):
             rewards = score(task, prompts, traj)
