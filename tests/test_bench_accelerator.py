@@ -259,8 +259,8 @@ def test_speed_plan_is_model_by_model_with_the_torch_peers_beside():
     assert items[:6] == [
         ("decode_step", "qwen2.5-0.5b rows=64 scan+unrolled"),
         ("train", "qwen2.5-0.5b packed remat=none"), ("torch", "qwen2.5-0.5b train"),
-        ("sampler", "qwen2.5-0.5b unrolled"), ("sampler", "qwen2.5-0.5b scan"),
-        ("torch", "qwen2.5-0.5b generate")]
+        ("sampler", "qwen2.5-0.5b scan"), ("torch", "qwen2.5-0.5b generate"),
+        ("sampler", "qwen2.5-0.5b unrolled")]
     assert ("decode_step", "qwen2.5-0.5b rows=256 unrolled") in items
     assert {("train", f"qwen2.5-0.5b packed remat={r}") for r in ("dots", "full")} <= set(items)
     buffers = [t for t in tasks if t["item"].endswith("command buffers")]

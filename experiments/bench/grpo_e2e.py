@@ -14,7 +14,8 @@ symbols and SEP; every response runs its `--response-len` budget (no stop id, so
 does the same work) and earns the fraction of its first k tokens that reverse the symbols.
 The step is the library's: rollout engine (segmented KV, bounded decode; --layer-loop and
 --bucket-slots are LoopConfig's decode options), rewards, packed learner (--remat), one
-AdamW update; wandb disabled, evals of one prompt at the start and the end (outside the
+AdamW update, the vocabulary head's chunk sized for the device's memory (--head-chunk);
+wandb disabled, evals of one prompt at the start and the end (outside the
 steps), one checkpoint at the end (also outside).
 
 Reported per step (rl.runtime.logging's step profile, every step after the first, which
@@ -148,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (params stay fp32)")
     p.add_argument("--remat", default=None, choices=("none", "dots", "full"))
     p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--head-chunk", default="device", choices=("device", "default"),
+                   help="vocabulary-head chunk of the learner: sized for the device's memory "
+                        "(models.logprobs.head_chunk_for_memory; a CPU gets the default) or "
+                        "the default 1024 tokens")
     p.add_argument("--layer-loop", default="scan", choices=("scan", "unrolled"))
     p.add_argument("--bucket-slots", action="store_true")
     p.add_argument("--smoke", action="store_true",
@@ -171,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from models.config import get_config
     from models.decoder import init_params
+    from models.logprobs import DEFAULT_CHUNK, head_chunk_for_memory
     from rl.learner.config import OptimizerConfig, TrainConfig
     from rl.loops import run
     from rl.loops.config import LoggingConfig, LoopConfig, ModelSpec, RunConfig
@@ -180,19 +186,26 @@ def main(argv: list[str] | None = None) -> dict:
     task = LongReverseTask(prompt_len=args.prompt_len, response_len=args.response_len,
                            k=4 if args.smoke else 8, alphabet=8 if args.smoke else 16,
                            vocab_size=cfg.vocab_size)
+    dev = jax.devices()[0]
+    try:
+        limit = (dev.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - CPU devices may not report memory
+        limit = None
+    chunk = (head_chunk_for_memory(cfg.vocab_size, limit) if args.head_chunk == "device"
+             else DEFAULT_CHUNK)
     config = RunConfig(
         name="grpo-e2e", description="bench: the whole GRPO step, random weights",
         model=ModelSpec(args.model),
         train=TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
                           advantage=AdvantageConfig("grpo"),
                           optimizer=OptimizerConfig(name="adamw", learning_rate=1e-5),
-                          packed=True, remat=args.remat, micro_batches=args.micro_batches),
+                          packed=True, remat=args.remat, micro_batches=args.micro_batches,
+                          logprob_chunk=chunk),
         loop=LoopConfig(steps=args.steps, prompts_per_step=args.prompts_per_step,
                         group_size=args.group_size, segment_len=args.segment_len,
                         eval_every=0, eval_prompts=1, save_every=0,
                         layer_loop=args.layer_loop, bucket_slots=args.bucket_slots),
         logging=LoggingConfig(wandb="disabled", progress=False))
-    dev = jax.devices()[0]
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="grpo-e2e-") as tmp:
         run_dir = Path(args.run_dir or tmp)
@@ -216,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m experiments.bench.grpo_e2e " + " ".join(argv),
         "device": dev.device_kind, "platform": dev.platform, "jax_version": jax.__version__,
         "date": time.strftime("%Y-%m-%d"), "args": vars(args),
-        "tokens_per_step": tokens, "wall_s": round(wall, 1),
+        "tokens_per_step": tokens, "wall_s": round(wall, 1), "logprob_chunk": chunk,
         "peak_device_bytes": peak, "process_peak_rss_mb": rss,
         "host_transfer_other_target": HOST_SHARE_TARGET,
         "load_average_1_5_15min": {"before": load_before, "after": load_average()},

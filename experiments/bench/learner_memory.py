@@ -3,17 +3,23 @@
     python -m experiments.bench.learner_memory                      # tiny + smollm2-135m
     python -m experiments.bench.learner_memory --models tiny --repeats 1
     python -m experiments.bench.learner_memory --variants none,full,full/mb2
+    python -m experiments.bench.learner_memory --models smollm2-135m --variants '' \
+        --round-robin none,full,full/c256 --repeats 3         # time alone, alternating
 
 One packed GRPO step (rl.learner.make_train_step, fp32, PPO-clip token mean, AdamW) on the
 smollm2-rg batch geometry: 8 groups x 8 samples, prompts of 100 tokens, responses of 48
 (3,872 packed tokens), random weights with the model's real config. A variant is a remat
-policy ("none", "dots", "full"), optionally "/mbK" for K micro-batches. Each variant runs
+policy ("none", "dots", "full"), optionally "/mbK" for K micro-batches and "/cN" for a
+vocabulary-head chunk of N tokens (TrainConfig.logprob_chunk; default 1024). Each variant runs
 in its own process (one at a time): it compiles the step (XLA's compiled scratch size,
 memory_analysis().temp_size_in_bytes, is read there), resets the resident high-water mark
 (rl.runtime.logging.reset_peak_rss), runs --repeats steps and reports the median step
 time and the peak resident memory of the steps (the process's whole peak, compile
 included, from os.wait4, beside it). The load average before and after every run is kept:
 this machine's cores are shared, so time moves with the load while memory does not.
+--round-robin VARIANTS times those variants in ONE process, alternating step by step
+(--repeats rounds after a compiling call each), so that load from other jobs hits them
+alike: the time cost of a variant is read from there.
 
 Writes experiments/results/bench_learner_memory.json (headline: smollm2-135m peak resident
 memory of the step with remat "full", target 4 GB).
@@ -37,12 +43,37 @@ TARGET_GB = 4.0
 WORKER = "--worker"
 
 
-def parse_variant(text: str) -> tuple[str, int]:
-    """"full/mb2" -> ("full", 2); "none" -> ("none", 1)."""
-    remat, _, mb = text.partition("/")
-    if remat not in ("none", "dots", "full") or (mb and not mb.startswith("mb")):
-        raise ValueError(f"variant {text!r}: want none|dots|full, optionally /mbK")
-    return remat, int(mb[2:]) if mb else 1
+def parse_variant(text: str) -> tuple[str, int, int]:
+    """"full/mb2/c256" -> ("full", 2, 256); "none" -> ("none", 1, DEFAULT_CHUNK)."""
+    from models.logprobs import DEFAULT_CHUNK
+    remat, *opts = text.split("/")
+    micro, chunk = 1, DEFAULT_CHUNK
+    for opt in opts:
+        if opt.startswith("mb") and opt[2:].isdigit():
+            micro = int(opt[2:])
+        elif opt.startswith("c") and opt[1:].isdigit():
+            chunk = int(opt[1:])
+        else:
+            raise ValueError(f"variant {text!r}: want none|dots|full, then /mbK, /cN")
+    if remat not in ("none", "dots", "full"):
+        raise ValueError(f"variant {text!r}: want none|dots|full, then /mbK, /cN")
+    return remat, micro, chunk
+
+
+def build_step(model: str, variant: str):
+    """(model config, jitted step, placed state, batch) of one variant."""
+    from models.config import get_config
+    from models.decoder import init_params
+    from rl.learner import TrainConfig, init_train_state, make_train_step
+    from rl.objectives import LossConfig
+
+    remat, micro, chunk = parse_variant(variant)
+    cfg = get_config(model)
+    config = TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
+                         packed=True, remat=remat, micro_batches=micro, logprob_chunk=chunk)
+    step = make_train_step(config, cfg)
+    state = step.place_state(init_train_state(init_params(cfg, 0), config, 0))
+    return cfg, step, state, packed_batch(cfg)
 
 
 def packed_batch(cfg, seed: int = 0):
@@ -69,19 +100,10 @@ def worker(model: str, variant: str, repeats: int) -> dict:
     """One variant in this process: compile, scratch size, step times, step peak RSS."""
     import jax
 
-    from models.config import get_config
-    from models.decoder import init_params
-    from rl.learner import TrainConfig, init_train_state, make_train_step
-    from rl.objectives import LossConfig
     from rl.runtime.logging import peak_rss_mb, reset_peak_rss
 
-    remat, micro = parse_variant(variant)
-    cfg = get_config(model)
-    config = TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
-                         packed=True, remat=remat, micro_batches=micro)
-    batch = packed_batch(cfg)
-    step = make_train_step(config, cfg)
-    state = step.place_state(init_train_state(init_params(cfg, 0), config, 0))
+    remat, micro, chunk = parse_variant(variant)
+    _, step, state, batch = build_step(model, variant)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -97,11 +119,31 @@ def worker(model: str, variant: str, repeats: int) -> dict:
         jax.block_until_ready(state.params)
         times.append(time.perf_counter() - t0)
     return {"model": model, "variant": variant, "remat": remat, "micro_batches": micro,
-            "tokens": GROUPS * (PROMPT + GROUP_SIZE * RESPONSE),
+            "logprob_chunk": chunk, "tokens": GROUPS * (PROMPT + GROUP_SIZE * RESPONSE),
             "compile_s": round(compile_s, 2), "scratch_mb": round(scratch / 1e6, 1),
             "step_s": round(statistics.median(times), 3), "step_s_all": [round(t, 3) for t in times],
-            "step_peak_rss_mb": peak_rss_mb() if per_step else None,
+            "step_peak_rss_mb": round(peak_rss_mb(), 1) if per_step else None,
             "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
+
+
+def round_robin(model: str, variants: list[str], repeats: int) -> dict:
+    """Step seconds of `variants` alternating in this process (a compiling call each first)."""
+    import jax
+
+    steps = {v: build_step(model, v) for v in variants}
+    states = {}
+    for v, (_, step, state, batch) in steps.items():
+        states[v], _ = step(state, batch)
+        jax.block_until_ready(states[v].params)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(repeats):
+        for v, (_, step, _, batch) in steps.items():
+            t0 = time.perf_counter()
+            states[v], _ = step(states[v], batch)
+            jax.block_until_ready(states[v].params)
+            times[v].append(round(time.perf_counter() - t0, 3))
+    return {"model": model, "repeats": repeats, "step_s_all": times,
+            "step_s_median": {v: statistics.median(t) for v, t in times.items()}}
 
 
 def run_variant(model: str, variant: str, repeats: int) -> dict:
@@ -126,16 +168,22 @@ def main(argv=None) -> dict:
     if argv and argv[0] == WORKER:
         print(json.dumps(worker(argv[1], argv[2], int(argv[3]))), flush=True)
         return {}
+    if argv and argv[0] == WORKER + "-rr":
+        print(json.dumps(round_robin(argv[1], argv[2].split(","), int(argv[3]))), flush=True)
+        return {}
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="tiny,smollm2-135m")
     p.add_argument("--variants", default="none,dots,full")
     p.add_argument("--repeats", type=int, default=2, help="timed steps per variant")
+    p.add_argument("--round-robin", default="", metavar="VARIANTS",
+                   help="also time these variants alternating in one process (per model)")
     p.add_argument("--out", type=Path, default=RESULT)
     args = p.parse_args(argv)
-    variants = args.variants.split(",")
-    for v in variants:
+    variants = [v for v in args.variants.split(",") if v]
+    alternating = [v for v in args.round_robin.split(",") if v]
+    for v in variants + alternating:
         parse_variant(v)
-    rows = []
+    rows, timed = [], []
     for model in args.models.split(","):
         for variant in variants:
             row = run_variant(model, variant, args.repeats)
@@ -144,7 +192,23 @@ def main(argv=None) -> dict:
                   f"{(row['step_peak_rss_mb'] or 0) / 1e3:6.2f} GB  process peak "
                   f"{row['process_peak_rss_mb'] / 1e3:6.2f} GB  scratch {row['scratch_mb']:8.1f} MB"
                   f"  load {row['load_average_before'][0]:.1f}", flush=True)
+        if alternating:
+            load = load_average()
+            out = subprocess.run([sys.executable, "-m", "experiments.bench.learner_memory",
+                                  WORKER + "-rr", model, ",".join(alternating), str(args.repeats)],
+                                 capture_output=True, text=True, check=True).stdout
+            rr = {**json.loads(out.strip().splitlines()[-1]), "load_average_before": load,
+                  "load_average_after": load_average()}
+            timed.append(rr)
+            print(f"{model:14s} alternating: " + "  ".join(
+                f"{v} {t:.2f} s" for v, t in rr["step_s_median"].items())
+                + f"  load {load[0]:.1f}", flush=True)
     head = next((r for r in rows if r["model"] == "smollm2-135m" and r["variant"] == "full"), None)
+    if args.out.exists() and not head:  # a time-only run: keep the memory rows already there
+        old = json.loads(args.out.read_text())
+        rows = old.get("rows", []) + rows
+        head = next((r for r in rows if r["model"] == "smollm2-135m"
+                     and r["variant"] == "full"), None)
     result = {
         "headline": {"metric": "smollm2-135m learner step peak resident GB, remat full "
                                "(8x8 packed, P=100, R=48)",
@@ -154,7 +218,7 @@ def main(argv=None) -> dict:
         "command": "python -m experiments.bench.learner_memory " + " ".join(argv),
         "geometry": {"groups": GROUPS, "group_size": GROUP_SIZE, "prompt": PROMPT,
                      "response": RESPONSE},
-        "rows": rows,
+        "rows": rows, "round_robin": timed,
     }
     write_results(args.out, result)
     print(f"wrote {args.out}")

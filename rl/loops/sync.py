@@ -477,6 +477,10 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
     try:
         source = make_prompt_source(scheduler, task, loop, params, seed=loop.seed,
                                     config=train)
+        # the state trains its own copy (open_run): drop this frame's reference to the
+        # caller's, so that a caller that handed them over (rl.run.launch) holds no second
+        # copy of the weights through the run
+        del params
         if resume and "scheduler" in ctx.meta:
             source.restore(ctx.meta["scheduler"])
         elif resume and not scheduler.is_default:

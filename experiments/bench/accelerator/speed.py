@@ -3,8 +3,9 @@ pieces cost on the device, each beside its torch peer, in priority order under t
 
 Per model (qwen2.5-0.5b first: the target's model), in this order: the decode step at 64
 rows with both layer loops (decode_parts.py), the packed train step and the HF + torch
-step on the same samples, the sampler's generate() (unrolled layers, bucketed slots; then
-the scan) and HF generate on the same prompts, the unpacked train step. Then, for the first
+step on the same samples, the sampler's generate() (the scan), HF generate on the same
+prompts, generate() with unrolled layers and bucketed slots (it compiles one decode
+program per KV bound, each longer: last), the unpacked train step. Then, for the first
 model: the decode step at the larger row counts, the train step with each remat policy and
 with the head chunk sized for the device, and the decode step under XLA flags that put
 while loops into command buffers (CUDA graphs). A task the budget cannot start becomes a
@@ -66,6 +67,11 @@ def plan_speed_tasks(parts, sz: dict, platform: str, peak) -> list[dict]:
                            group_size=n, prompt=p, response=r, packed=packed, attn_impl=None,
                            peak_tflops=peak, remat=remat, head_chunk=head_chunk))
 
+    def sampler(model, loop, bucket):
+        tasks.append(_task("sampler", f"{model} {loop}", f"{MP}:sampler", cap(90), model=model,
+                           groups=sg, group_size=sn, prompt=sp, response=sr, layer_loop=loop,
+                           bucket_slots=bucket))
+
     for model in sz["models"]:
         if "decode_step" in parts:
             decode(model, sz["decode_rows"][0], ("scan", "unrolled"))
@@ -76,13 +82,12 @@ def plan_speed_tasks(parts, sz: dict, platform: str, peak) -> list[dict]:
                                model=model, groups=g, group_size=n, prompt=p, response=r,
                                peak_tflops=peak))
         if "sampler" in parts:
-            for loop, bucket in (("unrolled", True), ("scan", False)):
-                tasks.append(_task("sampler", f"{model} {loop}", f"{MP}:sampler", cap(90),
-                                   model=model, groups=sg, group_size=sn, prompt=sp,
-                                   response=sr, layer_loop=loop, bucket_slots=bucket))
+            sampler(model, "scan", False)
         if "torch" in parts:
             tasks.append(_task("torch", f"{model} generate", f"{TORCH}:generate", cap(150),
                                model=model, groups=sg, group_size=sn, prompt=sp, response=sr))
+        if "sampler" in parts:  # unrolled: one compile per kv bound, each longer
+            sampler(model, "unrolled", True)
         if "train" in parts:
             train(model, False)
     first = sz["models"][0]
