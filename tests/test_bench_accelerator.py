@@ -188,6 +188,17 @@ def _blocked_env(tmp_path):
     return {**os.environ, "PYTHONPATH": f"{_blocker(tmp_path)}{os.pathsep}{ROOT}"}
 
 
+def _absent_env(tmp_path):
+    """Like _blocked_env, but the optional packages look absent the way an uninstalled
+    package does to importlib.util.find_spec (None, not an error): transformers probes for
+    wandb that way on import."""
+    folder = tmp_path / "absent"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        f"import sys\nfor _name in {OPTIONAL!r}:\n    sys.modules[_name] = None\n")
+    return {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{ROOT}"}
+
+
 def test_import_path_needs_none_of_the_optional_packages(tmp_path):
     """The modules the check imports (and those its parts import lazily) import without
     wandb, gguf, reasoning-gym or math-verify, as on the stock GPU image."""
@@ -352,7 +363,7 @@ def test_speed_smoke_runs_every_part_with_its_torch_peer(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.bench.accelerator", "--speed", "--smoke",
          "--budget", "1500", "--out", str(out)],
-        env=_blocked_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        env=_absent_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = json.loads(out.read_text())
     lines = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
