@@ -146,3 +146,39 @@ def test_slot_bucket_sizes_and_one_program_for_several_batch_sizes(tiny_params):
     assert five.tokens == plain.tokens
     for a, b in zip(five.logprobs, plain.logprobs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_the_loops_rollouts_take_the_decode_options(tiny_params, monkeypatch):
+    """LoopConfig.layer_loop / bucket_slots reach the train rollouts (rl.loops.sync
+    sample_groups -> RolloutConfig): 3 groups x 2 samples (6 rows in an 8-slot state) with
+    unrolled layers give the default rollout's trajectory."""
+    import rl.loops.sync as sync
+    from rl.loops.config import LoopConfig
+    from rl.loops.sync import sample_groups
+    from rl.rollout import RolloutEngine
+    from rl.tasks.synthetic import SyntheticTask
+
+    states = []
+
+    class Spy(RolloutEngine):  # records the state each rollout decodes in
+        def harvest(self):
+            states.append(self.state)
+            return super().harvest()
+
+    monkeypatch.setattr(sync, "RolloutEngine", Spy)
+
+    task = SyntheticTask(kind="reverse", length=6, alphabet=4)
+    prompts = task.train_prompts(0, 3)
+    kw = dict(group_size=2, sampling=SamplingConfig(temperature=1.0), segment_len=4, seed=5)
+    slow = sample_groups(tiny_params, 0, TINY, task, prompts, **kw)
+    fast = sample_groups(tiny_params, 0, TINY, task, prompts, layer_loop="unrolled",
+                         bucket_slots=True, **kw)
+    np.testing.assert_array_equal(np.asarray(fast.response_ids), np.asarray(slow.response_ids))
+    np.testing.assert_allclose(np.asarray(fast.behaviour_logprobs),
+                               np.asarray(slow.behaviour_logprobs), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(fast.group_ids), np.asarray(slow.group_ids))
+    assert {(s.layer_loop, s.num_slots) for s in states} == {("scan", 6), ("unrolled", 8)}
+    with pytest.raises(ValueError, match="LoopConfig.layer_loop"):
+        LoopConfig(layer_loop="fori")
+    with pytest.raises(ValueError, match="LoopConfig.bucket_slots"):
+        LoopConfig(bucket_slots=1)

@@ -1,6 +1,7 @@
 """The jitted programs that use the Pallas kernels lower for "cuda" and "tpu" on this CPU.
 
-The train step with packed=True (shared-prefix attention forward and backward), the
+The train step with packed=True (shared-prefix attention forward and backward; also with
+TrainConfig.remat="full", the layers recomputed in the backward), the
 sampler's segmented fill (shared-prefix forward) and its decode segment (segment decode,
 masked, bounded, and bounded with the layers unrolled: issue 33's fast path) are traced once on abstract inputs (jax.ShapeDtypeStruct: random
 weights are never materialised, no model file is read) for the `tiny` and `smollm2-135m`
@@ -62,8 +63,8 @@ def lowered_names(program: str, model: str, platform: str) -> dict[str, list[str
 def traced_program(program: str, model: str):
     cfg = bf16_config(model)
     params = jax.eval_shape(lambda: init_params(cfg, 0))
-    if program == "train_step":
-        config = TrainConfig(packed=True)
+    if program in ("train_step", "train_step_remat"):
+        config = TrainConfig(packed=True, remat="full" if program == "train_step_remat" else None)
         fn = functools.partial(train_step, config=config, model_config=cfg)
         return jax.jit(fn).trace(abstract_train_state(cfg, config), abstract(packed_batch(cfg)))
     state = jax.eval_shape(lambda: init_state(
@@ -112,6 +113,8 @@ def segmented_fill():
 
 # bf16 shared-prefix attention on cuda: the split design on cuDNN; elsewhere the kernels
 EXPECTED = {"train_step": lambda p: [CUDNN_FWD, CUDNN_BWD] if p == "cuda" else SPA_FWD[p] + SPA_BWD[p],
+            "train_step_remat": lambda p: ([CUDNN_FWD, CUDNN_BWD] if p == "cuda"
+                                           else SPA_FWD[p] + SPA_BWD[p]),
             "fill": lambda p: [CUDNN_FWD] if p == "cuda" else SPA_FWD[p],
             "decode": lambda p: DECODE[p], "decode_bounded": lambda p: DECODE[p],
             "decode_unrolled": lambda p: DECODE[p]}
