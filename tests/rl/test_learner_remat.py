@@ -13,6 +13,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 
 from models.config import get_config
 from models.decoder import init_params
@@ -82,3 +83,45 @@ def test_head_chunk_sized_for_the_device_memory():
     assert head_chunk_for_memory(256, 16e9) == 16384 and head_chunk_for_memory(10**6, 1e8) == 256
     with pytest.raises(ValueError, match="memory_bytes > 0"):
         head_chunk_for_memory(1000, 0)
+
+
+def test_bf16_matmuls_with_fp32_master_weights():
+    """dtype bfloat16 + param_dtype float32: every matmul that touches a weight -- the
+    projections, the MLP and the vocabulary head, forward and backward -- takes bf16
+    operands, while the state (params and AdamW moments) stays fp32 and the loss is fp32.
+    (Attention's own products on this CPU path keep an fp32 softmax; on a GPU they are
+    cuDNN's.) Weight dims: hidden 64, MLP 128, vocabulary 256; the batch avoids them."""
+    cfg = CFG.replace(dtype="bfloat16", param_dtype="float32")
+    g, n, p, r = 2, 3, 5, 7
+    rng = np.random.default_rng(0)
+    traj = Trajectory.create(
+        prompt_ids=np.repeat(rng.integers(3, 250, (g, p)), n, axis=0),
+        prompt_lengths=np.full(g * n, p), response_ids=rng.integers(3, 250, (g * n, r)),
+        response_mask=np.ones((g * n, r), bool), behaviour_logprobs=-np.ones((g * n, r)),
+        versions=np.zeros((g * n, r)), group_ids=np.repeat(np.arange(g), n),
+        finished=np.ones(g * n, bool), truncated=np.zeros(g * n, bool),
+        rewards={"r": rng.normal(size=g * n)})
+    config = TrainConfig(packed=True, remat="full")
+    batch = batch_from_trajectory(traj, group_size=n, model_config=cfg, packed=True)
+    state = jax.eval_shape(lambda: init_train_state(init_params(cfg, 0), config, 0))
+    step = functools.partial(train_step, config=config, model_config=cfg)
+    jaxpr = jax.make_jaxpr(step)(state, batch)
+
+    def dots(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn
+            for sub in jaxprs_in_params(eqn.params):
+                yield from dots(sub)
+
+    weight_dims = {cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size}
+    weighted = [e for e in dots(jaxpr.jaxpr)
+                if any(weight_dims & set(v.aval.shape) for v in e.invars)]
+    assert len(weighted) > 20
+    assert all(v.aval.dtype == jax.numpy.bfloat16 for e in weighted for v in e.invars), \
+        [[(str(v.aval.dtype), v.aval.shape) for v in e.invars] for e in weighted
+         if any(v.aval.dtype != jax.numpy.bfloat16 for v in e.invars)]
+    new_state, metrics = jax.eval_shape(step, state, batch)
+    leaves = jax.tree.leaves((new_state.params, new_state.opt_state))
+    assert all(x.dtype == jax.numpy.float32 for x in leaves if x.ndim)
+    assert metrics["loss"].dtype == jax.numpy.float32
