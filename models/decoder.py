@@ -38,23 +38,16 @@ from models.swiglu import swiglu
 
 Params = dict[str, Any]
 _init = nn.initializers.normal(stddev=0.02)
-# How the decoder runs its layers: "scan" (one loop over the stacked params: compile time
-# independent of depth; the default) or "unrolled" (the same params and arithmetic as
-# straight-line code: longer compiles, no loop iterations at run time).
+# Layers as one "scan" over the stacked params (default: compile time independent of depth)
+# or "unrolled" (same params and arithmetic as straight-line code; no loop at run time).
 LAYER_LOOPS = ("scan", "unrolled")
-
-
-# remat "dots": keep the outputs of the layer's matmuls without batch dimensions (the
-# projections and the MLP), recompute the rest (norms, RoPE, attention, activations)
+# remat "dots": keep the layer's matmul outputs (projections, MLP), recompute the rest
 SAVE_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 def remat_policy(remat: bool | str) -> str:
-    """ModelConfig.remat as one of models.config.REMAT_POLICIES: False -> "none",
-    True -> "full", a policy name -> itself."""
-    if isinstance(remat, bool):
-        return "full" if remat else "none"
-    return remat
+    """ModelConfig.remat as a REMAT_POLICIES name: False -> "none", True -> "full"."""
+    return ("full" if remat else "none") if isinstance(remat, bool) else remat
 
 
 def check_layer_loop(layer_loop: str) -> str:
