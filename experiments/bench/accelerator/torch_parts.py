@@ -4,7 +4,8 @@ and sampler parts (model_parts.train_samples / sampler_prompts), random weights 
 same config (models.config.config_to_hf), so that each Tandem row has its peer.
 
   train     one step: forward with sdpa attention under bf16 autocast (fp32 master
-            weights), the token log-probs of the responses in fp32, the GRPO-style
+            weights), the vocabulary head only at the positions that predict response
+            tokens (logits_to_keep), their log-probs in fp32, the GRPO-style
             policy-gradient loss -mean(A * log p) over response tokens, backward,
             clip_grad_norm_(1.0), AdamW (fused where torch offers it, else foreach);
             samples unpacked (each row holds its prompt: what plain torch does).
@@ -45,8 +46,12 @@ def hf_model(torch, transformers, model: str, dtype):
     hf_cfg = classes[cfg.arch](**config_to_hf(cfg))
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    net = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
-                                                        torch_dtype=dtype)
+    try:  # transformers >= 4.56 names it dtype (torch_dtype: deprecated)
+        net = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
+                                                            dtype=dtype)
+    except TypeError:
+        net = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
+                                                            torch_dtype=dtype)
     return cfg, net.to(device), device
 
 
@@ -87,8 +92,7 @@ def train(emit, *, model: str, groups: int, group_size: int, prompt: int, respon
     s = train_samples(cfg.vocab_size, g, n, p, r)
     tokens = torch.from_numpy(np.concatenate([s["prompt_ids"], s["response_ids"]], axis=1)
                               ).long().to(device)
-    mask = torch.zeros((b, p + r - 1), device=device)
-    mask[:, p - 1:] = 1.0  # the logit at t predicts token t + 1: the response tokens
+    targets = tokens[:, p:]  # the response tokens, predicted by positions P-1 .. P+R-2
     rew = s["rewards"].reshape(g, n)
     adv = ((rew - rew.mean(1, keepdims=True)) / (rew.std(1, keepdims=True) + 1e-6)).reshape(-1)
     adv = torch.from_numpy(adv).float().to(device)
@@ -96,10 +100,11 @@ def train(emit, *, model: str, groups: int, group_size: int, prompt: int, respon
 
     def step():
         with torch.autocast(device_type=device, dtype=torch.bfloat16):
-            logits = net(input_ids=tokens).logits
-        logp = -F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                tokens[:, 1:].reshape(-1), reduction="none").view(b, -1)
-        loss = -(adv[:, None] * logp * mask).sum() / mask.sum()
+            # the head only where a response token is predicted (as Tandem's learner does)
+            logits = net(input_ids=tokens, logits_to_keep=r + 1).logits[:, :-1]
+        logp = -F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                targets.reshape(-1), reduction="none").view(b, r)
+        loss = -(adv[:, None] * logp).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
