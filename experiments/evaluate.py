@@ -5,13 +5,17 @@ reward, pass@k, response lengths and truncation, a few example completions.
     python -m experiments.evaluate --model runs/tiny-synthetic --n 64        # a training run
     python -m experiments.evaluate --model model.Q8_0.gguf --task reasoning_gym:chain_sum \\
         --task-option max_new_tokens=256 --out eval.json
+    python -m experiments.evaluate --model checkpoints/Qwen2.5-0.5B-Instruct \\
+        --task file:data/test.jsonl --verifier numeric --reward my_rewards:score
 
 --model: a registered name (models.assets), a .gguf file, an HF directory, a training
 run dir (model.json + checkpoints/: rl.run.load_run, latest checkpoint or --step; the
 task, its options and the seed default to the run's, so the eval split is the one the run
 held out) or "tiny" (random init, for tokenizer-free tasks). --task: a rl.tasks.make_task
 spec ("synthetic", "reasoning_gym:basic_arithmetic", "reasoning_gym:chain_sum=1,...") or
-"env:NAME".
+"env:NAME" or a prompt file "file:PATH" (rl.tasks.file_task). --verifier names what
+"correct" is and --reward adds your reward function (rl.tasks.rewards), as in training; a
+run dir's own reward settings (its run_config.json) apply when its task is evaluated.
 
 The report is rl.run.evaluate's (the numbers come from rl.loops.sync.eval_report, the
 function the training loops' periodic eval calls): one greedy response per prompt ->
@@ -27,6 +31,7 @@ import json
 import sys
 from typing import Any
 
+from rl.loops.config import RewardConfig
 from rl.run.evaluation import default_report_path, evaluate, format_report
 from rl.runtime.logging import atomic_write_json
 
@@ -41,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "task)")
     p.add_argument("--task-option", action="append", default=[], metavar="K=V",
                    help="task option (JSON value or string), repeatable")
+    p.add_argument("--verifier", choices=("strict", "dataset", "exact", "numeric", "math",
+                                          "regex"),
+                   help="what 'correct' is (default: the task's, or the run's)")
+    p.add_argument("--reward", metavar="MODULE:FUNCTION",
+                   help="your reward function fn(prompt, response, entry) -> {name: float}")
     p.add_argument("--n", type=int, default=256, help="eval prompts (default 256)")
     p.add_argument("--k", type=int, default=0, help="samples per prompt for pass@k (0: skip)")
     p.add_argument("--temperature", type=float, default=1.0, help="pass@k temperature")
@@ -71,12 +81,15 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    reward = None
+    if args.verifier or args.reward:
+        reward = RewardConfig(verifier=args.verifier, function=args.reward)
     try:
         report = evaluate(args.model, task=args.task, task_options=parse_options(args.task_option),
                           n=args.n, k=args.k, temperature=args.temperature,
                           max_new_tokens=args.max_new_tokens, seed=args.seed, step=args.step,
                           examples=args.examples, max_slots=args.max_slots,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, reward=reward)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     print(format_report(report))

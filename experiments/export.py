@@ -1,7 +1,18 @@
-"""Export the trained policy of a training run as a Hugging Face model directory.
+"""Export the trained policy of a training run (or any model Tandem loads) as a Hugging
+Face model directory.
 
-    python -m experiments.export --run-dir runs/smollm2-rg --out exported/smollm2-rg
-    python -m experiments.export --run-dir RUN --out DIR --step 100 --force
+    python -m experiments.export --model runs/smollm2-rg --out exported/smollm2-rg
+    python -m experiments.export --model RUN --out DIR --step 100 --force --dtype float32
+    python -m experiments.export --model smollm2-135m --out smollm2-hf    # GGUF -> HF dir
+
+--model takes what evaluate and generate take: a training run dir (--run-dir is the same),
+a registered name, a .gguf file or an HF directory (then its weights are written as they
+load, e.g. a GGUF file dequantised into safetensors). --dtype bfloat16 | float16 | float32:
+the tensors' type in model.safetensors (default: the model's own dtype, that of the model
+the run started from: config.json's torch_dtype for an HF directory, the float type of a
+GGUF file's weights, bfloat16 for a quantised GGUF; the run's param dtype when the model
+cannot be found). float16 refuses weights beyond its range. Every file gets the usual
+mode under the umask (0644 under 022), readable by the other users of a shared directory.
 
 Reads the run record (RUN/model.json, written by rl.run.train / `python -m
 experiments.train`: the model name, its ModelConfig, the task and seed) and the params of
@@ -147,23 +158,47 @@ def _prepare_out_dir(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def model_dtype(meta: dict, config: ModelConfig) -> str:
+    """The model's own dtype (module docstring) for a run's model.json / a loaded model."""
+    from models.assets import inspect_model
+
+    model = meta.get("model")
+    if model and model not in ("tiny",):
+        try:
+            return inspect_model(model).float_dtype
+        except (ValueError, FileNotFoundError, OSError):
+            pass  # the model moved: the run's own dtype
+    return config.param_dtype
+
+
 def export_hf(run_policy: RunPolicy, out_dir: str | os.PathLike, *, force: bool = False,
-              run_dir: str | os.PathLike | None = None, adapters_only: bool = False) -> list[str]:
+              run_dir: str | os.PathLike | None = None, adapters_only: bool = False,
+              dtype: str | None = None) -> list[str]:
     """Write run_policy as a HF model directory (see the module docstring); returns the
     file names written. A non-empty out_dir raises ExportError unless force=True.
-    adapters_only (a LoRA run): the adapters alone, PEFT layout (the PEFT layout)."""
+    adapters_only (a LoRA run): the adapters alone, PEFT layout (the PEFT layout).
+    dtype: the weights' type in the file (default: the model's own, model_dtype)."""
     from models.hf_loader import save_hf_checkpoint
     from rl.runtime.logging import atomic_write_json, atomic_write_text
 
     out = Path(out_dir)
     if adapters_only and run_policy.adapters is None:
         raise ExportError("--adapters-only needs a LoRA run (experiments.train --lora-rank R)")
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ExportError(f"--dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
     _prepare_out_dir(out, force)
     config, tok = run_policy.model_config, run_policy.tokenizer
+    dtype = dtype or model_dtype(run_policy.meta, config)
     if adapters_only:
         written = write_adapters(out, run_policy.adapters, run_policy.meta)
     else:
-        save_hf_checkpoint(out, config, run_policy.params)
+        try:
+            save_hf_checkpoint(out, config, run_policy.params, dtype=dtype)
+        except ValueError as err:
+            raise ExportError(f"{err} (--dtype)") from err
         written = ["config.json", "model.safetensors"]
     atomic_write_json(out / "generation_config.json", generation_config(config, tok))
     written.append("generation_config.json")
@@ -174,7 +209,7 @@ def export_hf(run_policy: RunPolicy, out_dir: str | os.PathLike, *, force: bool 
     meta = run_policy.meta
     atomic_write_json(out / "tandem_export.json", _jsonable({
         "run_dir": None if run_dir is None else str(Path(run_dir).absolute()),
-        "step": run_policy.step, "tokenizer": tok is not None,
+        "step": run_policy.step, "tokenizer": tok is not None, "dtype": dtype,
         **{k: meta.get(k) for k in ("model", "preset", "task", "task_options", "seed")}}))
     written.append("tandem_export.json")
     return written
@@ -186,36 +221,60 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m experiments.export",
         description="Write a training run's policy as a Hugging Face model directory "
                     "(config.json, model.safetensors, tokenizer files, generation_config.json).")
-    p.add_argument("--run-dir", required=True, help="run dir of python -m experiments.train")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="RUN_DIR|NAME|FILE.gguf|HF_DIR",
+                     help="a training run dir, or a model: registered name, .gguf file, HF dir")
+    src.add_argument("--run-dir", help="run dir of python -m experiments.train (= --model RUN_DIR)")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     p.add_argument("--step", type=int, help="checkpoint step to export (default: the latest)")
     p.add_argument("--force", action="store_true", help="overwrite the model files of a "
                    "non-empty --out")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES,
+                   help="weights' type in model.safetensors (default: the model's own dtype)")
     p.add_argument("--adapters-only", action="store_true", help="a LoRA run: write its "
                    "adapters alone (PEFT adapter_model.safetensors + adapter_config.json) "
                    "instead of the merged full weights")
     return p
 
 
+def model_policy(source: str) -> RunPolicy:
+    """A RunPolicy of a model that is not a run (registered name, .gguf, HF dir): its
+    weights as load_model reads them, step None."""
+    from models.assets import load_model
+
+    config, params, tokenizer = load_model(source)
+    return RunPolicy(model_config=config, params=params, tokenizer=tokenizer,
+                     meta={"model": source}, step=None)
+
+
 def main(argv: list[str] | None = None) -> dict:
+    from rl.run.record import is_run_dir
+
     args = build_parser().parse_args(argv)
+    source = args.model or args.run_dir
+    run_dir = source if args.run_dir or is_run_dir(source) else None
     try:
         out = Path(args.out)
         if out.is_dir() and any(out.iterdir()) and not args.force:
             _prepare_out_dir(out, force=False)  # fail before reading the checkpoint
-        policy = load_run(args.run_dir, args.step)
-        written = export_hf(policy, out, force=args.force, run_dir=args.run_dir,
-                            adapters_only=args.adapters_only)
+        if run_dir is None and args.step is not None:
+            raise ExportError(f"--step is for a training run dir; {source!r} is not one")
+        policy = load_run(run_dir, args.step) if run_dir else model_policy(source)
+        written = export_hf(policy, out, force=args.force, run_dir=run_dir,
+                            adapters_only=args.adapters_only, dtype=args.dtype)
     except (ExportError, RunDirError) as err:
         sys.exit(f"error: {err}")
-    print(f"exported step {policy.step} of {args.run_dir} (model {policy.meta.get('model')!r}) "
-          f"to {out}: {', '.join(written)}")
+    except (ValueError, FileNotFoundError) as err:  # a model that cannot load
+        sys.exit(f"error: {err}")
+    what = f"step {policy.step} of {run_dir}" if run_dir else f"model {source!r}"
+    print(f"exported {what} (model {policy.meta.get('model')!r}) to {out}: {', '.join(written)}")
     if policy.tokenizer is None:
         print(f"note: no tokenizer written: model {policy.meta.get('model')!r} has no text "
               "tokenizer (its tokens are the task's own ids); AutoModelForCausalLM loads the "
               "directory, AutoTokenizer does not", file=sys.stderr)
     return {"out": str(out), "step": policy.step, "files": written,
-            "tokenizer": policy.tokenizer is not None}
+            "tokenizer": policy.tokenizer is not None,
+            "dtype": json.loads((out / "tandem_export.json").read_text())["dtype"]}
 
 
 if __name__ == "__main__":

@@ -116,6 +116,9 @@ def test_task_flags(tmp_path, capsys):
     assert other.task.kwargs == {"max_new_tokens": 48, "max_prompt_len": 128, "max_animals": 2}
     same = task_override(rg, "--task-option", "max_digits=1")
     assert same.task.kwargs["max_digits"] == 1 and same.task.spec == rg.task.spec
+    # the preset's verifier was chosen for its task: a new task gets its own default
+    assert rg.reward.verifier == same.reward.verifier == "dataset"
+    assert other.reward.verifier is None
     with pytest.raises(SystemExit):  # the tiny model has no tokenizer for a text task
         main(["--task", "reasoning_gym:chain_sum", "--run-dir", str(tmp_path / "x"),
               "--wandb", "disabled", *SMALL])

@@ -37,6 +37,7 @@ from rl.runtime.config_tree import parse_value
 from rl.runtime.distributed import ENV_VARS, distributed_config
 from rl.runtime.logging import WANDB_MODES
 from rl.runtime.mesh import MESH_PRESETS
+from rl.runtime.preemption import EXIT_PREEMPTED
 from rl.schedulers import SCHEDULERS
 from rl.schedulers.dars import SCHEDULES
 
@@ -49,6 +50,10 @@ SIMPLE_FLAGS = {
     "lr": "train.optimizer.learning_rate", "temperature": "train.temperature",
     "micro_batches": "train.micro_batches", "mesh": "mesh", "run_dir": "run_dir",
     "wandb": "logging.wandb", "remat": "train.remat",
+    "model": "model.name", "reward": "reward.function", "verifier": "reward.verifier",
+    "reward_timeout": "reward.timeout_s",
+    "save_every_minutes": "loop.save_every_minutes",
+    "env_step_timeout": "loop.env_step_timeout_s", "episode_timeout": "loop.episode_timeout_s",
 }
 # store_true flag dest -> (path, value it sets)
 SWITCHES = {
@@ -88,8 +93,22 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
                         "train.optimizer.learning_rate=1e-5 or async.max_staleness=2")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved RunConfig as JSON and exit")
+    p.add_argument("--model", metavar="NAME|FILE.gguf|HF_DIR",
+                   help="the policy to train (model.name): a registered name (smollm2-135m), a "
+                        ".gguf file or a Hugging Face directory (Llama, Qwen2, Qwen3, SmolLM2 "
+                        "families); checked before anything compiles")
     p.add_argument("--task", help="task spec replacing the preset's (rl.tasks.make_task), e.g. "
-                   "'reasoning_gym:basic_arithmetic' or 'reasoning_gym:chain_sum=1,leg_counting=1'")
+                   "'reasoning_gym:basic_arithmetic', 'reasoning_gym:chain_sum=1,leg_counting=1' "
+                   "or a prompt file 'file:PATH.jsonl' (JSONL, JSON, CSV, Parquet)")
+    p.add_argument("--reward", metavar="MODULE:FUNCTION",
+                   help="your reward function fn(prompt, response, entry) -> {name: float} "
+                        "(reward.function): 'module:function', 'file.py:function' or a "
+                        "registered name; its rewards are trained on, the task's are logged")
+    p.add_argument("--verifier", choices=("strict", "dataset", "exact", "numeric", "math", "regex"),
+                   help="what the task's 'correct' reward is (reward.verifier; default: strict "
+                        "for reasoning-gym, math for a file task)")
+    p.add_argument("--reward-timeout", type=float, metavar="S",
+                   help="time limit of one reward-function call (reward.timeout_s, default 10)")
     p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a task option (repeatable), e.g. max_terms=2 or chain_sum.max_digits=1; "
                         "values are Python literals or strings")
@@ -139,7 +158,26 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
     add_lora_flags(p)
     add_vcpo_flags(p)
     add_async_flags(p)
+    add_fault_flags(p)
     return p
+
+
+def add_fault_flags(p: argparse.ArgumentParser) -> None:
+    f = p.add_argument_group("faults: preemption, time-based saves, time limits "
+                             "(rl.runtime.preemption)")
+    f.add_argument("--save-every-minutes", type=float, metavar="M",
+                   help="also checkpoint after the first step that ends M minutes after the "
+                        "last save (0 = off), so a killed run loses little")
+    f.add_argument("--preempted-exit-code", type=int, default=EXIT_PREEMPTED, metavar="N",
+                   help="exit status after a SIGTERM / Ctrl-C stop with its checkpoint saved "
+                        f"(default {EXIT_PREEMPTED}; e.g. 143 for a supervisor that restarts "
+                        "only failed jobs)")
+    f.add_argument("--env-step-timeout", type=float, metavar="S",
+                   help="environments: seconds a call into the environment may take (reset, "
+                        "step, ...); past it the episode ends with EndReason.TIMEOUT")
+    f.add_argument("--episode-timeout", type=float, metavar="S",
+                   help="environments: wall seconds an episode may take; past it it ends with "
+                        "EndReason.TIMEOUT")
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -283,8 +321,9 @@ def parse_task_options(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def task_overrides(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
-    """--task / --env (which drop the config's task options except the sampling budget),
-    --task-option / --env-option and the turn-credit flags."""
+    """--task / --env (which drop the config's task options except the sampling budget, and
+    its reward.verifier / tolerance), --task-option / --env-option and the turn-credit
+    flags."""
     task, options = args.task, list(args.task_option)
     if args.env is not None:
         if task is not None:
@@ -299,10 +338,11 @@ def task_overrides(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
             extra[key] = getattr(args, key)
     if task is None and not extra:
         return cfg
-    kept = cfg.task.kwargs
-    if task is not None and task != cfg.task.spec:
+    kept, reward = cfg.task.kwargs, cfg.reward
+    if task is not None and task != cfg.task.spec:  # the verifier was the old task's choice
         kept = {k: v for k, v in kept.items() if k in BUDGET_OPTIONS}
-    return dataclasses.replace(cfg, task=dataclasses.replace(
+        reward = dataclasses.replace(reward, verifier=None, tolerance=None)
+    return dataclasses.replace(cfg, reward=reward, task=dataclasses.replace(
         cfg.task, spec=task or cfg.task.spec, options={**kept, **extra}))
 
 

@@ -10,6 +10,8 @@ split helpers, nothing else from `rl`).
                 exact, bounded, never eval/exec
   calculator    `CalculatorEnv`: arithmetic problems for a chat model with a
                 <calc>EXPR</calc> tool (`arithmetic.calculate`)
+  tools         `ToolWorker`: a tool function run in a worker process with a hard
+                timeout (`ToolTimeout`), for tools that may hang
 
 Environments are plain Python objects that step on the host between decode segments.
 
@@ -24,7 +26,14 @@ from collections.abc import Callable
 from typing import Any
 
 from rl.envs.arithmetic import calculate
-from rl.envs.base import EndReason, Environment, Episode, StepResult, check_step_result
+from rl.envs.base import (
+    EndReason,
+    Environment,
+    Episode,
+    StepResult,
+    ToolTimeout,
+    check_step_result,
+)
 from rl.envs.calculator import CalculatorEnv
 from rl.envs.guess_number import GuessNumberEnv
 
@@ -76,4 +85,5 @@ def make_env(spec: str, **kwargs) -> Environment:
 
 
 __all__ = ["ENVS", "CalculatorEnv", "EndReason", "Environment", "Episode", "GuessNumberEnv",
-           "StepResult", "calculate", "check_step_result", "make_env", "parse_env_spec"]
+           "StepResult", "ToolTimeout", "calculate", "check_step_result", "make_env",
+           "parse_env_spec"]

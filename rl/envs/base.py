@@ -27,6 +27,18 @@ If an environment misbehaves — `step` raises, returns something that is not a 
 with a string observation, or its observation would pass the token budget — the rollout
 side ends that episode with an `EndReason` and a logged message; no other episode in the
 batch is affected.
+
+Time limits. An environment may set `step_timeout_s` (an optional attribute, seconds; the
+loop's `env_step_timeout_s` overrides it): a call into its code (reset, decode_turn,
+step, encode_observation, outcome) that has not returned by then ends that episode with
+EndReason.TIMEOUT (the call was run in a daemon thread and is left behind: a Python call
+cannot be stopped from outside; the episode's rewards are 0). The rollout engine also has
+a per-episode wall limit (rl.rollout.multiturn.TimeLimits). Work that may really hang (a
+tool calling out to other code) belongs in a worker process that can be killed:
+`rl.envs.tools.ToolWorker` runs a function there with a hard timeout and raises
+`ToolTimeout` when it is exceeded; a ToolTimeout out of an environment call also ends the
+episode with EndReason.TIMEOUT (or the environment catches it and shows the model an
+error observation instead).
 """
 from __future__ import annotations
 
@@ -47,6 +59,12 @@ class EndReason(str, enum.Enum):
     TOKEN_BUDGET = "token_budget"      # the next turn or observation would not fit
     ENV_ERROR = "env_error"            # step() raised
     BAD_RESULT = "bad_result"          # step() returned something that is not a valid StepResult
+    TIMEOUT = "timeout"                # a call or the whole episode passed its time limit
+
+
+class ToolTimeout(TimeoutError):
+    """A tool (or any environment work) did not finish within its time limit (raised by
+    rl.envs.tools.ToolWorker; ends the episode with EndReason.TIMEOUT unless caught)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +101,8 @@ class Environment(Protocol):
 
     stop_ids: ids that end a model turn; max_turns: model turns per episode;
     max_turn_tokens: new tokens per model turn; max_prompt_len: prompt tokens;
-    max_episode_tokens: prompt + every turn + every observation."""
+    max_episode_tokens: prompt + every turn + every observation. Optional: step_timeout_s,
+    the time limit of each call into the environment (module doc; absent or 0 = none)."""
 
     name: str
     reward_names: tuple[str, ...]

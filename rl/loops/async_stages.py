@@ -14,9 +14,12 @@ rollouts and proximal options), and `AsyncRun`, the loop's state they share.
   update_learner     the jitted step, the EWMA update, v + 1 published, the buffer's version
   record_step        the train record (step metrics, sampling and buffer counters, APRIL's,
                      the resume note, the step profile), the progress bar
-  evaluate_and_save  eval and checkpoint (+ side files, pruned) on their schedule
+  evaluate_and_save  at the step boundary every process agrees on (rl.runtime.preemption):
+                     stop at a signal (a checkpoint of the step, raise Preempted), eval and
+                     checkpoint (+ side files, pruned) on their schedule or by time, then
+                     the non-blocking check of the checkpoint writer
   stop_after_fault   producer stopped, buffer closed, a final checkpoint on KeyboardInterrupt
-                     or a producer error
+                     or a producer error; a storage failure becomes one StorageError
   shut_down          producer stopped and joined (with a timeout), the run context closed
 
 `split_devices` (which devices sample, which train) runs before `open_run`; `save_checkpoint`
@@ -64,6 +67,8 @@ from rl.loops.sync import (
 )
 from rl.rollout.april import AprilConfig
 from rl.runtime.logging import EXTRA_PHASES, PHASES, StepProfile
+from rl.runtime.preemption import Preempted, StepAbandoned, abandon_point
+from rl.runtime.storage import StorageError
 from rl.tasks.base import Task
 
 
@@ -173,8 +178,9 @@ def start(run: AsyncRun, *, resume: bool, on_eval: Any) -> None:
     """Everything the first step needs, in this order: the ring's saved versions
     (deterministic resume), the state's params published, the APRIL source (fresh from the
     data position, or its saved FIFO and base), the EWMA params (a copy of the state's),
-    the evaluator and (not on resume) the step-0 eval of the published policy, the
-    producer thread (threaded mode), the progress bar and the step profile."""
+    the evaluator, the stop check before the first step, the step-0 eval of the published
+    policy (or on resume the eval a stop left undone), the producer thread (threaded
+    mode), the progress bar and the step profile."""
     ctx, acfg, state = run.ctx, run.acfg, run.state
     if resume and acfg.mode == "deterministic":
         for v, p in load_snapshots(run.run_dir, ctx.start, state.params).items():
@@ -195,8 +201,16 @@ def start(run: AsyncRun, *, resume: bool, on_eval: Any) -> None:
         run.ewma = jax.tree.map(jnp.copy, state.params)
     run.do_eval = make_evaluator(run.model_config, run.task, run.config, run.loop,
                                  ctx.logger, on_eval)
-    if not resume:
-        run.do_eval(0, *run.published)
+    pending = 0 if not resume else ctx.pending_eval()
+    ctl = ctx.control
+    if ctl.boundary(ctx.start).stop:  # a signal before the first step
+        raise stop_run(run, pending_eval=pending)
+    if pending is not None:
+        try:
+            with ctl.abandonable():
+                run.do_eval(pending, *run.published)
+        except StepAbandoned:
+            raise stop_run(run, f"the eval of step {pending}", pending) from None
     if acfg.mode == "threaded":
         run.producer = RolloutProducer(model_config=run.model_config, task=run.task,
                                        config=run.config, loop=run.loop, rollout=acfg.rollout,
@@ -280,16 +294,17 @@ def wait_for_producer(run: AsyncRun, step: int, st: TrainState, pos: int) -> Tak
     producer, v = run.producer, int(st.version)
     got, t_wait = None, time.perf_counter()
     while got is None:
+        abandon_point()  # a stop request while waiting (rl.runtime.preemption)
         got = run.buffer.get_batch(run.loop.prompts_per_step, v, timeout=0.1)
         if isinstance(producer.error, NonFiniteError):  # a task's reward
             raise NonFiniteError(f"step {step + 1}: {producer.error}")
         if producer.error is not None:
             raise RuntimeError(
-                f"the rollout thread failed: {type(producer.error).__name__}: "
-                f"{producer.error}") from producer.error
+                f"step {step + 1}: the rollout thread failed: "
+                f"{type(producer.error).__name__}: {producer.error}") from producer.error
         if got is None and not run.thread.is_alive():
-            raise RuntimeError("the rollout thread stopped without an error before "
-                               "the run was complete")
+            raise RuntimeError(f"step {step + 1}: the rollout thread stopped without an "
+                               "error before the run was complete")
     run.prof.add("wait_s", time.perf_counter() - t_wait)
     total = producer.sampled_tokens  # read once: tokens sampled meanwhile count next step
     stats = {"sampled_tokens": total - run.producer_tokens}
@@ -378,30 +393,49 @@ def record_step(run: AsyncRun, step: int, metrics: dict, stats: dict, extra: dic
 
 
 def evaluate_and_save(run: AsyncRun, done: int) -> None:
-    """After `done` steps: eval the published policy (= the state's version) every
-    loop.eval_every steps and at the end; checkpoint every loop.save_every steps and at
-    the end, then prune side files of checkpoints orbax dropped."""
-    loop = run.loop
+    """After `done` steps, at the boundary all processes agree on (RunControl.boundary):
+    a stop signal raises Preempted after checkpointing this step (a due eval left for the
+    resumed run); else eval the published policy (= the state's version) every
+    loop.eval_every steps and at the end (a stop request during it abandons it the same
+    way); checkpoint every loop.save_every steps, by time (loop.save_every_minutes) and at
+    the end, then prune side files of checkpoints orbax dropped; then raise the failure of
+    a finished background save, if any."""
+    loop, ctl = run.loop, run.ctx.control
+    when = ctl.boundary(done)
     is_last = done == loop.steps
     if is_last or (loop.eval_every and done % loop.eval_every == 0):
-        ev = run.do_eval(done, *run.published)  # the policy of st.version
+        if when.stop:
+            raise stop_run(run, f"the eval of step {done}", done)
+        try:
+            with ctl.abandonable():
+                ev = run.do_eval(done, *run.published)  # the policy of st.version
+        except StepAbandoned:
+            raise stop_run(run, f"the eval of step {done}", done) from None
         if run.progress:
             run.bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
-    if is_last or (loop.save_every and done % loop.save_every == 0):
+    if when.stop:
+        raise stop_run(run)
+    if is_last or when.save or (loop.save_every and done % loop.save_every == 0):
         save_checkpoint(run, done, run.state)
+        ctl.saved()
         prune_side_files(run.run_dir, run.ctx.ckpt)
+    run.ctx.ckpt.poll()  # a failed background write stops the run here
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def save_checkpoint(run: AsyncRun, step: int, st: TrainState) -> None:
+def save_checkpoint(run: AsyncRun, step: int, st: TrainState,
+                    pending_eval: int | None = None) -> None:
     """Checkpoint `st` at `step` (asynchronous orbax save). Meta: task, config record,
     async {mode, max_staleness, buffer counters, threaded: in_flight_groups}, data
-    position. Side files first: APRIL's state (threaded: as of the producer's last finished
-    round), deterministic: the ring's versions max(v - η, 0) .. v. Threaded: the data
-    position and rng are the producer's (consistent with each other)."""
+    position (and pending_eval: the eval a stop left undone). Side files first: APRIL's
+    state (threaded: as of the producer's last finished round), deterministic: the ring's
+    versions max(v - η, 0) .. v. Threaded: the data position and rng are the producer's
+    (consistent with each other)."""
     ctx, acfg, buffer, producer = run.ctx, run.acfg, run.buffer, run.producer
     meta = {"task": run.task.name, "config": ctx.config,
             "async": {"mode": acfg.mode, "max_staleness": run.k, "buffer": buffer.stats()}}
+    if pending_eval is not None:
+        meta["pending_eval"] = int(pending_eval)
     if run.april is not None:  # the FIFO of unfinished groups is restored on resume
         april_state = run.april.state() if producer is None else producer.april_snapshot[0]
         save_rollout_state(run.run_dir, step, april_state)
@@ -422,9 +456,10 @@ def save_checkpoint(run: AsyncRun, step: int, st: TrainState) -> None:
     ctx.ckpt.save(step, st, meta)
 
 
-def final_checkpoint(run: AsyncRun) -> None:
-    """After a fault: checkpoint the run's state unless that step is already saved or the
-    state was consumed (donated) by an interrupted step (a warning then)."""
+def final_checkpoint(run: AsyncRun, pending_eval: int | None = None) -> None:
+    """After a stop or a fault: checkpoint the run's state (the last completed step)
+    unless that step is already saved or the state was consumed (donated) by an
+    interrupted step (a warning then); wait until it is on disk."""
     st = run.state
     step = int(st.step)
     run.ctx.ckpt.wait()
@@ -434,29 +469,44 @@ def final_checkpoint(run: AsyncRun) -> None:
         warnings.warn("the train state was consumed by an interrupted step; no final "
                       "checkpoint written (the last periodic one stands)")
         return
-    save_checkpoint(run, step, st)
+    save_checkpoint(run, step, st, pending_eval)
     run.ctx.ckpt.wait()
 
 
+def stop_run(run: AsyncRun, abandoned: str = "", pending_eval: int | None = None) -> Preempted:
+    """A stop signal: the producer stopped, the last completed step checkpointed (with the
+    eval left undone, if any); the Preempted error to raise."""
+    if run.producer is not None:
+        run.producer.stop()
+    final_checkpoint(run, pending_eval)
+    return run.ctx.preempted(int(run.state.step), abandoned)
+
+
 # ----------------------------------------------------------------------------- the end
-def stop_after_fault(run: AsyncRun, err: BaseException) -> None:
+def stop_after_fault(run: AsyncRun, err: BaseException) -> StorageError | None:
     """Any exception out of a stage: stop the producer and close the buffer; on
     KeyboardInterrupt or a producer error, write a final checkpoint (its own failure is a
-    warning, so the original error is the one that surfaces). The caller re-raises."""
+    warning, so the original error is the one that surfaces). Returns the StorageError
+    to raise instead of `err` when `err` is a storage failure; else the caller re-raises."""
     if run.producer is not None:
         run.producer.stop()
     run.buffer.close()
-    if isinstance(err, KeyboardInterrupt) or (run.producer is not None
-                                              and run.producer.error is not None):
+    if isinstance(err, Preempted):
+        return None
+    failure = run.ctx.storage_failure(err) if isinstance(err, Exception) else None
+    if failure is None and (isinstance(err, KeyboardInterrupt) or (
+            run.producer is not None and run.producer.error is not None)):
         try:
             final_checkpoint(run)
         except Exception as save_err:  # keep the original error the one that surfaces
             warnings.warn(f"final checkpoint failed: {type(save_err).__name__}: {save_err}")
+    return None if failure is err else failure
 
 
-def shut_down(run: AsyncRun) -> None:
+def shut_down(run: AsyncRun, *, quiet: bool = False) -> None:
     """Always, error or not: stop the producer, close the buffer, join the thread (after
-    acfg.join_timeout_s a warning: it is a daemon thread), close the run context."""
+    acfg.join_timeout_s a warning: it is a daemon thread), close the run context (quiet:
+    an error is on its way out, so a failure to close is a warning)."""
     if run.producer is not None:
         run.producer.stop()
     run.buffer.close()
@@ -465,7 +515,7 @@ def shut_down(run: AsyncRun) -> None:
         if run.thread.is_alive():
             warnings.warn(f"the rollout thread did not stop within {run.acfg.join_timeout_s} s; "
                           "it is a daemon thread and ends with the process")
-    run.ctx.close()
+    run.ctx.close(quiet=quiet)
 
 
 def result(run: AsyncRun) -> RunResult:

@@ -69,11 +69,16 @@ params θ_prox ← β θ_prox + (1 − β) θ (rl.learner.proximal.ewma_update) 
 π_prox/μ, staleness_* = π_θ/π_prox), plus the buffer's counters (buffer_*) and the
 behaviour-version lag of each batch.
 
-Faults: an exception in the producer thread stops the run: the learner writes a final
-checkpoint and raises RuntimeError chained to the original exception (its traceback
-intact); KeyboardInterrupt (Ctrl-C, or raised from a hook) writes a final checkpoint and
-re-raises; the producer is always stopped and joined (timeout, then it is a daemon
-thread, so it can never keep the process alive). Resume: deterministic mode resumes
+Faults: an exception in the producer thread stops the run at the step the learner waits
+for: the learner writes a final checkpoint and raises RuntimeError ("step N: the rollout
+thread failed: ...") chained to the original exception (its traceback intact); SIGTERM /
+Ctrl-C (rl.runtime.preemption) stop it as they stop rl.loops.run: at the next safe point
+(waiting for or sampling a batch: dropped, except inside deterministic APRIL rounds; an
+eval: left to the resumed run), with a checkpoint of the last completed step, raising
+Preempted; a KeyboardInterrupt (a second Ctrl-C, or raised from a hook) writes a final
+checkpoint and re-raises; a failed write is one StorageError; the producer is always
+stopped and joined (timeout, then it is a daemon thread, so it can never keep the
+process alive). Resume: deterministic mode resumes
 exactly with static rollouts (the snapshot ring is saved beside each checkpoint under
 run_dir/snapshots/); with APRIL its FIFO is saved under run_dir/rollout_state/ and
 restored whole, but rl.rollout.april reseeds new groups on a restore, so the continuation is
@@ -105,6 +110,7 @@ from rl.loops.async_stages import (
     split_devices,
     start,
     stop_after_fault,
+    stop_run,
     take_batch,
     update_learner,
 )
@@ -112,6 +118,7 @@ from rl.loops.config import (  # noqa: F401  (MODES, PROXIMAL, ROLLOUTS re-expor
     MODES, PROXIMAL, ROLLOUTS, AsyncConfig, Resume, RunConfig, RunHooks, as_resume)
 from rl.loops.context import open_run, resolve_mesh
 from rl.loops.sync import RunResult
+from rl.runtime.preemption import Preempted, StepAbandoned
 from rl.tasks.base import Task
 
 def train_config_for(config: TrainConfig, async_config: AsyncConfig) -> TrainConfig:
@@ -160,6 +167,8 @@ def run_async(model_config: ModelConfig, params: Any, task: Task, config: RunCon
     run = prepare(ctx, model_config, task, train, loop, acfg, run_dir,
                   rollout_device=rollout_device, mesh=mesh, resume=resume,
                   progress=config.logging.progress)
+    # dropping a half-sampled step loses nothing but in APRIL rounds (their FIFO moves)
+    can_abandon = acfg.rollout != "april" or acfg.mode == "threaded"
     try:
         start(run, resume=resume, on_eval=hooks.on_eval)
         for step in range(ctx.start, loop.steps):
@@ -167,7 +176,11 @@ def run_async(model_config: ModelConfig, params: Any, task: Task, config: RunCon
             st, pos = run.state, run.data_position
             version = int(st.version)
             t0 = time.perf_counter()
-            got, st, pos, stats = take_batch(run, step, st, pos)
+            try:
+                with ctx.control.abandonable(can_abandon):
+                    got, st, pos, stats = take_batch(run, step, st, pos)
+            except StepAbandoned:  # run.state is still the last completed step's
+                raise stop_run(run, f"step {step + 1}'s rollouts") from None
             t1 = time.perf_counter()
             batch, extra = build_train_batch(run, got, version)
             t2 = time.perf_counter()
@@ -180,8 +193,10 @@ def run_async(model_config: ModelConfig, params: Any, task: Task, config: RunCon
                 hooks.on_step(record)
         run.bar.close()
     except BaseException as err:
-        stop_after_fault(run, err)
+        failure = stop_after_fault(run, err)
+        shut_down(run, quiet=not isinstance(err, Preempted))
+        if failure is not None:
+            raise failure from err
         raise
-    finally:
-        shut_down(run)
+    shut_down(run)
     return result(run)

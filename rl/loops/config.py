@@ -5,6 +5,7 @@
       model      ModelSpec     which policy: "tiny" (random init) or a model name / file / dir
       task       TaskSpec      rl.tasks.make_task spec (or "env:NAME": an environment), its
                                options and split seed
+      reward     RewardConfig  the verifier of "correct" and a reward function of your own
       train      TrainConfig   the learner: loss, advantage, optimizer, LoRA, VCPO, packing
                                (rl.learner.config)
       loop       LoopConfig    steps, batch geometry, eval / save cadence, seed, time limit
@@ -69,7 +70,13 @@ class LoopConfig:
     the greedy pass always uses all); time_limit_s: wall-time budget of the run in
     seconds (0 = none): the step that crosses it is the last (eval and save as usual);
     checked: run the checked train step (rl.learner.checked: a non-finite reward,
-    log-prob, loss or gradient stops the run naming the step and group).
+    log-prob, loss or gradient stops the run naming the step and group);
+    save_every_minutes: also checkpoint after the first step that ends this many minutes
+    after the last save (0 = off), so a killed run loses little (both loops; all processes
+    agree on the step, rl.runtime.preemption); env_step_timeout_s: an environment's time
+    limit per call (a turn's step, reset, outcome; 0 = the environment's own
+    `step_timeout_s`, if any) and episode_timeout_s: the wall-time limit of one episode (0
+    = none): an episode past either ends with EndReason.TIMEOUT (rl.rollout.multiturn).
     layer_loop / bucket_slots: the train rollouts' decode options (rl.rollout.RolloutConfig:
     "scan" or "unrolled" layers; slot counts bucketed to powers of two up to 256); the
     same tokens either way, off by default."""
@@ -91,11 +98,20 @@ class LoopConfig:
     checked: bool = True
     layer_loop: str = "scan"
     bucket_slots: bool = False
+    save_every_minutes: float = 0.0
+    env_step_timeout_s: float = 0.0
+    episode_timeout_s: float = 0.0
 
     def __post_init__(self):
         if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s >= 0):
             raise ValueError(f"LoopConfig.time_limit_s must be >= 0 seconds (0 = no limit), "
                              f"got {self.time_limit_s!r}")
+        for name in ("save_every_minutes", "env_step_timeout_s", "episode_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
+                    or v == float("inf"):
+                raise ValueError(f"LoopConfig.{name} must be a finite number >= 0 (0 = off), "
+                                 f"got {v!r}")
         for name, low in (("eval_sampled_prompts", 0), ("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
                           ("segment_len", 1), ("eval_every", 0), ("eval_prompts", 1),
                           ("save_every", 0), ("keep_checkpoints", 1), ("max_resample_rounds", 0),
@@ -246,6 +262,60 @@ class TaskSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """verifier: what the task's "correct" reward is, passed to the task as its `verifier`
+    option (None: the task's default: "strict" for reasoning-gym, "math" for a file task):
+    "exact", "numeric", "math", "regex" (rl.tasks.verifiers) or, for reasoning-gym,
+    "strict" / "dataset"; tolerance: the numeric verifier's (None: the task's default);
+    function: a reward function of your own (rl.tasks.rewards): "module:function",
+    "path/to/file.py:function" or a name given to rl.tasks.rewards.register_reward (a
+    callable passed as RunConfig(reward=fn) is registered and stored by that name);
+    timeout_s: the time limit of one call of the function."""
+
+    verifier: str | None = None
+    function: str | None = None
+    timeout_s: float = 10.0
+    tolerance: float | None = None
+
+    def __post_init__(self):
+        for name in ("verifier", "function"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"RewardConfig.{name} must be None or a non-empty string, got "
+                                 f"{value!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"RewardConfig.timeout_s must be a number of seconds > 0, got {t!r}")
+        tol = self.tolerance
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
+                                or not tol >= 0):
+            raise ValueError(f"RewardConfig.tolerance must be None or a number >= 0, got {tol!r}")
+
+    @property
+    def task_options(self) -> dict[str, Any]:
+        """The options it sets on the task (verifier, tolerance)."""
+        return {k: v for k, v in (("verifier", self.verifier), ("tolerance", self.tolerance))
+                if v is not None}
+
+
+def as_reward_config(reward: Any) -> RewardConfig:
+    """A RewardConfig from a RewardConfig, None (the default), a spec string (the
+    function) or a callable (registered: rl.tasks.rewards.reward_spec)."""
+    if isinstance(reward, RewardConfig):
+        return reward
+    if reward is None:
+        return RewardConfig()
+    if isinstance(reward, str):
+        return RewardConfig(function=reward)
+    if callable(reward):
+        from rl.tasks.rewards import reward_spec
+
+        return RewardConfig(function=reward_spec(reward))
+    raise ValueError(f"RunConfig.reward must be a RewardConfig, a reward function or its spec "
+                     f"'module:function', got {type(reward).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     """wandb: "offline" (files in the run dir), "online" or "disabled"; progress: a tqdm bar."""
 
@@ -262,12 +332,15 @@ class LoggingConfig:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A whole run (module docstring). Build it from a preset (rl.run.PRESETS) and
-    override by dotted path, or field by field; `validate()` before running."""
+    override by dotted path, or field by field; `validate()` before running. Shorthands:
+    model="NAME|FILE.gguf|HF_DIR" (a ModelSpec), task="SPEC" (a TaskSpec), reward=fn or
+    "module:function" (a RewardConfig with that function)."""
 
     name: str = "custom"
     description: str = ""
     model: ModelSpec = ModelSpec()
     task: TaskSpec = TaskSpec()
+    reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
     loop: LoopConfig = LoopConfig()
     asynchronous: AsyncConfig | None = None
@@ -282,6 +355,11 @@ class RunConfig:
     def __post_init__(self):
         if isinstance(self.run_dir, Path):
             object.__setattr__(self, "run_dir", str(self.run_dir))
+        if isinstance(self.model, (str, Path)):
+            object.__setattr__(self, "model", ModelSpec(str(self.model)))
+        if isinstance(self.task, str):
+            object.__setattr__(self, "task", TaskSpec(self.task))
+        object.__setattr__(self, "reward", as_reward_config(self.reward))
         for name, cls in (("model", ModelSpec), ("task", TaskSpec), ("train", TrainConfig),
                           ("loop", LoopConfig), ("scheduler", SchedulerOptions),
                           ("distributed", DistributedConfig), ("logging", LoggingConfig)):
@@ -385,6 +463,18 @@ class RunConfig:
             from rl.loops.replay import check_replay_correction
 
             check_replay_correction(self.train)
+        r = self.reward
+        if r.task_options:
+            clash = {k: v for k, v in r.task_options.items()
+                     if k in self.task.kwargs and self.task.kwargs[k] != v}
+            if clash:
+                key = next(iter(clash))
+                raise ValueError(f"reward.{key}={clash[key]!r} and task option {key}="
+                                 f"{self.task.kwargs[key]!r} disagree; set it in one place "
+                                 f"(--verifier / reward.{key})")
+        if self.task.is_env and (r.function is not None or r.task_options):
+            raise ValueError(f"{self.task.spec}: an environment scores its own episodes; "
+                             "reward.function / reward.verifier are for single-turn tasks")
         if self.task.is_env:
             if a is not None and (a.mode, a.rollout) != ("deterministic", "static"):
                 raise ValueError(f"{self.task.spec}: environments run in the synchronous loop "

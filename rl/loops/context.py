@@ -1,14 +1,20 @@
-"""What every loop sets up the same way and tears down at the end: `open_run` validates
-the configs (rl.loops.validation), takes the run dir's lock (rl.runtime.runlock), copies
-the params, starts fresh or restores the latest good checkpoint (checking its recorded
-config), opens the metrics logger and jits the (checked) train step; `RunContext` holds
-those pieces and `close()` releases them; `run_clock` is the run's wall clock (a resumed
-run continues it). Used by rl.loops.sync.run and rl.loops.asynchronous.run_async.
+"""What every loop sets up the same way and tears down at the end: `open_run` starts
+recording stop signals (rl.runtime.preemption.stop_signals: SIGTERM / SIGINT stop the run
+at its next safe point with a checkpoint), validates the configs (rl.loops.validation),
+takes the run dir's lock (rl.runtime.runlock), copies the params, starts fresh or
+restores the latest good checkpoint (checking its recorded config; leftovers of an
+unfinished save are deleted), opens the metrics logger and jits the (checked) train step;
+`RunContext` holds those pieces, the run's `RunControl` (stop and time-based save
+decisions) and the stop / storage helpers both loops share; `close()` releases them;
+`run_clock` is the run's wall clock (a resumed run continues it). Used by
+rl.loops.sync.run and rl.loops.asynchronous.run_async.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,11 +42,14 @@ from rl.loops.validation import (
     config_record,
     validate_run,
 )
+from rl.runtime import preemption
 from rl.runtime.checkpoint import Checkpointer, CheckpointError
 from rl.runtime.distributed import is_main_process
 from rl.runtime.logging import MetricsLogger
 from rl.runtime.mesh import make_mesh_preset, validate_mesh
+from rl.runtime.preemption import Preempted, RunControl
 from rl.runtime.runlock import RunLock
+from rl.runtime.storage import StorageError
 
 
 @dataclasses.dataclass
@@ -59,17 +68,75 @@ class RunContext:
     meta: dict
     config: dict  # config_record of this run: every checkpoint's meta carries it
     lora: LoraRun | None = None  # a LoRA run's frozen base (= ref) and sampler params
+    control: RunControl | None = None  # stop / time-based save decisions (open_run)
+    signals: contextlib.ExitStack | None = None  # stop_signals(), left by close()
 
     @property
     def policy(self) -> Callable[[Any], Any]:
         """state.params -> the sampler's / evals' params (rl.loops.adapters.policy_fn)."""
         return policy_fn(self.lora)
 
-    def close(self) -> None:
+    def pending_eval(self) -> int | None:
+        """The step whose eval a preempted run left undone (checkpoint meta "pending_eval"),
+        unless the metrics already hold it; None otherwise."""
+        step = self.meta.get("pending_eval")
+        if step is None or any(r["kind"] == "eval" and r["step"] == step
+                               for r in self.logger.records):
+            return None
+        return int(step)
+
+    def save_final(self, step: int, state: Any, meta: dict) -> None:
+        """Checkpoint `state` as `step` unless that step is saved already, and wait until
+        it is on disk (a stop or an interrupt)."""
+        self.ckpt.wait()
+        if step not in self.ckpt.all_steps():
+            self.ckpt.save(step, state, meta)
+            self.ckpt.wait()
+
+    def save_after_interrupt(self, state: Any, meta: Callable[[], dict]) -> None:
+        """After a KeyboardInterrupt: checkpoint `state` (the last completed step; meta()
+        its record) unless that step is saved or the state was consumed (donated) by an
+        interrupted step; a failure here is a warning, so the interrupt surfaces."""
         try:
-            self.ckpt.close()
-        finally:
-            self.logger.close()
+            if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+                warnings.warn("the train state was consumed by an interrupted step; no final "
+                              "checkpoint written (the last periodic one stands)")
+                return
+            self.save_final(int(state.step), state, meta())
+        except Exception as err:  # noqa: BLE001 - the interrupt is the error to surface
+            warnings.warn(f"final checkpoint failed: {type(err).__name__}: {err}")
+
+    def preempted(self, step: int, abandoned: str = "") -> Preempted:
+        """The Preempted error of a run that stopped after `step` (its checkpoint saved)."""
+        return Preempted(self.control.signal_name, step, str(self.ckpt.directory), abandoned)
+
+    def storage_failure(self, err: BaseException) -> StorageError | None:
+        """The StorageError for `err` (a failed write anywhere in the run dir) naming the
+        last good checkpoint; None if `err` is not a storage failure."""
+        if isinstance(err, StorageError):
+            return err if err.last_good is not None else err.with_last_good(
+                self.ckpt.last_good())
+        where = getattr(err, "filename", None) or self.ckpt.directory.parent
+        return StorageError.of(err, what="a run file", path=where,
+                               last_good=self.ckpt.last_good())
+
+    def close(self, *, quiet: bool = False) -> None:
+        """Release the checkpointer (waiting for its last save), the run lock, the logger
+        and the stop signals. quiet=True (an error is on its way out): a failure here is a
+        warning, so it does not hide that error."""
+        try:
+            try:
+                self.ckpt.close()
+            finally:
+                try:
+                    self.logger.close()
+                finally:
+                    if self.signals is not None:
+                        self.signals.close()
+        except Exception as err:  # re-raised unless quiet
+            if not quiet:
+                raise
+            warnings.warn(f"while closing the run after an error: {type(err).__name__}: {err}")
 
 
 def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: Any,
@@ -85,20 +152,34 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
     `params` are the frozen base (quantized with qlora, placed on the mesh), which becomes
     ctx.ref (the step's third argument) and ctx.lora; the state holds fresh or restored
     adapters; the base hash joins the config record, checked before restoring."""
-    validate_run(config, loop)
-    record = config_record(config, loop, extra_config)
-    allow_config_changes = () if resume is None else resume.allow_changes
-    check_allowed_changes(allow_config_changes)
-    resume_from_last_good = resume is not None and resume.from_last_good
-    if resume and not (run_dir / "checkpoints").is_dir():
-        raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ directory "
-                              "(run without resume first, or point at an existing run dir)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(run_dir, enabled=is_main_process())  # one writer; before anything compiles
+    signals = contextlib.ExitStack()  # a stop signal from here on stops the run cleanly
+    signals.enter_context(preemption.stop_signals())
     try:
-        ckpt = Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints, lock=lock)
+        validate_run(config, loop)
+        record = config_record(config, loop, extra_config)
+        allow_config_changes = () if resume is None else resume.allow_changes
+        check_allowed_changes(allow_config_changes)
+        resume_from_last_good = resume is not None and resume.from_last_good
+        if resume and not (run_dir / "checkpoints").is_dir():
+            raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ "
+                                  "directory (run without resume first, or point at an "
+                                  "existing run dir)")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            failure = StorageError.of(err, what="the run dir", path=run_dir)
+            if failure is None:
+                raise
+            raise failure from err
+        lock = RunLock(run_dir, enabled=is_main_process())  # one writer; before any compile
+        try:  # the lock is held: leftovers of an unfinished save can go
+            ckpt = Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints, lock=lock,
+                                cleanup_tmp=True)
+        except BaseException:
+            lock.release()
+            raise
     except BaseException:
-        lock.release()
+        signals.close()
         raise
     logger = None
     try:  # any failure from here on releases the checkpointer and with it the lock
@@ -125,7 +206,7 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
         if resume:
             check_base(meta.get("config"), record)
             check_resume_config(meta.get("config"), record, allow_config_changes)
-            if start >= loop.steps:
+            if start >= loop.steps and meta.get("pending_eval") is None:
                 raise ConfigError(f"nothing to resume: the checkpoint is at step {start} and "
                                   f"steps is {loop.steps}; pass a larger --steps to go on")
         if jax.process_count() > 1 and mesh is None:
@@ -136,16 +217,21 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
         step_fn = make_train_step(config, model_config, mesh, compiler_options=compiler_options,
                                   checked=loop.checked)
         state = step_fn.place_state(state)
+        control = RunControl(save_every_minutes=loop.save_every_minutes,
+                             time_limit_s=loop.time_limit_s)
     except BaseException:
         try:
             ckpt.close()
         finally:
-            if logger is not None:
-                logger.close()
+            try:
+                if logger is not None:
+                    logger.close()
+            finally:
+                signals.close()
         raise
     return RunContext(state=state, ref=ref, ckpt=ckpt, logger=logger, step_fn=step_fn,
                       data_position=data_position, start=start, meta=meta, config=record,
-                      lora=lora)
+                      lora=lora, control=control, signals=signals)
 
 
 def run_clock(logger: MetricsLogger) -> Callable[[], float]:

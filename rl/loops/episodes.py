@@ -47,9 +47,10 @@ from rl.envs import ENVS, make_env
 from rl.envs.base import EndReason, Environment
 from rl.objectives.turn_credit import TurnCreditConfig
 from rl.rollout.episodes import EpisodeRecord
-from rl.rollout.multiturn import MODES, MultiTurnConfig, MultiTurnEngine
+from rl.rollout.multiturn import MODES, MultiTurnConfig, MultiTurnEngine, TimeLimits
 from rl.rollout.sampler_state import KV_LAYOUTS, SamplingConfig
 from rl.runtime.logging import NULL_PROFILE
+from rl.runtime.preemption import abandon_point
 from rl.tasks.base import Prompt
 from rl.trajectory import Trajectory, concat_trajectories
 
@@ -177,13 +178,15 @@ def is_episodic(task: Any) -> bool:
 def sample_episodes(params: Any, version: int, model_config: ModelConfig, task: EnvTask,
                     prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
                     segment_len: int, seed: int, first_group_id: int = 0,
-                    profile=NULL_PROFILE, pruner: Any = None) -> Trajectory:
+                    profile=NULL_PROFILE, pruner: Any = None,
+                    time_limits: TimeLimits | None = None) -> Trajectory:
     """`group_size` episodes per prompt with the multi-turn engine (all groups together;
     rl.loops.sync.sample_groups' contract): rows grouped in prompt order (group g =
     prompts[g], group ids 0..G-1; rng keys by the global id first_group_id + g), with
     rewards = the outcomes; the records go to task.record. profile gets the engine's
     prefill_s / decode_s (decode + observation appends) and the rest as host_s. pruner:
-    must be None (online pruning is single-turn; ValueError otherwise)."""
+    must be None (online pruning is single-turn; ValueError otherwise). time_limits: the
+    engine's step / episode time limits (rl.rollout.multiturn.TimeLimits; None = none)."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
     if pruner is not None:
@@ -193,16 +196,18 @@ def sample_episodes(params: Any, version: int, model_config: ModelConfig, task: 
     cfg = MultiTurnConfig(num_slots=len(prompts) * group_size, group_size=group_size,
                           segment_len=segment_len, sampling=sampling, seed=int(seed),
                           first_group_id=int(first_group_id), kv_layout=task.options.kv_layout,
-                          mode=task.options.mode)
+                          mode=task.options.mode, time_limits=time_limits or TimeLimits())
     engine = MultiTurnEngine(model_config, task.env, cfg)
     engine.submit(list(prompts))
     parts, records = [], []
     while not engine.idle:
+        abandon_point()  # a stop request ends an abandonable phase here (rl.runtime.preemption)
         engine.step(params, int(version))
         got = engine.harvest()
         if got is not None:
             parts.append(got.trajectory)
             records += list(got.episodes)
+    abandon_point()
     traj = parts[0] if len(parts) == 1 else concat_trajectories(parts)
     order = np.argsort(np.asarray(traj.group_ids), kind="stable")
     traj = jax.tree.map(lambda x: np.asarray(x)[order], traj)

@@ -8,7 +8,8 @@ current params, scores, and makes one learner update on exactly that data.
 with a periodic eval on the task's eval split, metrics to JSONL (+ wandb), a tqdm bar,
 and orbax checkpoints from which `resume=True` continues exactly: the checkpoint holds
 params, optimizer state, step, rng (the source of every rollout seed) and the data
-position, so 2 steps + resume + 2 steps == 4 steps, bit for bit on CPU.
+position, so 2 steps + resume + 2 steps == 4 steps, bit for bit on CPU. SIGTERM / Ctrl-C
+stop it at a safe point with a checkpoint (rl.runtime.preemption; docs: guides/faults.md).
 
 Its pieces are shared with the asynchronous loop (rl.loops.asynchronous): open_run (run dir, state,
 checkpointer, logger, jitted step: rl.loops.context), make_evaluator, sample_batch_groups (one batch of
@@ -56,10 +57,12 @@ from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_sour
 from rl.loops.scoring import score, total_reward  # re-exported: the loops' task rewards
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.engine import RolloutConfig, RolloutEngine
+from rl.rollout.multiturn import TimeLimits
 from rl.rollout.pruning import PruneConfig, Pruner, make_pruner, settle_rollouts
 from rl.rollout.sampler_state import SamplingConfig
 from rl.runtime.distributed import process_local, process_shard
 from rl.runtime.logging import NULL_PROFILE, MetricsLogger, StepProfile
+from rl.runtime.preemption import Preempted, StepAbandoned, abandon_point
 from rl.tasks.base import Prompt, Task
 from rl.trajectory import Trajectory, concat_trajectories
 
@@ -87,21 +90,25 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
                   prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
                   segment_len: int, seed: int, first_group_id: int = 0,
                   max_new_tokens: int | None = None, profile=NULL_PROFILE,
-                  pruner: Pruner | None = None, layer_loop: str = "scan",
-                  bucket_slots: bool = False) -> Trajectory:
+                  pruner: Pruner | None = None, time_limits: TimeLimits | None = None,
+                  layer_loop: str = "scan", bucket_slots: bool = False) -> Trajectory:
     """Sample `group_size` responses for each prompt with the rollout engine (all groups
     decode together). Rows come back grouped in prompt order: group g = prompts[g].
     first_group_id: the global index of prompts[0] (a process's shard of a batch): the
     rng keys follow the global group ids, the returned group ids stay 0..G-1.
     max_new_tokens: the response budget (default task.max_new_tokens). profile: a
     StepProfile that gets the engine's prefill_s / decode_s and the rest as host_s.
-    pruner: online pruning in the engine (rl.rollout.pruning; None = off). layer_loop,
-    bucket_slots: the engine's decode options (rl.rollout.RolloutConfig; same tokens)."""
+    pruner: online pruning in the engine (rl.rollout.pruning; None = off). time_limits: an
+    environment's step / episode time limits (rl.rollout.multiturn.TimeLimits). A stop
+    request inside an abandonable phase (rl.runtime.preemption) ends it between segments.
+    layer_loop, bucket_slots: the engine's decode options (rl.rollout.RolloutConfig; same
+    tokens)."""
     if episodes.is_episodic(task):  # an environment: multi-turn episodes (rl.loops.episodes)
         return episodes.sample_episodes(
             params, version, model_config, task, prompts, group_size=group_size,
             sampling=sampling, segment_len=segment_len, seed=seed,
-            first_group_id=first_group_id, profile=profile, pruner=pruner)
+            first_group_id=first_group_id, profile=profile, pruner=pruner,
+            time_limits=time_limits)
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
     t0 = time.perf_counter()
@@ -116,10 +123,12 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
     engine.submit([p.ids for p in prompts])
     parts = []
     while not engine.idle:
+        abandon_point()
         engine.step(params, int(version))
         part = engine.harvest()
         if part is not None:
             parts.append(part)
+    abandon_point()
     traj = parts[0] if len(parts) == 1 else concat_trajectories(parts)
     order = np.argsort(np.asarray(traj.group_ids), kind="stable")
     traj = take_rows(traj, order)
@@ -133,7 +142,7 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
 
 # ----------------------------------------------------------------------------- eval
 def _sample_rows(params, version, model_config, task, prompts, *, group_size, sampling,
-                 segment_len, seed, max_new_tokens, max_slots, bar):
+                 segment_len, seed, max_new_tokens, max_slots, bar, time_limits):
     """(response id lists, truncated [B], rewards {name: [B]}) of group_size samples per
     prompt, rows in prompt order, sampled in chunks of at most max_slots rows (None: all at
     once); rng keys follow the global group id, so the chunking changes no sample."""
@@ -143,7 +152,8 @@ def _sample_rows(params, version, model_config, task, prompts, *, group_size, sa
         chunk = prompts[start:start + per]
         traj = sample_groups(params, version, model_config, task, chunk, group_size=group_size,
                              sampling=sampling, segment_len=segment_len, seed=seed,
-                             first_group_id=start, max_new_tokens=max_new_tokens)
+                             first_group_id=start, max_new_tokens=max_new_tokens,
+                             time_limits=time_limits)
         parts.append(score(task, chunk, traj))
         resp, mask = np.asarray(traj.response_ids), np.asarray(traj.response_mask)
         ids += [resp[i, :int(mask[i].sum())].tolist() for i in range(traj.batch_size)]
@@ -158,7 +168,8 @@ def eval_report(params: Any, version: int, model_config: ModelConfig, task: Task
                 segment_len: int = 32, seed: int = 0, k: int = 0, temperature: float = 1.0,
                 reward_weights: dict[str, float] | None = None, max_new_tokens: int | None = None,
                 examples: int = 0, decode: Callable[[list[int]], str] | None = None,
-                max_slots: int | None = None, progress: bool = False) -> dict:
+                max_slots: int | None = None, progress: bool = False,
+                time_limits: TimeLimits | None = None) -> dict:
     """The evaluation report of `params` on `prompts` (rl.loops.evaluation has the formulas).
 
     One response per prompt with `sampling` (default greedy): "accuracy" (+ "accuracy_stderr";
@@ -170,7 +181,7 @@ def eval_report(params: Any, version: int, model_config: ModelConfig, task: Task
     "examples": the first `examples` prompts' main-pass completions (prompt text, response
     via decode (default: the task's tokenizer, else the ids), answer, rewards, length,
     truncated, the task's describe line). max_new_tokens overrides the task's budget; max_slots caps the rows sampled
-    at once; progress shows a tqdm bar."""
+    at once; progress shows a tqdm bar; time_limits: an environment's (sample_groups)."""
     if not prompts:
         raise ValueError("eval_report: no prompts to evaluate")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
@@ -184,7 +195,7 @@ def eval_report(params: Any, version: int, model_config: ModelConfig, task: Task
         ids, trunc, rewards = _sample_rows(
             params, version, model_config, task, prompts, group_size=group_size, sampling=how,
             segment_len=segment_len, seed=seed, max_new_tokens=max_new_tokens,
-            max_slots=max_slots, bar=bar)
+            max_slots=max_slots, bar=bar, time_limits=time_limits)
         total = sum(w.get(n, 1.0) * v for n, v in rewards.items())
         acc = total if acc_name == "reward" else rewards[acc_name]
         return response_stats(rewards, total, [len(x) for x in ids], trunc, acc_name), \
@@ -219,13 +230,14 @@ def eval_report(params: Any, version: int, model_config: ModelConfig, task: Task
 
 def evaluate(params: Any, version: int, model_config: ModelConfig, task: Task,
              prompts: Sequence[Prompt], *, sampling: SamplingConfig, segment_len: int,
-             seed: int, reward_weights: dict[str, float] | None = None) -> dict[str, float]:
+             seed: int, reward_weights: dict[str, float] | None = None,
+             time_limits: TimeLimits | None = None) -> dict[str, float]:
     """One response per eval prompt (eval_report's main pass) as flat metrics: {"reward":
     weighted total mean, <name>: mean, accuracy, accuracy_stderr, mean_length,
     truncated_frac}."""
     return flat_metrics(eval_report(params, version, model_config, task, prompts,
                                     sampling=sampling, segment_len=segment_len, seed=seed,
-                                    reward_weights=reward_weights))
+                                    reward_weights=reward_weights, time_limits=time_limits))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -233,6 +245,10 @@ def rollout_seed(rng: jax.Array) -> tuple[int, jax.Array]:
     """Split a raw key [2] uint32: (seed for one rollout, the key to keep)."""
     key, sub = jax.random.split(jnp.asarray(rng))
     return int(jax.random.randint(sub, (), 0, np.iinfo(np.int32).max)), key
+
+
+def loop_time_limits(loop: LoopConfig) -> TimeLimits:  # an environment's, from the loop's
+    return TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s)
 
 
 def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:
@@ -266,7 +282,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
     if loop.dynamic_sampling and jax.process_count() > 1:
         raise ValueError("dynamic sampling is not supported across processes (each would "
                          "resample a different number of rounds); run it in one process")
-    sampling = SamplingConfig(temperature=config.temperature)
+    sampling, limits = SamplingConfig(temperature=config.temperature), loop_time_limits(loop)
     with profile.phase("transfer_s"):
         params = process_local(state.params if policy is None else policy(state.params))
 
@@ -274,8 +290,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
         seed, state = _rollout_seed(state)
         traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
-                             seed=seed, profile=profile, layer_loop=loop.layer_loop,
-                             bucket_slots=loop.bucket_slots)
+                             seed=seed, profile=profile, time_limits=limits,
+                             layer_loop=loop.layer_loop, bucket_slots=loop.bucket_slots)
         with profile.phase("reward_s"):
             r = score(task, prompts, traj)
         acc = accuracy_name(task.reward_names)
@@ -302,7 +318,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
         traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
                              seed=seed, first_group_id=offset, profile=profile, pruner=pruner,
-                             layer_loop=loop.layer_loop, bucket_slots=loop.bucket_slots)
+                             time_limits=limits, layer_loop=loop.layer_loop,
+                             bucket_slots=loop.bucket_slots)
         sampled_tokens += traj.num_tokens()
         with profile.phase("reward_s"):
             rewards = score(task, prompts, traj)
@@ -422,7 +439,7 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
                 prompts = eval_prompts[:loop.eval_sampled_prompts]
             res = evaluate(params, version, model_config, task, prompts, sampling=sampling,
                            segment_len=loop.segment_len, seed=(loop.seed * 7919 + step) % (2 ** 31),
-                           reward_weights=weights)
+                           reward_weights=weights, time_limits=loop_time_limits(loop))
             res.update(episodes.take_episode_metrics(task))  # an environment: its episodes
             rec.update({f"{prefix}{k}": v for k, v in res.items()})
         rec["time_s"] = clock()
@@ -473,7 +490,9 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
                        {} if scheduler.is_default else {"scheduler": scheduler}),
                        **({} if prune is None else {"prune": prune})})
     state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn
-    data_position, start = ctx.data_position, ctx.start
+    data_position, start, ctl = ctx.data_position, ctx.start, ctx.control
+    last = (state, data_position)  # the last completed step's: what a stop saves
+    in_step, doing = False, "setup"  # in a step (between sampling and its record); what for
     try:
         source = make_prompt_source(scheduler, task, loop, params, seed=loop.seed,
                                     config=train)
@@ -488,21 +507,49 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
         pruner = make_pruner(prune, model_config.hidden_size)
         if pruner is not None and resume:
             pruner.restore(ctx.meta.get("pruner"))
+        # dropping a half-sampled step loses nothing unless sampling moves other state
+        can_abandon = scheduler.is_default and pruner is None
+
+        def meta(pending_eval=None):
+            out = {"data_position": data_position, "task": task.name, "config": ctx.config}
+            if not scheduler.is_default:
+                out["scheduler"] = source.state()  # uniform keeps no state
+            if pruner is not None:
+                out["pruner"] = pruner.state()
+            return out if pending_eval is None else {**out, "pending_eval": pending_eval}
+
+        def stop(step, abandoned="", pending_eval=None):  # save the last completed step
+            ctx.save_final(step, state, meta(pending_eval))
+            return ctx.preempted(step, abandoned)
+
         do_eval = make_evaluator(model_config, task, train, loop, logger, on_eval)
-        if not resume:
-            do_eval(0, process_local(ctx.policy(state.params)), 0)
+        pending = 0 if not resume else ctx.pending_eval()
+        if ctl.boundary(start).stop:  # a signal before the first step
+            raise stop(start, pending_eval=pending)
+        if pending is not None:  # the step-0 eval, or the one a stop left undone
+            doing = f"the eval of step {pending}"
+            try:
+                with ctl.abandonable():
+                    do_eval(pending, process_local(ctx.policy(state.params)),
+                            int(state.version))
+            except StepAbandoned:
+                raise stop(start, f"the eval of step {pending}", pending) from None
         bar = tqdm(total=loop.steps, initial=start, disable=not progress, desc="grpo",
                    dynamic_ncols=True)
         prof = StepProfile()
         for step in range(start, loop.steps):
             prof.start()
             t0 = time.perf_counter()
+            in_step, doing = True, f"step {step + 1}"
             try:
-                batch, state, data_position, stats = collect_batch(
-                    state, model_config, task, train, loop, data_position, prof, source, pruner,
-                    ctx.policy)
+                with ctl.abandonable(can_abandon):
+                    batch, state, data_position, stats = collect_batch(
+                        state, model_config, task, train, loop, data_position, prof, source,
+                        pruner, ctx.policy)
             except NonFiniteError as err:  # a task's reward: name the step too
                 raise NonFiniteError(f"step {step + 1}: {err}") from None
+            except StepAbandoned:  # state and data position are still the last step's
+                raise stop(step, f"step {step + 1}'s rollouts") from None
             stats.update(episodes.take_episode_metrics(task))  # an environment: its episodes
             t1 = time.perf_counter()
             with prof.phase("host_s"):
@@ -526,30 +573,55 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
             metrics.update(prof.finish())
             done = step + 1
             record = logger.log(done, metrics, kind="train")
+            last, in_step = (state, data_position), False
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
-            out_of_time = bool(loop.time_limit_s) and metrics["time_s"] >= loop.time_limit_s
-            is_last = done == loop.steps or out_of_time
+            # every process: stop (a signal), a time-based save, the time limit
+            when = ctl.boundary(done, metrics["time_s"])
+            is_last = done == loop.steps or when.out_of_time
             if is_last or (loop.eval_every and done % loop.eval_every == 0):
-                ev = do_eval(done, process_local(ctx.policy(state.params)), int(state.version))
+                if when.stop:  # the resumed run evaluates first
+                    raise stop(done, f"the eval of step {done}", done)
+                doing = f"the eval of step {done}"
+                try:
+                    with ctl.abandonable():
+                        ev = do_eval(done, process_local(ctx.policy(state.params)),
+                                     int(state.version))
+                except StepAbandoned:
+                    raise stop(done, f"the eval of step {done}", done) from None
                 if progress:
                     bar.write(f"step {done}: eval reward {ev['reward']:.3f}")
-            if is_last or (loop.save_every and done % loop.save_every == 0):
-                sched = {} if scheduler.is_default else {
-                    "scheduler": source.state()}  # uniform keeps no state
-                if pruner is not None:
-                    sched["pruner"] = pruner.state()
-                ckpt.save(done, state, {"data_position": data_position, "task": task.name,
-                                        "config": ctx.config, **sched})
+            if when.stop:
+                raise stop(done)
+            if is_last or when.save or (loop.save_every and done % loop.save_every == 0):
+                ckpt.save(done, state, meta())
+                ctl.saved()
+            ckpt.poll()  # a failed background write stops the run here
             if hooks.on_step is not None:
                 hooks.on_step(record)
-            if out_of_time:
+            if when.out_of_time:
                 bar.write(f"time limit {loop.time_limit_s:.0f} s reached after step {done}")
                 break
         bar.close()
-    finally:
+    except Preempted:
         ctx.close()
+        raise
+    except KeyboardInterrupt:  # from a hook, or a second Ctrl-C: keep the last step
+        state, data_position = last
+        if not in_step or can_abandon:  # else the scheduler's state is half a step on
+            ctx.save_after_interrupt(state, meta)
+        ctx.close(quiet=True)
+        raise
+    except Exception as err:
+        failure = ctx.storage_failure(err)
+        ctx.close(quiet=True)
+        if failure is not None and failure is not err:
+            raise failure from err
+        if failure is None:  # e.g. the task's reward function (or its worker) failed
+            err.add_note(f"(during {doing} of the run in {str(run_dir)!r})")
+        raise
+    ctx.close()
     return RunResult(state=state, train=[r for r in logger.records if r["kind"] == "train"],
                      eval=[r for r in logger.records if r["kind"] == "eval"], run_dir=run_dir,
                      data_position=data_position)

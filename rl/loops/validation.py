@@ -33,8 +33,10 @@ GROUP_RELATIVE = frozenset({"grpo", "dr_grpo", "rloo", "mc_grpo", "gdpo"})
 # lose their meaning; GRPO needs samples that differ within a group.
 MIN_TRAIN_TEMPERATURE = 0.05
 
-# How far a resumed run goes: the resume itself says it may change.
-FREE_ON_RESUME = frozenset({"loop.steps", "loop.time_limit_s"})
+# How far a resumed run goes, and how it meets faults (time-based saves, environment time
+# limits): the resume itself says it may change.
+FREE_ON_RESUME = frozenset({"loop.steps", "loop.time_limit_s", "loop.save_every_minutes",
+                            "loop.env_step_timeout_s", "loop.episode_timeout_s"})
 # Fields that change what is measured or saved, not what is learned: allowed on resume
 # when named explicitly (rl.loops.run(..., resume=Resume(allow_changes=...)),
 # --allow-config-change).

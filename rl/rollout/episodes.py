@@ -3,9 +3,12 @@ calls into an environment, the per-episode record, and the Trajectory of finishe
 
 Every call into environment code (reset, decode_turn, step, encode_observation, outcome)
 goes through a guard here: an exception or a malformed result ends *that* episode with
-an `EndReason` (ENV_ERROR for an exception, BAD_RESULT for a malformed value), a message
-logged through the `logging` module (logger "rl.rollout.episodes") and kept in the
-episode's record; nothing else in the batch is touched.
+an `EndReason` (ENV_ERROR for an exception, BAD_RESULT for a malformed value, TIMEOUT for
+a call past its time limit or a `rl.envs.base.ToolTimeout`), a message logged through the
+`logging` module (logger "rl.rollout.episodes") and kept in the episode's record; nothing
+else in the batch is touched. With a time limit (`timeout_s` > 0) the call runs in a
+daemon thread the guard waits for at most that long; one that does not return is left
+running there and never touched again (its episode gets rewards 0).
 
 Rewards. A finished episode's rewards are `Episode.outcome()` ({name: float} with exactly
 the environment's reward_names). If outcome raises, returns other names or a non-finite
@@ -18,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -27,6 +31,7 @@ from rl.envs.base import (
     Environment,
     Episode,
     Prompt,  # rl.tasks.base.Prompt, as the protocol uses it
+    ToolTimeout,
     check_step_result,
 )
 from rl.trajectory import Trajectory
@@ -74,19 +79,52 @@ class EpisodeRecord:
 
 
 class EnvCallError(Exception):
-    """Internal: an environment call failed; reason + message end the episode."""
+    """Internal: an environment call failed; reason + message end the episode. hung: the
+    call is still running (past its time limit), so its episode must not be called again."""
 
-    def __init__(self, reason: EndReason, message: str):
+    def __init__(self, reason: EndReason, message: str, hung: bool = False):
         super().__init__(message)
-        self.reason, self.message = reason, message
+        self.reason, self.message, self.hung = reason, message, hung
 
 
-def guarded(what: str, fn: Callable[..., Any], *args) -> Any:
-    """fn(*args), turning any exception into EnvCallError(ENV_ERROR, '<what> raised ...')."""
+def guarded(what: str, fn: Callable[..., Any], *args, timeout_s: float = 0.0) -> Any:
+    """fn(*args), turning any exception into EnvCallError(ENV_ERROR, '<what> raised ...'),
+    a ToolTimeout into EnvCallError(TIMEOUT) and, with timeout_s > 0, a call that has not
+    returned after timeout_s seconds into EnvCallError(TIMEOUT) (module doc)."""
+    if timeout_s > 0:
+        return _within(what, fn, args, timeout_s)
     try:
         return fn(*args)
+    except ToolTimeout as e:
+        raise EnvCallError(EndReason.TIMEOUT, f"{what}: {e}") from e
     except Exception as e:  # noqa: BLE001 - the environment is untrusted code
         raise EnvCallError(EndReason.ENV_ERROR, f"{what} raised {type(e).__name__}: {e}") from e
+
+
+def _within(what: str, fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
+    """guarded's timed call: fn(*args) in a daemon thread, waited for timeout_s seconds."""
+    box: dict[str, Any] = {}
+
+    def call():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=call, name=f"tandem-env-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise EnvCallError(EndReason.TIMEOUT, f"{what} did not return within its time limit "
+                           f"of {timeout_s:g} s (left running in a daemon thread)", hung=True)
+    if "error" in box:
+        e = box["error"]
+        if isinstance(e, ToolTimeout):
+            raise EnvCallError(EndReason.TIMEOUT, f"{what}: {e}") from e
+        if not isinstance(e, Exception):
+            raise e
+        raise EnvCallError(EndReason.ENV_ERROR, f"{what} raised {type(e).__name__}: {e}") from e
+    return box["value"]
 
 
 def check_ids(what: str, ids: Any, vocab_size: int) -> list[int]:
@@ -105,16 +143,17 @@ def check_ids(what: str, ids: Any, vocab_size: int) -> list[int]:
 
 
 def step_episode(env: Environment, episode: Episode, rec: EpisodeRecord,
-                 turn_ids: Sequence[int]) -> tuple[str, bool]:
-    """Decode the turn, step the episode, record the turn. Returns (observation text,
-    done). Raises EnvCallError (the turn is still counted)."""
+                 turn_ids: Sequence[int], timeout_s: float = 0.0) -> tuple[str, bool]:
+    """Decode the turn, step the episode, record the turn (each call within timeout_s
+    seconds when > 0). Returns (observation text, done). Raises EnvCallError (the turn is
+    still counted)."""
     rec.turns += 1
-    text = guarded("decode_turn", env.decode_turn, list(turn_ids))
+    text = guarded("decode_turn", env.decode_turn, list(turn_ids), timeout_s=timeout_s)
     if not isinstance(text, str):
         raise EnvCallError(EndReason.BAD_RESULT,
                            f"decode_turn returned {type(text).__name__}, not a str")
     rec.turn_texts.append(text)
-    result = guarded("step", episode.step, text)
+    result = guarded("step", episode.step, text, timeout_s=timeout_s)
     why = check_step_result(result)
     if why is not None:
         raise EnvCallError(EndReason.BAD_RESULT, why)
@@ -124,8 +163,11 @@ def step_episode(env: Environment, episode: Episode, rec: EpisodeRecord,
 
 
 def end_episode(rec: EpisodeRecord, reason: EndReason, message: str | None,
-                episode: Episode | None, reward_names: Sequence[str]) -> None:
-    """Close the record: end reason, message (logged), outcome (guarded, see module doc)."""
+                episode: Episode | None, reward_names: Sequence[str],
+                timeout_s: float = 0.0) -> None:
+    """Close the record: end reason, message (logged), outcome (guarded, within timeout_s
+    seconds when > 0; see module doc). episode=None (it failed to start, or a call into it
+    is still running): rewards 0."""
     rec.end_reason, rec.message = reason, message
     if message is not None:
         log.warning("episode (group %d, sample %d) ended: %s: %s", rec.group_id, rec.sample,
@@ -135,7 +177,7 @@ def end_episode(rec: EpisodeRecord, reason: EndReason, message: str | None,
         rec.outcome = zeros
         return
     try:
-        out = guarded("outcome", episode.outcome)
+        out = guarded("outcome", episode.outcome, timeout_s=timeout_s)
         if not isinstance(out, dict) or sorted(map(str, out)) != sorted(zeros):
             raise EnvCallError(EndReason.BAD_RESULT, f"outcome() must return a dict with "
                                f"names {sorted(zeros)}, got {out!r:.80}")

@@ -33,6 +33,17 @@ sampled), "append" (append mode) and "reprefill" (reprefill mode's rebuilds). `t
 "prefill_s", "decode_s", "append_s" (appends or rebuilds, waited for), "env_s" (host
 time in environment code and bookkeeping at turn boundaries).
 
+Time limits (`MultiTurnConfig.time_limits`, a `TimeLimits`; 0 = none): `step_s` bounds
+every call into the environment (reset, decode_turn, step, encode_observation, outcome;
+default: the environment's own `step_timeout_s`, if it has one; rl.rollout.episodes runs
+the call in a daemon thread), `episode_s` the wall time of an episode from its reset
+(decoding included: checked after every engine step and at every turn boundary; the
+episodes decoding together share that time, environment calls being made one after
+another on the host, so a slow episode also ages its batch mates). An
+episode past either ends with EndReason.TIMEOUT: its slot stops decoding, its group
+leaves when its other episodes end, the rest of the batch is untouched, and its rewards
+are its outcome() (0 when a call into it is still running).
+
 Token budget per episode: prompt + every turn + every observation <= max_episode_tokens.
 A turn's budget is min(max_turn_tokens, what is left); an observation that would leave no
 room for one more model token ends the episode with EndReason.TOKEN_BUDGET (it is checked
@@ -43,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from typing import Any, Iterable, Iterator
 
@@ -89,12 +101,28 @@ MODES = ("append", "reprefill")
 
 
 @dataclasses.dataclass(frozen=True)
+class TimeLimits:
+    """step_s: seconds each call into the environment may take; episode_s: wall seconds
+    of one episode (0 = no limit; module doc)."""
+
+    step_s: float = 0.0
+    episode_s: float = 0.0
+
+    def __post_init__(self):
+        for name in ("step_s", "episode_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"TimeLimits.{name} must be a finite number of seconds >= 0 "
+                                 f"(0 = no limit), got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class MultiTurnConfig:
     """num_slots episodes decode in parallel (rounded down to a multiple of group_size);
     group_size N episodes per prompt; segment_len S tokens per step; kv_layout
-    "segmented" | "replicated"; mode "append" | "reprefill" (see the module doc). The
-    token limits (stop ids, turns, turn / prompt / episode tokens) come from the
-    environment."""
+    "segmented" | "replicated"; mode "append" | "reprefill" (see the module doc);
+    time_limits: the step / episode time limits (TimeLimits). The token limits (stop ids,
+    turns, turn / prompt / episode tokens) come from the environment."""
 
     num_slots: int
     group_size: int
@@ -105,6 +133,7 @@ class MultiTurnConfig:
     kv_layout: str = "segmented"
     mode: str = "append"
     first_group_id: int = 0
+    time_limits: TimeLimits = TimeLimits()
 
     def __post_init__(self):
         for name in ("num_slots", "group_size", "segment_len"):
@@ -123,6 +152,9 @@ class MultiTurnConfig:
                 or self.first_group_id < 0:
             raise ValueError(f"MultiTurnConfig.first_group_id must be an int >= 0, got "
                              f"{self.first_group_id!r}")
+        if not isinstance(self.time_limits, TimeLimits):
+            raise ValueError(f"MultiTurnConfig.time_limits must be a TimeLimits, got "
+                             f"{type(self.time_limits).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +218,10 @@ class MultiTurnEngine(GroupSlots):
         self._records: dict[int, EpisodeRecord] = {}  # slot -> its episode's record
         self._episodes: dict[int, Episode | None] = {}  # slot -> its live episode
         self._turn_start: dict[int, int] = {}  # slot -> response index where its turn began
+        self._began: dict[int, float] = {}  # slot -> time.monotonic() at its episode's reset
+        limits = rollout.time_limits
+        self.step_timeout_s = float(limits.step_s or getattr(env, "step_timeout_s", 0) or 0)
+        self.episode_timeout_s = float(limits.episode_s)
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "append_s": 0.0, "env_s": 0.0}
         self.token_counts = {"prefill": 0, "decode": 0, "append": 0, "reprefill": 0}
 
@@ -236,10 +272,12 @@ class MultiTurnEngine(GroupSlots):
             for i, s in enumerate(slots):
                 rec = EpisodeRecord(group_id=gid, sample=i, prompt=prompt)
                 self._records[s], self._turn_start[s] = rec, 0
+                self._began[s] = time.monotonic()
                 all_slots.append(s)
                 budgets.append(budget)
                 try:
-                    self._episodes[s] = guarded("reset", self.env.reset, prompt)
+                    self._episodes[s] = guarded("reset", self.env.reset, prompt,
+                                                timeout_s=self.step_timeout_s)
                 except EnvCallError as e:
                     self._episodes[s] = None
                     end_episode(rec, e.reason, e.message, None, self.env.reward_names)
@@ -266,6 +304,7 @@ class MultiTurnEngine(GroupSlots):
         self.timings["decode_s"] += t2 - t1
         self.token_counts["decode"] += int(n_gen.sum()) - before
         turns, ended = self._boundaries(params, np.asarray(done))
+        ended += self._expire(time.monotonic())
         done = np.asarray(jax.device_get(self.state.done))
         c = self.token_counts
         return MultiTurnStepInfo(
@@ -289,17 +328,20 @@ class MultiTurnEngine(GroupSlots):
             rec, ep = self._records[s], self._episodes[s]
             start, n = self._turn_start[s], smp.num_generated
             rec.spans.append(("model", start, n))
-            reason, message = None, None
+            reason, message, limit = None, None, self.step_timeout_s
             try:
-                obs_text, env_done = step_episode(env, ep, rec, smp.response_ids[start:].tolist())
+                obs_text, env_done = step_episode(env, ep, rec, smp.response_ids[start:].tolist(),
+                                                  limit)
                 if env_done:
                     reason = EndReason.DONE
                 elif rec.turns >= env.max_turns:
                     reason = EndReason.MAX_TURNS
+                elif self._past_limit(s, time.monotonic()):
+                    reason, message = EndReason.TIMEOUT, self._limit_message(s)
                 else:
                     obs = check_ids("encode_observation",
                                     guarded("encode_observation", env.encode_observation,
-                                            obs_text), self.config.vocab_size)
+                                            obs_text, timeout_s=limit), self.config.vocab_size)
                     left = env.max_episode_tokens - smp.prompt_ids.size - n
                     if len(obs) + 1 > left:
                         reason = EndReason.TOKEN_BUDGET
@@ -311,8 +353,9 @@ class MultiTurnEngine(GroupSlots):
                         go_on.append((s, smp, obs))
             except EnvCallError as e:
                 reason, message = e.reason, e.message
+                ep = None if e.hung else ep  # never call into an episode still running
             if reason is not None:
-                end_episode(rec, reason, message, ep, env.reward_names)
+                end_episode(rec, reason, message, ep, env.reward_names, limit)
                 self._episodes[s] = None
                 ended += 1
         t1 = time.perf_counter()
@@ -336,6 +379,34 @@ class MultiTurnEngine(GroupSlots):
             jax.block_until_ready(self.state.done)
         self.timings["append_s"] += time.perf_counter() - t1
         return len(slots), ended
+
+    def _past_limit(self, slot: int, now: float) -> bool:
+        return 0 < self.episode_timeout_s <= now - self._began[slot]
+
+    def _limit_message(self, slot: int) -> str:
+        return (f"the episode ran {time.monotonic() - self._began[slot]:.1f} s, past its wall "
+                f"time limit of {self.episode_timeout_s:g} s")
+
+    def _expire(self, now: float) -> int:
+        """End (EndReason.TIMEOUT) the episodes still decoding a turn past the episode
+        time limit: their slots stop, the tokens of the cut turn stay in their row.
+        Returns how many ended."""
+        if self.episode_timeout_s <= 0:
+            return 0
+        slots = sorted(s for s, rec in self._records.items()
+                       if not rec.ended and self._past_limit(s, now))
+        if not slots:
+            return 0
+        for s, smp in zip(slots, read_slots(self.state, slots)):
+            rec = self._records[s]
+            if smp.num_generated > self._turn_start[s]:  # the cut turn's tokens
+                rec.spans.append(("model", self._turn_start[s], smp.num_generated))
+            end_episode(rec, EndReason.TIMEOUT, self._limit_message(s), self._episodes[s],
+                        self.env.reward_names, self.step_timeout_s)
+            self._episodes[s] = None
+        self.state = self.state.replace(
+            done=self.state.done.at[np.asarray(slots, np.int32)].set(True))
+        return len(slots)
 
     def _reprefill(self, params, go_on, versions, budgets) -> None:
         """The slow twin of append_tokens: rebuild the slots' KV from their whole history."""
@@ -380,7 +451,7 @@ class MultiTurnEngine(GroupSlots):
                                       self.env.reward_names)
         for g in ready:
             for s in self._active.pop(g):
-                for d in (self._records, self._episodes, self._turn_start):
+                for d in (self._records, self._episodes, self._turn_start, self._began):
                     d.pop(s, None)
         self._free = sorted(self._free + slots)
         return EpisodeBatch(trajectory=traj, episodes=tuple(records))

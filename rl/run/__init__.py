@@ -5,8 +5,10 @@ both run it.
                 re-exported here with Resume and RunHooks
     presets     PRESETS: named RunConfig values (tiny-synthetic, smollm2-rg, tiny-guess,
                 smollm2-calc), get_preset, register
-    policy      load_policy(cfg) -> (model_config, params, task); make_task (a task or an
-                "env:NAME" environment); check_context
+    policy      load_policy(cfg) -> (model_config, params, task), after the model, prompt
+                file and reward checks; make_task (a task or an "env:NAME" environment);
+                check_context
+    plan        format_plan / estimate_memory: what a run will do and the memory it needs
     launch      train(cfg, resume=False, hooks=None) -> RunResult (sync or async by the
                 config): validate, run-dir checks, the run record, the loop, summary.json
     record      the run record (model.json, run_config.json) and load_run(run_dir) ->
@@ -23,7 +25,8 @@ The top of the import direction inside rl: may import every rl subpackage, model
 kernels; nothing in rl imports rl.run (experiments/ does).
 """
 from rl.loops.config import (  # noqa: I001
-    AsyncConfig, LoggingConfig, LoopConfig, ModelSpec, Resume, RunConfig, RunHooks, TaskSpec)
+    AsyncConfig, LoggingConfig, LoopConfig, ModelSpec, Resume, RewardConfig, RunConfig, RunHooks,
+    TaskSpec)
 from rl.loops.sync import RunResult
 from rl.run.presets import DEFAULT_PRESET, PRESETS, get_preset, register
 from rl.run.policy import check_context, load_policy, make_task
@@ -33,7 +36,8 @@ from rl.run.evaluation import evaluate, format_report
 from rl.run.summary import format_summary, summarize
 
 __all__ = [
-    "AsyncConfig", "LoggingConfig", "LoopConfig", "ModelSpec", "Resume", "RunConfig", "RunHooks",
+    "AsyncConfig", "LoggingConfig", "LoopConfig", "ModelSpec", "Resume", "RewardConfig",
+    "RunConfig", "RunHooks",
     "TaskSpec", "RunResult", "DEFAULT_PRESET", "PRESETS", "get_preset", "register",
     "check_context", "load_policy", "make_task", "RunDirError", "RunPolicy", "load_run",
     "write_record", "PreparedRun", "prepare", "train", "evaluate", "format_report", "format_summary", "summarize",

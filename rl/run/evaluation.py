@@ -18,13 +18,14 @@ error; with k > 0 also k samples per prompt at `temperature` -> pass@k and best-
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from rl.loops import eval_report
-from rl.loops.config import RunConfig
+from rl.loops.config import RUN_CONFIG_FILE, RewardConfig, RunConfig
 from rl.rollout import SamplingConfig
 from rl.run.policy import load_policy, make_task, task_seed
 from rl.run.record import is_run_dir, load_run
@@ -34,20 +35,24 @@ SEGMENT_LEN = 32  # decode tokens per sampler call
 
 def load_for_eval(source: RunConfig | str | os.PathLike, *, task: str | None = None,
                   task_options: dict | None = None, seed: int | None = None,
-                  step: int | None = None) -> dict:
+                  step: int | None = None, reward: RewardConfig | None = None) -> dict:
     """{"model_config", "params", "task", "task_spec", "task_options", "seed", "step",
     "kind", "tokenizer", "model"} for an evaluation of `source` (module docstring);
-    ValueError with a clear message otherwise."""
+    ValueError with a clear message otherwise. reward: the verifier / reward function
+    (default: a run's own, from its run_config.json, when its task is evaluated; else the
+    task's default)."""
     options = dict(task_options or {})
     if isinstance(source, RunConfig):
         if is_run_dir(source.output_dir):
             return load_for_eval(source.output_dir, task=task, task_options=task_options,
-                                 seed=seed, step=step)
+                                 seed=seed, step=step, reward=reward)
         if step is not None:
             raise ValueError(f"step={step}: the config's run dir {str(source.output_dir)!r} "
                              "has no checkpoints")
         cfg = source if task is None else source.override("task.spec", task)
         cfg = cfg.overrides({f"task.options.{k}": v for k, v in options.items()})
+        if reward is not None:
+            cfg = dataclasses.replace(cfg, reward=reward)
         config, params, built = load_policy(cfg, seed)
         return {"model_config": config, "params": params, "task": built,
                 "task_spec": cfg.task.spec, "task_options": cfg.task.kwargs,
@@ -77,10 +82,13 @@ def load_for_eval(source: RunConfig | str | os.PathLike, *, task: str | None = N
                          "'reasoning_gym:chain_sum')")
     if spec == meta.get("task"):
         options = {**(meta.get("task_options") or {}), **options}
+        saved = Path(source) / RUN_CONFIG_FILE
+        if reward is None and kind == "run" and saved.is_file():
+            reward = RunConfig.load(saved).reward
     # a run's task split seed (model.json "task_seed", else its seed), so a run is
     # evaluated on the problems it held out
     seed = seed if seed is not None else int(meta.get("task_seed", meta.get("seed", 0)))
-    built = make_task(spec, tokenizer=tokenizer, seed=seed, **options)  # "env:NAME" too
+    built = make_task(spec, tokenizer=tokenizer, seed=seed, reward=reward, **options)  # env too
     if kind == "tiny":
         from models.config import get_config
         from models.decoder import init_params
@@ -103,10 +111,12 @@ def evaluate(source: RunConfig | str | os.PathLike, *, task: str | None = None,
              task_options: dict | None = None, n: int = 256, k: int = 0,
              temperature: float = 1.0, max_new_tokens: int | None = None,
              seed: int | None = None, step: int | None = None, examples: int = 4,
-             max_slots: int = 256, progress: bool = True) -> dict:
+             max_slots: int = 256, progress: bool = True,
+             reward: RewardConfig | None = None) -> dict:
     """The evaluation report of `source` (module docstring) on `n` eval prompts:
     rl.loops.sync.eval_report's keys plus "model", "model_kind", "tokenizer", "step",
-    "task", "task_options", "seed", "max_new_tokens", "wall_s"."""
+    "task", "task_options", "seed", "max_new_tokens", "wall_s". reward: load_for_eval's;
+    the weighted total ("reward") gives a task's logged-only rewards weight 0."""
     for name, value, low in (("n", n, 1), ("k", k, 0), ("examples", examples, 0),
                              ("max_slots", max_slots, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -116,14 +126,16 @@ def evaluate(source: RunConfig | str | os.PathLike, *, task: str | None = None,
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     t0 = time.perf_counter()
-    got = load_for_eval(source, task=task, task_options=task_options, seed=seed, step=step)
+    got = load_for_eval(source, task=task, task_options=task_options, seed=seed, step=step,
+                        reward=reward)
     built = got["task"]
     prompts = built.eval_prompts(n)
     budget = max_new_tokens or built.max_new_tokens
     report = eval_report(got["params"], 0, got["model_config"], built, prompts,
                          sampling=SamplingConfig(greedy=True), segment_len=min(SEGMENT_LEN, budget),
                          seed=got["seed"], k=k, temperature=temperature, max_new_tokens=budget,
-                         examples=examples, max_slots=max_slots, progress=progress)
+                         examples=examples, max_slots=max_slots, progress=progress,
+                         reward_weights=dict.fromkeys(getattr(built, "logged_rewards", ()), 0.0))
     return {"model": str(got["model"]), "model_kind": got["kind"], "tokenizer": got["tokenizer"],
             "step": got["step"], "task": got["task_spec"], "task_options": got["task_options"],
             "seed": got["seed"], "max_new_tokens": budget, **report,

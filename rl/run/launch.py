@@ -9,8 +9,11 @@ Two stages, so that everything that can be refused is refused before anything co
   prepare(cfg, resume)   validate the config, join the multi-process run
                          (cfg.distributed), check the run dir (no checkpoints unless
                          resuming, no other writer), load the policy and task
-                         (rl.run.policy.load_policy), build and check the mesh, write the
-                         run record (model.json, run_config.json: rl.run.record)
+                         (rl.run.policy.load_policy: the model, prompt file and reward
+                         function checks), give the task's logged-only rewards weight 0,
+                         build and check the mesh, print the plan with its memory
+                         estimate (rl.run.plan; with logging.progress), write the run
+                         record (model.json, run_config.json: rl.run.record)
   PreparedRun.run()      the synchronous loop (rl.loops.run) or, with cfg.asynchronous
                          set, the asynchronous one (rl.loops.run_async); then summary.json
                          (rl.run.summary), returned as RunResult.summary
@@ -18,6 +21,7 @@ Two stages, so that everything that can be refused is refused before anything co
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -27,7 +31,8 @@ from rl.loops.config import Resume, RunConfig, RunHooks, as_resume
 from rl.loops.context import resolve_mesh
 from rl.loops.sync import RunResult
 from rl.loops.validation import ConfigError
-from rl.run.policy import load_policy
+from rl.run.plan import format_plan
+from rl.run.policy import load_policy, with_logged_reward_weights
 from rl.run.record import write_record
 from rl.run.summary import summarize
 from rl.runtime.distributed import initialize_distributed, is_main_process
@@ -93,8 +98,11 @@ def prepare(cfg: RunConfig, resume: bool | Resume = False) -> PreparedRun:
         check_run_dir_free(run_dir)
     load_before, started = load_average(), time.perf_counter()
     model_config, params, task = load_policy(cfg)
+    cfg = with_logged_reward_weights(cfg, task)
     mesh = resolve_mesh(cfg, model_config, RunHooks())
     if is_main_process():  # what rl.run.load_run / evaluate / export rebuild the policy from
+        if cfg.logging.progress:
+            print(format_plan(cfg, model_config, task), file=sys.stderr, flush=True)
         write_record(run_dir, cfg, model_config)
     return PreparedRun(cfg=cfg, resume=resume_opts, model_config=model_config, params=params,
                        task=task, mesh=mesh, started=started, load_before=load_before)

@@ -218,25 +218,16 @@ def load_tokenizer(meta: dict):
     """The Tokenizer of the run's model (model.json "model"), or None for models with no
     text tokenizer ("tiny"). Reads only the tokenizer (GGUF metadata or tokenizer files),
     never the weights."""
-    from models.assets import resolve_model_path
-    from models.tokenizer import Tokenizer
+    from models.assets import load_tokenizer as load_model_tokenizer
 
     model = meta.get("model")
     if model is None or model in NO_TOKENIZER_MODELS:
         return None
     try:
-        path = resolve_model_path(model)
+        return load_model_tokenizer(model)
     except (ValueError, FileNotFoundError) as err:
-        raise RunDirError(f"cannot find the run's model {model!r} (model.json 'model') to read "
-                          f"its tokenizer: {err}") from err
-    if path.is_file():  # .gguf
-        from models.gguf_loader import read_gguf_metadata
-
-        return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
-    if not (path / "tokenizer.json").is_file():
-        raise RunDirError(f"the run's model directory {str(path)!r} has no tokenizer.json")
-    cfg = path / "tokenizer_config.json"
-    return Tokenizer.from_file(path / "tokenizer.json", cfg if cfg.is_file() else None)
+        raise RunDirError(f"cannot read the tokenizer of the run's model {model!r} (model.json "
+                          f"'model'): {err}") from err
 
 
 # ----------------------------------------------------------------------------- LoRA runs

@@ -8,6 +8,9 @@ here, so a sampler-only user does not load orbax or wandb).
     rl.runtime.checkpoint   Checkpointer (orbax; async, atomic, restores onto any mesh),
                             CheckpointError
     rl.runtime.logging      MetricsLogger (jsonl + wandb offline), atomic file writes
+    rl.runtime.preemption   SIGTERM / Ctrl-C stop a run at a safe point (stop_signals,
+                            RunControl, Preempted), the exit statuses
+    rl.runtime.storage      StorageError (a failed write in one line), free-space check
 
 A leaf: imports `models` (configs, logical axis rules) and nothing else from `rl`.
 """

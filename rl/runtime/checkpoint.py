@@ -32,6 +32,21 @@ the local copy), so each process needs host memory for the largest leaf.
 `restore(template, fallback=True)` skips damaged latest checkpoints (each with a
 CheckpointWarning saying why), restores the newest good one and renames the skipped
 step directories to `<step>.damaged` so the resumed run can write those steps again.
+
+Failures while writing: a save that cannot be written (disk full, permission denied,
+read-only file system, quota) raises `rl.runtime.storage.StorageError`, one line naming
+the checkpoint, the directory, the cause and the last good checkpoint, whether it fails
+at once in save() or later in orbax's writer thread (then from the next save(), wait(),
+poll() or close(): poll() is the loops' non-blocking check after every step, so a
+failed background write stops the run within one step). Any other failure of the writer
+is a CheckpointError saying which step could not be written. Orbax's own logged
+tracebacks of those failures are kept out of the log while the Checkpointer is open
+(rl.runtime.storage.OrbaxErrorLog). A failed save leaves the earlier checkpoints intact
+(orbax writes into `<step>.orbax-checkpoint-tmp` and renames only a complete one); with
+cleanup_tmp=True (the loops, which hold the run lock) such leftovers of a failed or killed
+save are deleted when the Checkpointer opens. Before each save, `free_space_warning` warns
+(StorageWarning) when the disk has room for fewer than two more checkpoints the size of
+the last one.
 """
 from __future__ import annotations
 
@@ -49,9 +64,22 @@ import xxhash
 from jax.experimental import multihost_utils
 
 from rl.runtime.mesh import with_shardings
+from rl.runtime.storage import (
+    OrbaxErrorLog,
+    StorageError,
+    StorageWarning,
+    free_space_warning,
+    quiet_orbax_echoes,
+    tree_bytes,
+)
 
 # Orbax logs every save at INFO; a training loop's progress bar is the better place.
 logging.getLogger("absl").setLevel(logging.WARNING)
+# Orbax also logs each failure of its writer threads with a traceback, from several threads
+# (some still running after the save was reported failed); the Checkpointer raises those
+# failures as one exception, so their tracebacks stay out of the log (module doc).
+ORBAX_ERRORS = OrbaxErrorLog()
+logging.getLogger("absl").addFilter(ORBAX_ERRORS)
 
 
 class CheckpointError(ValueError):
@@ -110,21 +138,29 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 2, async_save: bool = True,
-                 lock: Any = None):
+                 lock: Any = None, cleanup_tmp: bool = False):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             if lock is not None:
                 lock.release()
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         self._lock = lock
         self.directory = Path(directory).absolute()
+        self._pending: int | None = None  # the step of the save orbax may still be writing
+        self._failed = False  # a save failed (what closing orbax then says is its echo)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=async_save)
+                                               enable_async_checkpointing=async_save,
+                                               cleanup_tmp_directories=cleanup_tmp)
+        ORBAX_ERRORS.take()
+        quiet_orbax_echoes()  # a failed save's leftover writes fail noisily (storage doc)
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options,
                                                   item_names=("state", "meta"))
-        except BaseException:
+        except BaseException as err:
             if lock is not None:
                 lock.release()
+            failure = StorageError.of(err, what="checkpoints", path=self.directory)
+            if failure is not None:
+                raise failure from None
             raise
 
     # ------------------------------------------------------------------ save
@@ -136,12 +172,68 @@ class Checkpointer:
         meta.setdefault("step", int(step))
         meta[CHECKSUM_KEY] = {"algorithm": "xxh3_128", "arrays": state_checksums(state)}
         meta[CHECKSUM_KEY]["record"] = record_checksum(meta)
-        self._manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        self.wait()  # the previous save's failure surfaces here, before this one starts
+        self._check_free_space(state)
+        try:
+            self._manager.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as err:
+            raise self._write_error(err, int(step)) from err
+        self._pending = int(step)
 
     def wait(self) -> None:
-        """Block until every started save is complete on disk."""
-        self._manager.wait_until_finished()
+        """Block until every started save is complete on disk. StorageError (or
+        CheckpointError) if the last one failed (module doc)."""
+        step, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise self._write_error(err, step) from err
+        if step is not None and step not in self._manager.all_steps():
+            logged = ORBAX_ERRORS.take()  # an error orbax logged without raising it
+            why = logged[-1] if logged else "orbax did not finalize it"
+            raise self._write_error(RuntimeError(why), step) from None
+
+    def poll(self) -> None:
+        """Without blocking: raise the failure of a background save that has finished
+        (as wait() would); nothing while it is still writing or when it succeeded."""
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self.wait()
+
+    def last_good(self, exclude: int | None = None) -> tuple[int, Path] | None:
+        """(step, directory) of the newest checkpoint written completely (not `exclude`),
+        or None."""
+        done = [s for s in self._manager.all_steps() if s not in (self._pending, exclude)]
+        if not done:
+            return None
+        step = max(done)
+        return step, self.directory / str(step)
+
+    def _write_error(self, err: BaseException, step: int | None) -> Exception:
+        """StorageError (a storage cause) or CheckpointError for a save that failed."""
+        what = "checkpoint" if step is None else f"checkpoint step {step}"
+        self._pending, self._failed = None, True
+        good = self.last_good(exclude=step)
+        failure = StorageError.of(err, what=what, path=self.directory, last_good=good)
+        if failure is not None:
+            return failure
+        if isinstance(err, CheckpointError):
+            return err
+        then = (f"the last good checkpoint is step {good[0]}" if good is not None
+                else "no checkpoint was written before it")
+        return CheckpointError(f"{what} could not be written to {str(self.directory)!r} "
+                               f"({type(err).__name__}: {str(err)[:300]}); {then}")
+
+    def _check_free_space(self, state: Any) -> None:
+        """Warn (StorageWarning) when the disk has room for fewer than two more checkpoints
+        the size of the last one on disk (else of this state's array bytes)."""
+        good = self.last_good()
+        need = tree_bytes(good[1]) if good is not None else 0
+        if need == 0:
+            need = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
+        message = free_space_warning(self.directory, need)
+        if message is not None:
+            warnings.warn(message, StorageWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ restore
     def all_steps(self) -> list[int]:
@@ -243,9 +335,17 @@ class Checkpointer:
         self._manager.reload()
 
     def close(self) -> None:
+        """Wait for the pending save (its failure is raised), release orbax's resources,
+        then the lock (always)."""
         try:
-            self.wait()
-            self._manager.close()
+            try:
+                self.wait()
+            finally:
+                try:
+                    self._manager.close()
+                except Exception as err:
+                    if not self._failed:  # else: the echo of the failure already raised
+                        raise self._write_error(err, None) from err
         finally:
             if self._lock is not None:
                 self._lock.release()

@@ -9,6 +9,11 @@ half-written file behind.
 Multi-process runs: only process 0 writes (metrics.jsonl, wandb); the other processes
 keep their records in memory, so the loop's code is the same on every process.
 
+Each record is on disk (in the kernel's hands: it survives the process being killed) once
+log() returns; close() also fsyncs the file (it survives the machine going down). A
+write that fails for lack of space or permission raises rl.runtime.storage.StorageError
+naming the file and the record.
+
 The step profile: `StepProfile` times the phases of one training step (prefill, decode,
 reward, learner, host work, transfers; `other_s` is the rest of the step's wall time, so
 the phases always sum to `step_s`) and its peak resident memory (`peak_rss_mb`: Linux's
@@ -20,6 +25,7 @@ compiling step, peak memory).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -30,11 +36,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rl.runtime.storage import StorageError
+
 WANDB_MODES = ("offline", "online", "disabled")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` atomically (temp file + fsync + rename)."""
+    """Write `data` to `path` atomically (temp file + fsync + rename). An OSError (e.g.
+    no space left) names `path` and leaves no temp file behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -47,9 +56,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
 
 
@@ -112,16 +123,16 @@ class MetricsLogger:
         self.writer = bool(writer)
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        if self.writer:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
             self.records: list[dict] = []
-            if self.writer:
-                atomic_write_text(self.path, "")
         else:
             self.records = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
-            if self.writer:
+        if self.writer:
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+            except OSError as err:
+                raise self._failure(err, "the metrics file") from err
         self._wandb = None
         if wandb_mode != "disabled" and self.writer:
             self._wandb = self._init_wandb(wandb_mode, project, run_name, config, resume_step)
@@ -145,17 +156,38 @@ class MetricsLogger:
         if not self.writer:
             return record
         line = (json.dumps(record) + "\n").encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)  # one write of the whole line: no torn records on a crash
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                end = os.fstat(fd).st_size
+                try:  # one write of the whole line: no torn records on a crash
+                    if os.write(fd, line) != len(line):
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+                except OSError:
+                    with contextlib.suppress(OSError):  # no torn line left behind
+                        os.ftruncate(fd, end)
+                    raise
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise self._failure(err, f"the {kind} record of step {int(step)}") from err
         if self._wandb is not None:
             self._wandb.log({f"{kind}/{k}": v for k, v in record.items()
                              if k not in ("step", "kind") and v is not None}, step=int(step))
         return record
 
+    def _failure(self, err: OSError, what: str) -> Exception:
+        return StorageError.of(err, what=what, path=self.path) or err
+
     def close(self) -> None:
+        """Flush metrics.jsonl to the disk (fsync) and finish wandb."""
+        if self.writer and self.path.exists():
+            with contextlib.suppress(OSError):
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

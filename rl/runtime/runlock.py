@@ -17,6 +17,7 @@ systems its reach depends on the mount (NFS v4 maps it to a lease).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -81,8 +82,9 @@ class RunLock:
                 raise
             info = {"pid": os.getpid(), "host": socket.gethostname(),
                     "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(info).encode(), 0)
+            with contextlib.suppress(OSError):  # only for the message: a full disk is fine
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(info).encode(), 0)
             _HELD[key] = [fd, 1]
             self._key = key
 
@@ -99,7 +101,8 @@ class RunLock:
             entry[1] -= 1
             if entry[1] == 0:
                 del _HELD[self._key]
-                os.ftruncate(entry[0], 0)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(entry[0], 0)
                 fcntl.flock(entry[0], fcntl.LOCK_UN)
                 os.close(entry[0])
         self._key = None

@@ -62,3 +62,27 @@ def check_count(name: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def chat_prompt_text(tokenizer: Any, content: str, *, chat: bool = True,
+                     system_prompt: str | None = None) -> str:
+    """The prompt text of a user message `content`: rendered with the tokenizer's chat
+    template (after an optional system message) when `chat`, else `content` itself."""
+    if not chat:
+        return content
+    messages = [{"role": "user", "content": content}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return tokenizer.apply_chat_template(messages)
+
+
+def encode_prompt(tokenizer: Any, text: str, max_prompt_len: int, what: str,
+                  remedy: str = "shorten the prompts") -> tuple[int, ...]:
+    """Token ids of a prompt text; ValueError naming `what` (e.g. "a 'chain_sum' prompt")
+    and `remedy` when it is longer than max_prompt_len."""
+    ids = tuple(tokenizer.encode(text))
+    if len(ids) > max_prompt_len:
+        raise ValueError(f"{what} has {len(ids)} tokens, more than max_prompt_len="
+                         f"{max_prompt_len}: raise max_prompt_len (within the model's "
+                         f"context) or {remedy}")
+    return ids

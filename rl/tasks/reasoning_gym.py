@@ -7,12 +7,17 @@ each with its own verifier, generated locally (no download).
 
 A prompt is the dataset's question plus `instruction` (which fixes the answer form:
 one final `\\boxed{...}`), rendered with the tokenizer's chat template. Rewards:
-  * "correct": the dataset's own `score_answer(answer, entry)` on the extracted answer
-    (`extract_answer`): the content of the response's last `\\boxed{...}`; without
+  * "correct": the verdict of the task's verifier on the extracted answer
+    (`extract_answer`: the content of the response's last `\\boxed{...}`; without
     one, the last number when the reference is a number, else what follows the last
-    "answer is" / "answer:" / "=" (else the last line). So "correct" measures whether
-    the model got it right, and "format" whether it wrote it the documented way; a
-    float in [0, 1] (a few datasets give partial credit);
+    "answer is" / "answer:" / "=" (else the last line)). By default ("strict") the
+    dataset's own `score_answer(answer, entry)` counted only when it is full credit: 0 or
+    1, no partial credit for a wrong answer that merely contains the reference;
+    verifier="dataset" gives that score as it is (a float in [0, 1]), and the named
+    verifiers of rl.tasks.verifiers apply too. So "correct" measures whether the model got
+    it right, and "format" whether it wrote it the documented way;
+  * "dataset" (every verifier but "dataset"): the dataset's own score, partial credit
+    included, logged beside "correct" and not trained on (`logged_rewards`);
   * "format": 1 only for the documented final-answer form: exactly one `\\boxed{...}`,
     at the very end of the response (trailing whitespace / `.` / `$` allowed); boxing
     every intermediate number earns nothing.
@@ -28,43 +33,21 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from rl.tasks.base import Prompt, check_count, in_eval_split
+from rl.tasks.base import Prompt, chat_prompt_text, check_count, encode_prompt, in_eval_split
+from rl.tasks.verifiers import VERIFIERS as NAMED_VERIFIERS
+from rl.tasks.verifiers import extract_answer, verify
 
 INSTRUCTION = ("Think briefly if needed, then give the final answer at the end in the form "
                "\\boxed{ANSWER}.")
 _SPLIT_STRIDE = 2 ** 20  # reasoning-gym seeds per task seed
 _EVAL_OFFSET = 2 ** 19   # eval items start this far into the task seed's range
 _MAX_ATTEMPTS = 64       # items tried per stream position until one falls in the split
-
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
-_ANSWER_IS = re.compile(r"(?:answer\s*(?:is\s*:?|:)|=)\s*(.+?)\s*$", re.IGNORECASE | re.DOTALL)
-
-
-def extract_answer(text: str, reference: str) -> str | None:
-    """The response's answer: its last \\boxed{...}; else (no box) the last number if
-    `reference` is a number, else the text after the last "answer is" / "answer:" /
-    "=" on the last non-empty line, else that line; trailing "." and "$" dropped."""
-    from rl.tasks.math_answers import extract_final_boxed
-
-    boxed = extract_final_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    if _NUMBER.fullmatch(reference.strip()):
-        numbers = _NUMBER.findall(text)
-        return numbers[-1].replace(",", "") if numbers else None
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    if not lines:
-        return None
-    m = _ANSWER_IS.search(lines[-1])
-    answer = (m.group(1) if m else lines[-1]).strip().rstrip(".$").strip()
-    return answer or None
+VERIFIERS = ("strict", "dataset", *NAMED_VERIFIERS)
 
 
 def dataset_names() -> list[str]:
@@ -109,11 +92,18 @@ def _freeze(mapping: Mapping[str, Any]) -> tuple:
 class ReasoningGymTask:
     """datasets: {name: weight} (or a spec string "a=1,b=2"); dataset_options:
     {name: {option: value}} passed to reasoning_gym.create_dataset (for a single
-    dataset a flat {option: value} works too); verifier: "dataset" (the dataset's own
-    score_answer) or "math" (rl.tasks.math_answers.math_equal, so `\\frac{1}{2}` = `0.5`;
-    timeout math_timeout_s; it checks value, not form: an unreduced fraction passes, so
-    use it for sets whose answer is a value); tokenizer: models.tokenizer.Tokenizer; seed: the split seed; chat: wrap prompts in the chat template; max_prompt_len /
-    max_new_tokens: sampling budget (a longer prompt is a clear error)."""
+    dataset a flat {option: value} works too); verifier: what "correct" is (VERIFIERS):
+    "strict" (default: the dataset's own score_answer counted only when it is full credit,
+    so "82 + 16 = 198" earns nothing for 98), "dataset" (that score as it is, with its
+    partial credit), or a named verifier of rl.tasks.verifiers on the extracted answer
+    and the entry's answer: "exact", "numeric" (tolerance), "math" (math-verify, so
+    `\\frac{1}{2}` = `0.5`; timeout math_timeout_s; it checks value, not form: an unreduced
+    fraction passes, so use it for sets whose answer is a value) or "regex". With any
+    verifier but "dataset" the dataset's own score is a third reward, "dataset", logged and
+    not trained on (logged_rewards: weight 0 unless TrainConfig.reward_weights names it);
+    tokenizer: models.tokenizer.Tokenizer; seed: the split seed; chat: wrap prompts in the
+    chat template; max_prompt_len / max_new_tokens: sampling budget (a longer prompt is a
+    clear error)."""
 
     datasets: Any
     tokenizer: Any = None
@@ -126,8 +116,9 @@ class ReasoningGymTask:
     max_prompt_len: int = 256
     max_new_tokens: int = 128
     name: str = ""
-    verifier: str = "dataset"
+    verifier: str = "strict"
     math_timeout_s: float = 2.0
+    tolerance: float = 1e-6
 
     def __post_init__(self):
         weights = parse_mixture(self.datasets) if isinstance(self.datasets, str) else dict(
@@ -154,9 +145,10 @@ class ReasoningGymTask:
         if not self.name:
             object.__setattr__(self, "name", "reasoning_gym:" + ",".join(
                 n if len(weights) == 1 else f"{n}={w:g}" for n, w in self.datasets))
-        if self.verifier not in ("dataset", "math"):
-            raise ValueError(f"verifier must be 'dataset' (the dataset's score_answer) or "
-                             f"'math' (math-verify equality), got {self.verifier!r}")
+        if self.verifier not in VERIFIERS:
+            raise ValueError(f"verifier must be one of {list(VERIFIERS)} ('strict': the "
+                             "dataset's score_answer, full credit only; 'dataset': that score "
+                             f"with partial credit), got {self.verifier!r}")
         check_count("ReasoningGymTask.seed", self.seed)
         check_count("ReasoningGymTask.max_prompt_len", self.max_prompt_len, 1)
         check_count("ReasoningGymTask.max_new_tokens", self.max_new_tokens, 1)
@@ -168,7 +160,13 @@ class ReasoningGymTask:
     # ------------------------------------------------------------------ data
     @property
     def reward_names(self) -> tuple[str, ...]:
-        return ("correct", "format")
+        return ("correct", "format") + self.logged_rewards
+
+    @property
+    def logged_rewards(self) -> tuple[str, ...]:
+        """Rewards that are logged, not trained on: the dataset's own score beside a
+        verifier of another name."""
+        return () if self.verifier == "dataset" else ("dataset",)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -251,20 +249,13 @@ class ReasoningGymTask:
 
     def prompt_text(self, entry: dict) -> str:
         content = f"{entry['question'].strip()}\n{self.instruction}"
-        if not self.chat:
-            return content
-        messages = [{"role": "user", "content": content}]
-        if self.system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return self._tok().apply_chat_template(messages)
+        return chat_prompt_text(self._tok() if self.chat else None, content, chat=self.chat,
+                                system_prompt=self.system_prompt)
 
     def _prompt(self, entry: dict, index: int) -> Prompt:
-        ids = tuple(self._tok().encode(self.prompt_text(entry)))
-        if len(ids) > self.max_prompt_len:
-            raise ValueError(f"a {entry['metadata']['source_dataset']!r} prompt has {len(ids)} "
-                             f"tokens, more than max_prompt_len={self.max_prompt_len}: raise "
-                             "max_prompt_len (within the model's context) or pick smaller "
-                             "dataset options")
+        ids = encode_prompt(self._tok(), self.prompt_text(entry), self.max_prompt_len,
+                            f"a {entry['metadata']['source_dataset']!r} prompt",
+                            "pick smaller dataset options")
         return Prompt(ids=ids, answer=entry, text=entry["question"], index=index)
 
     def train_prompts(self, start: int, count: int) -> list[Prompt]:
@@ -281,14 +272,19 @@ class ReasoningGymTask:
 
         answer = extract_answer(text, str(entry["answer"]))
         name = entry["metadata"]["source_dataset"]
-        correct = 0.0
-        if answer is not None and self.verifier == "math":
-            from rl.tasks.math_answers import math_equal
-
-            correct = float(math_equal(answer, str(entry["answer"]), timeout_s=self.math_timeout_s))
-        elif answer is not None:
-            correct = float(self._dataset(name, "train").score_answer(answer, entry))
-        return {"correct": correct, "format": float(has_final_boxed_format(text))}
+        score = 0.0
+        if answer is not None:
+            score = float(self._dataset(name, "train").score_answer(answer, entry))
+        out = {"correct": score, "format": float(has_final_boxed_format(text))}
+        if self.verifier == "dataset":
+            return out
+        if self.verifier == "strict":
+            out["correct"] = float(score == 1.0)
+        else:
+            out["correct"] = verify(self.verifier, answer, str(entry["answer"]),
+                                    tolerance=self.tolerance, timeout_s=self.math_timeout_s)
+        out["dataset"] = score
+        return out
 
     def reward(self, prompt: Prompt, response: Sequence[int] | str) -> dict[str, float]:
         text = response if isinstance(response, str) else self._tok().decode(list(response))

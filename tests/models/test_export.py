@@ -92,8 +92,10 @@ def smollm2_export(tmp_path_factory):
     trained = perturb(params, seed=1)
     root = tmp_path_factory.mktemp("export")
     write_run(root / "run", preset, config, {25: params, 50: trained})
-    summary = main(["--run-dir", str(root / "run"), "--out", str(root / "hf")])
-    assert summary["step"] == 50 and summary["tokenizer"]
+    # fp32 for the 1e-4 logit comparison; the default would be SmolLM2's own bfloat16
+    summary = main(["--run-dir", str(root / "run"), "--out", str(root / "hf"),
+                    "--dtype", "float32"])
+    assert summary["step"] == 50 and summary["tokenizer"] and summary["dtype"] == "float32"
     return root / "hf", params, trained, config, tok
 
 

@@ -45,8 +45,9 @@ def _terms(question: str) -> int:
 
 
 def test_rewards_on_hand_written_answers():
-    task = _chain_sum()
+    task = _chain_sum(verifier="dataset")
     assert isinstance(task, Task) and task.reward_names == ("correct", "format")
+    assert task.logged_rewards == ()
     prompt = task.eval_prompts(1)[0]
     want = _terms(prompt.text)
     assert str(want) == prompt.answer["answer"]
@@ -65,6 +66,30 @@ def test_rewards_on_hand_written_answers():
         assert task.reward(prompt, text) == {"correct": correct, "format": fmt}, text
     ids = _CharTokenizer().encode(f"so \\boxed{{{want}}}")  # scoring from token ids
     assert task.reward(prompt, ids) == {"correct": 1.0, "format": 1.0}
+    # the default, "strict": the same verdicts on these (each is full credit or none), and
+    # the dataset's own score logged beside them as "dataset"
+    strict = _chain_sum()
+    assert strict.verifier == "strict" and strict.reward_names == ("correct", "format", "dataset")
+    assert strict.logged_rewards == ("dataset",)
+    for text, (correct, fmt) in cases.items():
+        assert strict.reward(prompt, text) == {"correct": correct, "format": fmt,
+                                               "dataset": correct}, text
+
+
+def test_strict_verifier_gives_no_partial_credit():
+    """The leak of issue 36: reasoning-gym's default scorer gives len(ref) / len(answer) to an
+    answer that merely contains the reference ("82 + 16 = 198" scored 0.667 for 98)."""
+    strict, by_dataset = _chain_sum(), _chain_sum(verifier="dataset")
+    prompt = strict.eval_prompts(1)[0]
+    ref = prompt.answer["answer"]
+    padded = f"\\boxed{{1{ref}}}"  # a wrong answer that contains the reference
+    partial = len(ref) / (len(ref) + 1)
+    assert by_dataset.reward(prompt, padded)["correct"] == pytest.approx(partial)
+    assert strict.reward(prompt, padded) == {"correct": 0.0, "format": 1.0,
+                                             "dataset": pytest.approx(partial)}
+    exact = _chain_sum(verifier="exact")  # the named verifiers apply too
+    assert exact.reward(prompt, f"\\boxed{{{ref}}}")["correct"] == 1.0
+    assert exact.reward(prompt, padded)["correct"] == 0.0
 
 
 def test_answer_extraction():
@@ -160,13 +185,15 @@ def test_prompt_plus_budget_beyond_the_context_is_a_clear_error():
 
 def test_math_verifier_accepts_equal_forms_the_dataset_rejects():
     opts = {"tokenizer": _CharTokenizer(), "max_prompt_len": 400}
-    by_dataset = make_task("reasoning_gym:fraction_simplification", **opts)
+    by_dataset = make_task("reasoning_gym:fraction_simplification", verifier="dataset", **opts)
     by_math = make_task("reasoning_gym:fraction_simplification", verifier="math", **opts)
     prompt = by_math.eval_prompts(1)[0]
     num, den = (int(x) for x in re.findall(r"\d+", prompt.answer["answer"]))  # LaTeX ref
     decimal = f"so \\boxed{{{num / den!r}}}"
     assert by_dataset.reward(prompt, decimal)["correct"] < 0.1  # its scorer wants a fraction
-    assert by_math.reward(prompt, decimal) == {"correct": 1.0, "format": 1.0}
+    assert by_math.reward(prompt, decimal) == {"correct": 1.0, "format": 1.0,
+                                               "dataset": by_dataset.reward(prompt, decimal)[
+                                                   "correct"]}
     # equality, not form: math-verify also takes the unreduced fraction, which this
     # dataset (reduce to lowest terms) rightly refuses, so "math" suits answer-is-a-value sets
     unreduced = f"\\boxed{{\\frac{{{2 * num}}}{{{2 * den}}}}}"

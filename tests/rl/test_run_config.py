@@ -146,7 +146,10 @@ def test_validate_refuses_what_the_loops_cannot_run():
 FLAG_VALUES = {"steps": "7", "group_size": "4", "prompts_per_step": "2", "segment_len": "3",
                "eval_every": "5", "save_every": "6", "eval_prompts": "9", "seed": "11",
                "lr": "0.0003", "temperature": "0.7", "micro_batches": "2", "mesh": "dp",
-               "run_dir": "runs/x", "wandb": "disabled", "remat": "full"}
+               "run_dir": "runs/x", "wandb": "disabled", "model": "smollm2-135m",
+               "reward": "my_rewards:score", "verifier": "exact", "reward_timeout": "3.5",
+               "save_every_minutes": "10", "env_step_timeout": "5", "episode_timeout": "60",
+               "remat": "full"}
 
 
 @pytest.mark.parametrize("dest", sorted(SIMPLE_FLAGS))
