@@ -31,28 +31,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.config import ModelConfig
-from rl.learner.batch import (
-    NonFiniteError,
-    TrainBatch,
-    TrainState,
-    batch_from_trajectory,
-    global_batch,
-)
+from rl.learner.batch import (NonFiniteError, TrainBatch, TrainState, batch_from_trajectory,
+                              global_batch)
 from rl.learner.config import TrainConfig
 from rl.loops import episodes
 from rl.loops.buffer import ScoredGroup
 from rl.loops.config import LoopConfig, Resume, RunConfig, RunHooks, as_resume
 from rl.loops.context import open_run, resolve_mesh, run_clock
-from rl.loops.evaluation import (
-    accuracy_name,
-    batch_reward_metrics,
-    flat_metrics,
-    jsonable,
-    mean_stderr,
-    pass_at_k,
-    response_stats,
-    solved,
-)
+from rl.loops.evaluation import (accuracy_name, batch_reward_metrics, flat_metrics, jsonable,
+                                 mean_stderr, pass_at_k, response_stats, solved)
 from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_source
 from rl.loops.scoring import score, total_reward  # re-exported: the loops' task rewards
 from rl.objectives.offpolicy import kept_group_indices
