@@ -11,6 +11,7 @@ from typing import Any, Mapping
 ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")
 ROPE_KINDS = ("linear", "llama3")
+REMAT_POLICIES = ("none", "dots", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,10 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3)
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype
-    remat: bool = False
+    # rematerialise each layer in the backward: False / "none" (store its activations),
+    # True / "full" (store only the layer's input), "dots" (store the matmul outputs,
+    # recompute the rest); REMAT_POLICIES
+    remat: bool | str = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -94,6 +98,9 @@ class ModelConfig:
                 "ModelConfig.rope_scaling must be a RopeScaling or None, got "
                 f"{type(self.rope_scaling).__name__}"
             )
+        if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
+            raise ValueError(f"ModelConfig.remat must be True, False or one of {REMAT_POLICIES}, "
+                             f"got {self.remat!r}")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(

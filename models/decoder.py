@@ -5,7 +5,9 @@ in models/packed.py.) decode_step takes either cache layout of models/kv_cache.p
 KVCache or shared-prompt SegmentedKVCache); the layout is dispatched there, not here.
 
 Layers run under `nn.scan` (params stacked on a leading [layers] axis) so compile time
-does not grow with depth. Projections also read optional LoRA-adapter and quantized-base
+does not grow with depth; `layer_loop="unrolled"` (decode's option, LAYER_LOOPS) runs the
+same stacked params as straight-line code instead: no loop in the program, so XLA fuses
+across layer boundaries and an accelerator runs no per-layer loop iteration. Projections also read optional LoRA-adapter and quantized-base
 leaves (models/lora.py: compose, quantize_base); plain params never carry them.
 Params and key activations carry logical axis names (see models/sharding.py); without a
 rules context those annotations are no-ops.
@@ -36,6 +38,23 @@ from models.swiglu import swiglu
 
 Params = dict[str, Any]
 _init = nn.initializers.normal(stddev=0.02)
+# Layers as one "scan" over the stacked params (default: compile time independent of depth)
+# or "unrolled" (same params and arithmetic as straight-line code; no loop at run time).
+LAYER_LOOPS = ("scan", "unrolled")
+# remat "dots": keep the layer's matmul outputs (projections, MLP), recompute the rest
+SAVE_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def remat_policy(remat: bool | str) -> str:
+    """ModelConfig.remat as a REMAT_POLICIES name: False -> "none", True -> "full"."""
+    return ("full" if remat else "none") if isinstance(remat, bool) else remat
+
+
+def check_layer_loop(layer_loop: str) -> str:
+    """layer_loop if it is one of LAYER_LOOPS, else a ValueError naming them."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    return layer_loop
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -271,6 +290,8 @@ class Decoder(nn.Module):
     # True: return the final-normed hidden states [batch, seq, embed] instead of logits
     # (the head runs elsewhere, e.g. models.logprobs' chunked log-softmax; see head_matrix)
     return_hidden: bool = False
+    # "scan" or "unrolled" (LAYER_LOOPS): the same params tree and arithmetic either way
+    layer_loop: str = "scan"
 
     @nn.compact
     def __call__(self, tokens, positions, mask, start=None, kv=None, logits_at=None):
@@ -280,13 +301,17 @@ class Decoder(nn.Module):
                          param_dtype=jnp.dtype(c.param_dtype),
                          embedding_init=nn.with_logical_partitioning(_init, ("vocab", "embed")))
         x = nn.with_logical_constraint(embed(tokens), ("batch", "seq", "embed"))
-        block = nn.remat(Block, prevent_cse=False) if c.remat else Block
+        policy = remat_policy(c.remat)
+        block = Block if policy == "none" else nn.remat(
+            Block, prevent_cse=False, policy=None if policy == "full" else SAVE_DOTS)
         layers = nn.scan(
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
             length=c.num_layers,
+            # a full unroll: straight-line code, no while loop in the lowered program
+            unroll=c.num_layers if check_layer_loop(self.layer_loop) == "unrolled" else 1,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.mode, self.attn_impl, self.packed_nr, name="layers")
         if self.mode == "decode":
@@ -493,15 +518,16 @@ def prefill(
                         config=config, attn_impl=attn_impl)
 
 
-@partial(jax.jit, static_argnames=("config", "attn_impl", "kv_bound"))
-def decode_jit(params, tokens, cache, *, config, attn_impl, kv_bound=None):
+@partial(jax.jit, static_argnames=("config", "attn_impl", "kv_bound", "layer_loop"))
+def decode_jit(params, tokens, cache, *, config, attn_impl, kv_bound=None, layer_loop="scan"):
     """`decode_step`'s jitted core, without its host-side checks (the caller vouches that
     no row is full and that kv_bound, if an int, exceeds every row's length): tokens
-    [batch] int32 -> (logits [batch, vocab] float32, the cache one token longer)."""
+    [batch] int32 -> (logits [batch, vocab] float32, the cache one token longer).
+    layer_loop: "scan" (default) or "unrolled" (LAYER_LOOPS; same result)."""
     # kv_bound None: the masked path (exact slow twin); int: the bounded path, attending to
     # the first kv_bound slots only (models/kv_cache.py).
     positions, mask, start, kv = kvc.decode_inputs(cache, kv_bound)
-    logits, new_kv = Decoder(config, "decode", attn_impl).apply(
+    logits, new_kv = Decoder(config, "decode", attn_impl, layer_loop=layer_loop).apply(
         {"params": params}, tokens[:, None], positions, mask, start, kv)
     return logits[:, 0], kvc.after_decode(cache, new_kv)
 
@@ -514,6 +540,7 @@ def decode_step(
     *,
     attn_impl: str | None = None,
     kv_bound: int | None = None,
+    layer_loop: str = "scan",
 ) -> tuple[jax.Array, KVCache | SegmentedKVCache]:
     """Feed one token per row, tokens [batch], and return logits [batch, vocab] float32
     for the following token and the cache with every row's length + 1.
@@ -524,7 +551,8 @@ def decode_step(
     kernels.segment_decode, impl = attn_impl) to the group's prompt segment and its own
     response segment. kv_bound (optional, static): attend to the first kv_bound slots of
     each row / response segment only (every row's length must be < kv_bound) -- the
-    same logits at a cost that follows the tokens present; None attends, masked, to all."""
+    same logits at a cost that follows the tokens present; None attends, masked, to all.
+    layer_loop: "scan" (default) or "unrolled" (straight-line layers; the same logits)."""
     validate_tokens(tokens, config)
     tokens = jnp.asarray(tokens, jnp.int32)
     _check_shape("tokens", tokens, (cache.batch,))
@@ -545,7 +573,7 @@ def decode_step(
                              f"{arr.max()}): the new token's slot must lie inside the bound")
     kv_bound = kvc.check_kv_bound(kv_bound, limit)
     return decode_jit(params, tokens, cache, config=config, attn_impl=attn_impl,
-                       kv_bound=kv_bound)
+                       kv_bound=kv_bound, layer_loop=check_layer_loop(layer_loop))
 
 
 def prefill_segments(

@@ -14,7 +14,8 @@ Two paths with the same results (to float rounding; tests/models/test_logprobs.p
     the entropy per token, and (jax.checkpoint per chunk) recomputes each chunk's logits
     in the backward instead of storing them, so at most [C, V] logits exist at once.
     Per token: logp = z[y] - logsumexp(z), H = logsumexp(z) - Σ_v softmax(z)_v z_v, with
-    z = h @ W / T.
+    z = h @ W / T. With a bf16 compute dtype the head's backward matmuls run in bf16 as its
+    forward does (`low_precision_logits`; fp32 accumulation, fp32 logits and softmax).
 """
 from __future__ import annotations
 
@@ -28,6 +29,26 @@ from models.decoder import Decoder, Params, forward, segment_mask
 from models.inputs import validate_tokens
 
 DEFAULT_CHUNK = 1024  # tokens per head chunk: [1024, 49152] fp32 logits = 200 MB
+
+
+def head_chunk_for_memory(vocab_size: int, memory_bytes: int | None, *, share: float = 1 / 16,
+                          smallest: int = 256, largest: int = 16384) -> int:
+    """Tokens per head chunk for a device with memory_bytes of memory: the largest power
+    of two C whose chunk -- C x vocab_size fp32 logits and the two arrays of that size the
+    backward adds (softmax, gradient) -- takes at most `share` of it, clamped to
+    [smallest, largest]. Fewer, larger chunks mean fewer loop iterations (an accelerator
+    pays per iteration); DEFAULT_CHUNK when memory_bytes is None (e.g. a CPU, whose memory
+    the rest of the step needs). E.g. 80 GB: qwen2.5 (V = 151,936) 2048, SmolLM2
+    (V = 49,152) 8192."""
+    if memory_bytes is None:
+        return DEFAULT_CHUNK
+    if not memory_bytes > 0 or not 0 < share <= 1 or not 1 <= smallest <= largest:
+        raise ValueError(f"head_chunk_for_memory: need memory_bytes > 0, 0 < share <= 1 and "
+                         f"1 <= smallest <= largest, got {memory_bytes}, {share}, {smallest}, "
+                         f"{largest}")
+    fits = int(share * memory_bytes) // (3 * 4 * int(vocab_size))
+    chunk = 1 << max(0, fits.bit_length() - 1) if fits >= 1 else 1
+    return max(smallest, min(largest, chunk))
 
 
 def head_matrix(params: Params, config: ModelConfig) -> jax.Array:
@@ -52,10 +73,40 @@ def token_logprobs(params: Params, model_config: ModelConfig, tokens: jax.Array,
     return picked - jax.nn.logsumexp(z, axis=-1), z
 
 
+@jax.custom_vjp
+def low_precision_logits(h: jax.Array, head: jax.Array) -> jax.Array:
+    """fp32 logits [C, V] = h [C, E] @ head [E, V] for low-precision (bf16) h and head,
+    whose backward also multiplies in that precision: the fp32 cotangent of the logits is
+    rounded to h's dtype before both backward matmuls (fp32 accumulation, results in the
+    operands' dtypes), where plain autodiff would run them in fp32. The vocabulary head is
+    the largest matmul of a small model's step; only the logits and their softmax need
+    fp32. (fp32 h and head do not come here: `chunked_logprobs` keeps plain autodiff.)"""
+    return jnp.einsum("ce,ev->cv", h, head, preferred_element_type=jnp.float32)
+
+
+def _low_precision_logits_fwd(h, head):
+    return low_precision_logits(h, head), (h, head)
+
+
+def _low_precision_logits_bwd(res, g):
+    h, head = res
+    g = g.astype(h.dtype)
+    dh = jnp.einsum("cv,ev->ce", g, head, preferred_element_type=jnp.float32)
+    dhead = jnp.einsum("ce,cv->ev", h, g, preferred_element_type=jnp.float32)
+    return dh.astype(h.dtype), dhead.astype(head.dtype)
+
+
+low_precision_logits.defvjp(_low_precision_logits_fwd, _low_precision_logits_bwd)
+
+
 def _chunk_stats(h: jax.Array, head: jax.Array, targets: jax.Array, temperature: jax.Array,
                  entropy: bool) -> tuple[jax.Array, jax.Array]:
     """(logp [C], entropy [C] or zeros) of one chunk: h [C, E], head [E, V], targets [C]."""
-    z = jnp.einsum("ce,ev->cv", h, head, preferred_element_type=jnp.float32) / temperature
+    if h.dtype == jnp.float32 and head.dtype == jnp.float32:
+        z = jnp.einsum("ce,ev->cv", h, head, preferred_element_type=jnp.float32)
+    else:  # bf16 compute: the backward's matmuls in bf16 too
+        z = low_precision_logits(h, head)
+    z = z / temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     picked = jnp.take_along_axis(z, targets[:, None], axis=-1)[:, 0]
     if not entropy:

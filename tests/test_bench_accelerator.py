@@ -3,7 +3,9 @@ crashing and a raising task each become a row, rows written before a failure sur
 spent budget skips), the plan (cuDNN on copies first, baselines too big for the device
 skipped), the tuned table written from sweep rows and read back by the dispatcher, the
 import path without the optional packages, and the whole --smoke run (tiny shapes, Pallas
-in interpret mode) with its parts' rows and headline."""
+in interpret mode) with its parts' rows and headline; the speed check (issue 33): its plan,
+the torch peers' ratios, the bytes a decode step reads against a hand count, the torch side
+importing without torch, and the whole --speed --smoke run."""
 from __future__ import annotations
 
 import json
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from experiments.bench import accelerator
-from experiments.bench.accelerator import runner, tune
+from experiments.bench.accelerator import decode_parts, runner, speed, tune
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = ("wandb", "gguf", "reasoning_gym", "math_verify")
@@ -186,6 +188,17 @@ def _blocked_env(tmp_path):
     return {**os.environ, "PYTHONPATH": f"{_blocker(tmp_path)}{os.pathsep}{ROOT}"}
 
 
+def _absent_env(tmp_path):
+    """Like _blocked_env, but the optional packages look absent the way an uninstalled
+    package does to importlib.util.find_spec (None, not an error): transformers probes for
+    wandb that way on import."""
+    folder = tmp_path / "absent"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        f"import sys\nfor _name in {OPTIONAL!r}:\n    sys.modules[_name] = None\n")
+    return {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{ROOT}"}
+
+
 def test_import_path_needs_none_of_the_optional_packages(tmp_path):
     """The modules the check imports (and those its parts import lazily) import without
     wandb, gguf, reasoning-gym or math-verify, as on the stock GPU image."""
@@ -248,3 +261,130 @@ def test_smoke_runs_every_part_without_optional_packages(tmp_path):
     tuned = [r for r in saved["tune"] if r["item"] != "table"]
     assert {r["kind"] for r in tuned} == {"triton", "split"}
     assert all(r["ok"] for r in tuned if r["kind"] == "triton")
+
+
+# ----------------------------------------------------------------------------- the speed check
+def test_speed_plan_is_model_by_model_with_the_torch_peers_beside():
+    tasks = speed.plan_speed_tasks(list(speed.SPEED_PARTS), speed.SPEED_FULL, "gpu", 989.0)
+    items = [(t["part"], t["item"]) for t in tasks]
+    assert items[:6] == [
+        ("decode_step", "qwen2.5-0.5b rows=64 scan+unrolled"),
+        ("train", "qwen2.5-0.5b packed remat=none"), ("torch", "qwen2.5-0.5b train"),
+        ("sampler", "qwen2.5-0.5b scan"), ("torch", "qwen2.5-0.5b generate"),
+        ("sampler", "qwen2.5-0.5b unrolled")]
+    assert ("decode_step", "qwen2.5-0.5b rows=256 unrolled") in items
+    assert {("train", f"qwen2.5-0.5b packed remat={r}") for r in ("dots", "full")} <= set(items)
+    buffers = [t for t in tasks if t["item"].endswith("command buffers")]
+    assert len(buffers) == 1 and "WHILE" in buffers[0]["env"]["XLA_FLAGS"]
+    # the same samples on both sides of every peer pair
+    train = next(t for t in tasks if t["part"] == "train")["args"]
+    peer = next(t for t in tasks if t["item"] == "qwen2.5-0.5b train")["args"]
+    assert all(train[k] == peer[k] for k in ("model", "groups", "group_size", "prompt",
+                                             "response"))
+    cpu = speed.plan_speed_tasks(["decode_step"], speed.SPEED_SMOKE, "cpu", None)
+    assert [t["item"] for t in cpu] == ["tiny rows=4 scan+unrolled", "tiny rows=8 unrolled"]
+    with pytest.raises(SystemExit):   # the speed parts need --speed
+        accelerator.main(["--parts", "torch", "--smoke"])
+
+
+def test_peer_ratios_pair_rows_of_the_same_samples():
+    shape = {"model": "m", "groups": 8, "group_size": 8, "P": 256, "R": 256}
+    rows = [{"part": "train", "status": "ok", "step_s": 0.2, **shape},
+            {"part": "torch", "kind": "train", "status": "ok", "step_s": 0.35, **shape},
+            {"part": "sampler", "status": "ok", "tokens_per_s": 30000.0, **shape},
+            {"part": "torch", "kind": "generate", "status": "ok", "tokens_per_s": 3000.0,
+             "ms_per_step": 21.0, **shape},
+            {"part": "decode_step", "kind": "decode step", "status": "ok", "model": "m",
+             "rows": 64, "ms_per_step": 1.5},
+            {"part": "decode_step", "kind": "decode step", "status": "ok", "model": "m",
+             "rows": 256, "ms_per_step": 2.0},
+            {"part": "train", "status": "ok", "step_s": 0.1, **{**shape, "P": 128}}]
+    out = speed.peer_ratios(rows)
+    assert out[0]["vs_torch_per_sample"] == 1.75 and out[2]["vs_hf_generate"] == 10.0
+    assert out[4]["vs_hf_generate_step"] == 14.0
+    assert "vs_hf_generate_step" not in out[5] and "vs_torch_per_sample" not in out[6]
+    assert [{k: v for k, v in r.items() if not k.startswith("vs_")} for r in out] == rows
+    head = speed.speed_headline(out[4:6] + [{**out[4], "kind": "decode step", "tokens_per_s":
+                                             60000.0, "rows": 64, "model": "qwen2.5-0.5b"}],
+                                "H200", smoke=False)
+    assert head["value"] == 60000.0 and head["target"] == 50_000.0
+
+
+def test_decode_bytes_per_step_against_a_hand_count():
+    """qwen2.5-0.5b: the weights a step reads counted from the config by hand (tied head:
+    the embedding once), bf16; the KV entries of 8 groups x 8 rows."""
+    import jax
+
+    from models.config import get_config
+    from models.decoder import init_params
+
+    cfg = get_config("qwen2.5-0.5b", dtype="bfloat16", param_dtype="bfloat16")
+    e, f, h, k, d, layers = 896, 4864, 14, 2, 64, 24
+    per_layer = (e * h * d + h * d + 2 * (e * k * d + k * d)   # q, k, v (+ biases)
+                 + h * d * e + 3 * e * f + 2 * e)               # o, MLP, two norms
+    n_params = layers * per_layer + 151936 * e + e              # + embedding, final norm
+    params = jax.eval_shape(lambda: init_params(cfg, 0))
+    weights = decode_parts.weight_bytes(params, cfg)
+    assert weights == 2 * n_params and 0.98e9 < weights < 1.0e9  # "reads ~1 GB per step"
+    moved = decode_parts.decode_bytes_per_step(cfg, weights=weights, rows=64, group_size=8,
+                                               prompt_tokens=255, response_tokens=32.5,
+                                               kv_itemsize=2)
+    entry = 2 * layers * k * d * 2           # k and v of one token over the layers, bf16
+    assert moved["kv_bytes"] == round(8 * 255 * entry + 64 * 32.5 * entry)
+    assert moved["bytes_per_step"] == weights + moved["kv_bytes"]
+    untied = cfg.replace(tie_word_embeddings=False)
+    params = jax.eval_shape(lambda: init_params(untied, 0))
+    assert decode_parts.weight_bytes(params, untied) == weights  # the head replaces the table
+
+
+def test_torch_parts_import_without_torch(tmp_path):
+    """The stock GPU image has torch, but the check must import where it is absent: the
+    torch tasks then write a skipped row."""
+    code = ("import importlib.abc, sys\n"
+            "class B(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'transformers'):\n"
+            "            raise ImportError('blocked: ' + name)\n"
+            "sys.meta_path.insert(0, B())\n"
+            "from experiments.bench.accelerator import torch_parts\n"
+            "rows = []\n"
+            "torch_parts.train(rows.append, model='tiny', groups=1, group_size=2, prompt=4,"
+            " response=3, peak_tflops=None)\n"
+            "assert rows[0]['status'] == 'skipped' and 'torch' in rows[0]['reason'], rows\n"
+            "assert 'torch' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.slow  # a dozen task processes (jax, torch) on 2 cores: minutes
+def test_speed_smoke_runs_every_part_with_its_torch_peer(tmp_path):
+    out = tmp_path / "speed.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench.accelerator", "--speed", "--smoke",
+         "--budget", "1500", "--out", str(out)],
+        env=_absent_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    lines = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if not k.startswith("vs_")}
+            for r in saved["rows"]] == lines
+    assert saved["complete"] and saved["speed"] and saved["smoke"]
+    assert not [r for r in saved["rows"] if r.get("status") != "ok"], saved["rows"]
+    steps = [r for r in saved["decode_step"] if r["kind"] == "decode step"]
+    assert {(r["rows"], r["layer_loop"]) for r in steps} == {(4, "scan"), (4, "unrolled"),
+                                                            (8, "unrolled")}
+    for r in steps:
+        assert r["ms_per_step"] > 0 and r["bytes_per_step"] > r["weight_bytes"] > 0
+        assert r["roofline_share"] == pytest.approx(r["roofline_ms"] / r["ms_per_step"],
+                                                    rel=1e-2)
+        assert r["tokens_made"] == r["rows"] * 5
+    assert steps[0]["vs_hf_generate_step"] > 0       # 4 rows = HF generate's 2 x 2
+    train = {(r["packed"], r["remat"]): r for r in saved["train"]}
+    assert set(train) == {(True, "none"), (True, "full"), (False, "none")}
+    assert all(r["vs_torch_per_sample"] > 0 and r["peak_memory_per_row_mb"] > 0
+               for r in train.values())
+    assert all(r["vs_hf_generate"] > 0 and r["tokens"] == 2 * 2 * 5 for r in saved["sampler"])
+    torch_rows = {r["kind"]: r for r in saved["torch"]}
+    assert torch_rows["train"]["step_s"] > 0 and torch_rows["generate"]["tokens"] == 2 * 2 * 5
+    assert saved["headline"]["value"] > 0 and saved["headline"]["target"] == 50_000.0

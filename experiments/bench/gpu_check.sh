@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
-# The one GPU check of issue 32, for a machine with stock jax + jax-cuda (no wandb, gguf,
-# reasoning-gym or math-verify needed), run from the repository root:
+# The GPU checks, for a machine with stock jax + jax-cuda (no wandb, gguf, reasoning-gym or
+# math-verify needed; torch + transformers for the torch peers), run from the repository root:
 #
-#     bash experiments/bench/gpu_check.sh            # results under $OUT (default /tmp/gpu_check)
+#     bash experiments/bench/gpu_check.sh            # issue 32's kernel check ($OUT, default /tmp/gpu_check)
+#     bash experiments/bench/gpu_check.sh speed      # issue 33's speed check (below)
 #
+# `speed` (at most 7.7 minutes on an H100 / H200; files in $OUT: speed.{json,jsonl,log},
+# grpo_e2e.{json,log}):
+#   1. accelerator --speed, model by model (qwen2.5-0.5b, then smollm2-135m), budget 240 s:
+#      ms per decode step at 64 rows (scan and unrolled layers), bytes per step, the copy
+#      bandwidth and roofline share; packed train step (MFU, peak memory per row) beside
+#      the HF + torch step on the same samples; generate() beside HF generate; then 256
+#      rows, remat dots / full, the head chunk sized for the device, command buffers
+#   2. grpo_e2e: 8 GRPO steps of smollm2-135m (random weights, 8 x 8 samples, P = R = 256)
+#      through rl.loops.run: steps/hour, the step profile, peak device memory -> 170 s
+#
+# Without an argument, issue 32's check:
 # Two commands, each under `timeout`, each running every part and baseline in its own
 # process under a time budget and appending every row as a JSON line the moment it
 # exists (experiments.bench.accelerator); together at most 7.5 minutes (H100 / H200):
@@ -18,6 +30,23 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/gpu_check}"
 mkdir -p "$OUT/tuned"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if [ "${1:-}" = "speed" ]; then
+  {
+    echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) speed"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+    python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1
+  } 2>&1 | tee "$OUT/speed.log"
+  timeout -k 10 280 python3 -m experiments.bench.accelerator --speed --budget 240 \
+    --out "$OUT/speed.json" --jsonl "$OUT/speed.jsonl" 2>&1 | tee -a "$OUT/speed.log"
+  echo "== accelerator --speed exit ${PIPESTATUS[0]}" | tee -a "$OUT/speed.log"
+  timeout -k 10 170 python3 -m experiments.bench.grpo_e2e --model smollm2-135m --steps 8 \
+    --out "$OUT/grpo_e2e.json" 2>&1 | tee "$OUT/grpo_e2e.log"
+  echo "== grpo_e2e exit ${PIPESTATUS[0]}" | tee -a "$OUT/grpo_e2e.log"
+  ls -la "$OUT"
+  exit 0
+fi
 
 {
   echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git)"

@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from models.config import REMAT_POLICIES
 from models.lora import LoraConfig
 from rl.envs import ENVS
 from rl.loops.config import MODES, PROXIMAL, ROLLOUTS, Resume, RunConfig
@@ -48,7 +49,7 @@ SIMPLE_FLAGS = {
     "eval_prompts": "loop.eval_prompts", "seed": "loop.seed",
     "lr": "train.optimizer.learning_rate", "temperature": "train.temperature",
     "micro_batches": "train.micro_batches", "mesh": "mesh", "run_dir": "run_dir",
-    "wandb": "logging.wandb",
+    "wandb": "logging.wandb", "remat": "train.remat",
     "model": "model.name", "reward": "reward.function", "verifier": "reward.verifier",
     "reward_timeout": "reward.timeout_s",
     "save_every_minutes": "loop.save_every_minutes",
@@ -135,6 +136,9 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
     p.add_argument("--advantage", help=f"advantage preset {sorted(ADVANTAGE_PRESETS)} or estimator")
     p.add_argument("--temperature", type=float, help="sampling temperature (learner uses the same)")
     p.add_argument("--micro-batches", type=int, help="gradient-accumulation micro-batches")
+    p.add_argument("--remat", choices=REMAT_POLICIES,
+                   help="rematerialise the learner's layers: none, dots (keep matmul outputs) "
+                        "or full (keep layer inputs); default: the model config's setting")
     p.add_argument("--packed", action="store_true",
                    help="learner runs each group's shared prompt once (DualKV P+NR packing)")
     p.add_argument("--eval-every", type=int, help="steps between evals (0: start and end only)")

@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
+from models.config import REMAT_POLICIES
 from models.logprobs import DEFAULT_CHUNK
 from models.lora import LoraConfig
 from rl.objectives.advantages import AdvantageConfig
@@ -192,6 +193,12 @@ class TrainConfig:
         min(exp(clamp(log w, ±20)), is_cap), and scales the optimizer's final update by
         the ESS of the whole batch. It cannot be combined with `offpolicy` (both weight the
         loss by π/μ) and needs advantage "grpo" (which it replaces).
+    remat: rematerialisation of the decoder layers in the learner's backward: None (the
+        default: the ModelConfig's own `remat`, off in every preset), "none" (store every
+        layer's activations), "dots" (store the outputs of the matmuls without batch
+        dimensions, recompute norms, RoPE, attention and activations), "full" (store each
+        layer's input only, recompute the layer). Same gradients up to float rounding;
+        less memory for more time (docs/results/learner-memory.md measures both).
     lora: models.lora.LoraConfig to train LoRA adapters only (default None: full params).
         Then TrainState.params are the adapters (models.lora.init_lora; the optimizer
         state is theirs alone) and the step's third argument is the frozen base, required:
@@ -212,8 +219,12 @@ class TrainConfig:
     vcpo: VCPOConfig = VCPOConfig()
     logprob_chunk: int = DEFAULT_CHUNK
     lora: LoraConfig | None = None
+    remat: str | None = None
 
     def __post_init__(self):
+        if self.remat is not None and self.remat not in REMAT_POLICIES:
+            raise ValueError(f"TrainConfig.remat must be None (the model config's setting) or "
+                             f"one of {REMAT_POLICIES}, got {self.remat!r}")
         if isinstance(self.logprob_chunk, bool) or not isinstance(self.logprob_chunk, int) \
                 or self.logprob_chunk < 0:
             raise ValueError("TrainConfig.logprob_chunk must be an int >= 0 (tokens per head "

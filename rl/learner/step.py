@@ -101,6 +101,7 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         (VCPOConfig.monitor without VCPO: vcpo_ess and vcpo_logw_* only).
     """
     check_step_inputs(config, batch, ref_params)
+    model_config = learner_model_config(config, model_config)
     # LoRA: the frozen base rides beside the adapters (no gradient: not differentiated)
     base = ref_params if config.lora is not None else None
     ref_params = ref_params if config.loss.kl_coef > 0 else None
@@ -247,6 +248,14 @@ def offpolicy_token_weights(config: OffPolicyConfig, prox: jax.Array, behaviour:
 
 
 # ----------------------------------------------------------------------------- plumbing
+def learner_model_config(config: TrainConfig, model_config: ModelConfig) -> ModelConfig:
+    """The model config the step differentiates: with TrainConfig.remat set, the layers'
+    rematerialisation policy replaced by it (the sampler's config is never touched)."""
+    if config.remat is None or config.remat == model_config.remat:
+        return model_config
+    return model_config.replace(remat=config.remat)
+
+
 def check_step_inputs(config: TrainConfig, batch: TrainBatch, ref_params: Params | None) -> None:
     """ValueError with a fix for inputs the step cannot use."""
     if config.lora is not None:

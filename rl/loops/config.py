@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 
+from models.decoder import LAYER_LOOPS
 from rl.learner.config import TrainConfig
 from rl.loops.buffer import STALE_POLICIES
 from rl.loops.episodes import ENV_PREFIX
@@ -75,7 +76,10 @@ class LoopConfig:
     agree on the step, rl.runtime.preemption); env_step_timeout_s: an environment's time
     limit per call (a turn's step, reset, outcome; 0 = the environment's own
     `step_timeout_s`, if any) and episode_timeout_s: the wall-time limit of one episode (0
-    = none): an episode past either ends with EndReason.TIMEOUT (rl.rollout.multiturn)."""
+    = none): an episode past either ends with EndReason.TIMEOUT (rl.rollout.multiturn).
+    layer_loop / bucket_slots: the train rollouts' decode options (rl.rollout.RolloutConfig:
+    "scan" or "unrolled" layers; slot counts bucketed to powers of two up to 256); the
+    same tokens either way, off by default."""
 
     steps: int = 100
     prompts_per_step: int = 8
@@ -92,6 +96,8 @@ class LoopConfig:
     eval_sampled_prompts: int = 0
     time_limit_s: float = 0.0
     checked: bool = True
+    layer_loop: str = "scan"
+    bucket_slots: bool = False
     save_every_minutes: float = 0.0
     env_step_timeout_s: float = 0.0
     episode_timeout_s: float = 0.0
@@ -115,6 +121,12 @@ class LoopConfig:
                 raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {v!r}")
         if not isinstance(self.checked, bool):
             raise ValueError(f"LoopConfig.checked must be True or False, got {self.checked!r}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"LoopConfig.layer_loop must be one of {LAYER_LOOPS}, got "
+                             f"{self.layer_loop!r}")
+        if not isinstance(self.bucket_slots, bool):
+            raise ValueError(f"LoopConfig.bucket_slots must be True or False, got "
+                             f"{self.bucket_slots!r}")
 
 
 

@@ -71,7 +71,8 @@ class AprilSource:
                            segment_len=loop.segment_len, max_prompt_len=task.max_prompt_len,
                            max_new_tokens=task.max_new_tokens,
                            sampling=SamplingConfig(temperature=config.temperature),
-                           stop_ids=tuple(task.stop_ids), seed=int(seed))
+                           stop_ids=tuple(task.stop_ids), seed=int(seed),
+                           layer_loop=loop.layer_loop, bucket_slots=loop.bucket_slots)
         submitted = 0 if saved is None else int(saved["counts"]["submitted"])
         self.rollout = AprilRollout(model_config, rc, self._prompts(self.base + submitted),
                                     april)
@@ -194,7 +195,8 @@ class RolloutProducer:
                            segment_len=lp.segment_len, max_prompt_len=t.max_prompt_len,
                            max_new_tokens=t.max_new_tokens,
                            sampling=SamplingConfig(temperature=self.config.temperature),
-                           stop_ids=tuple(t.stop_ids), seed=int(seed))
+                           stop_ids=tuple(t.stop_ids), seed=int(seed),
+                           layer_loop=lp.layer_loop, bucket_slots=lp.bucket_slots)
         return RolloutEngine(self.model_config, rc)
 
     def _admit(self, most: int, block: bool) -> int:

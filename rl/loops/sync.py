@@ -31,28 +31,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.config import ModelConfig
-from rl.learner.batch import (
-    NonFiniteError,
-    TrainBatch,
-    TrainState,
-    batch_from_trajectory,
-    global_batch,
-)
+from rl.learner.batch import (NonFiniteError, TrainBatch, TrainState, batch_from_trajectory,
+                              global_batch)
 from rl.learner.config import TrainConfig
 from rl.loops import episodes
 from rl.loops.buffer import ScoredGroup
 from rl.loops.config import LoopConfig, Resume, RunConfig, RunHooks, as_resume
 from rl.loops.context import open_run, resolve_mesh, run_clock
-from rl.loops.evaluation import (
-    accuracy_name,
-    batch_reward_metrics,
-    flat_metrics,
-    jsonable,
-    mean_stderr,
-    pass_at_k,
-    response_stats,
-    solved,
-)
+from rl.loops.evaluation import (accuracy_name, batch_reward_metrics, flat_metrics, jsonable,
+                                 mean_stderr, pass_at_k, response_stats, solved)
 from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_source
 from rl.loops.scoring import score, total_reward  # re-exported: the loops' task rewards
 from rl.objectives.offpolicy import kept_group_indices
@@ -90,8 +77,8 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
                   prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
                   segment_len: int, seed: int, first_group_id: int = 0,
                   max_new_tokens: int | None = None, profile=NULL_PROFILE,
-                  pruner: Pruner | None = None, time_limits: TimeLimits | None = None
-                  ) -> Trajectory:
+                  pruner: Pruner | None = None, time_limits: TimeLimits | None = None,
+                  layer_loop: str = "scan", bucket_slots: bool = False) -> Trajectory:
     """Sample `group_size` responses for each prompt with the rollout engine (all groups
     decode together). Rows come back grouped in prompt order: group g = prompts[g].
     first_group_id: the global index of prompts[0] (a process's shard of a batch): the
@@ -100,7 +87,9 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
     StepProfile that gets the engine's prefill_s / decode_s and the rest as host_s.
     pruner: online pruning in the engine (rl.rollout.pruning; None = off). time_limits: an
     environment's step / episode time limits (rl.rollout.multiturn.TimeLimits). A stop
-    request inside an abandonable phase (rl.runtime.preemption) ends it between segments."""
+    request inside an abandonable phase (rl.runtime.preemption) ends it between segments.
+    layer_loop, bucket_slots: the engine's decode options (rl.rollout.RolloutConfig; same
+    tokens)."""
     if episodes.is_episodic(task):  # an environment: multi-turn episodes (rl.loops.episodes)
         return episodes.sample_episodes(
             params, version, model_config, task, prompts, group_size=group_size,
@@ -115,7 +104,8 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
                        max_new_tokens=int(max_new_tokens or task.max_new_tokens),
                        sampling=sampling,
                        stop_ids=tuple(task.stop_ids), seed=int(seed),
-                       first_group_id=int(first_group_id))
+                       first_group_id=int(first_group_id), layer_loop=layer_loop,
+                       bucket_slots=bucket_slots)
     engine = RolloutEngine(model_config, rc, pruner=pruner)
     engine.submit([p.ids for p in prompts])
     parts = []
@@ -287,7 +277,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
         seed, state = _rollout_seed(state)
         traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
-                             seed=seed, profile=profile, time_limits=limits)
+                             seed=seed, profile=profile, time_limits=limits,
+                             layer_loop=loop.layer_loop, bucket_slots=loop.bucket_slots)
         with profile.phase("reward_s"):
             r = score(task, prompts, traj)
         acc = accuracy_name(task.reward_names)
@@ -314,7 +305,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
         traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
                              seed=seed, first_group_id=offset, profile=profile, pruner=pruner,
-                             time_limits=limits)
+                             time_limits=limits, layer_loop=loop.layer_loop,
+                             bucket_slots=loop.bucket_slots)
         sampled_tokens += traj.num_tokens()
         with profile.phase("reward_s"):
             rewards = score(task, prompts, traj)
@@ -491,6 +483,10 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
     try:
         source = make_prompt_source(scheduler, task, loop, params, seed=loop.seed,
                                     config=train)
+        # the state trains its own copy (open_run): drop this frame's reference to the
+        # caller's, so that a caller that handed them over (rl.run.launch) holds no second
+        # copy of the weights through the run
+        del params
         if resume and "scheduler" in ctx.meta:
             source.restore(ctx.meta["scheduler"])
         elif resume and not scheduler.is_default:

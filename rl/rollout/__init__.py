@@ -19,7 +19,8 @@ the loops drive both sides).
     from rl.rollout import SamplingConfig, generate, RolloutEngine, RolloutConfig
 """
 from rl.rollout.sampler_state import (KV_LAYOUTS, SamplerState, SamplingConfig, as_key_data,  # noqa: I001
-                                      init_state, sample_keys, state_logical_axes)
+                                      init_state, sample_keys, slot_bucket,
+                                      state_logical_axes)
 from rl.rollout.sampler_core import (ReplicatedFill, SegmentedFill, decode_segment_impl, fill_impl,
                                      sample_tokens)
 from rl.rollout.sampler import (GenerationResult, PartialSample, decode_segment, generate,
@@ -35,7 +36,7 @@ from rl.rollout.april import (AprilConfig, AprilRollout, ContinuousRollout, Stat
 
 __all__ = [
     "KV_LAYOUTS", "SamplerState", "SamplingConfig", "as_key_data", "init_state", "sample_keys",
-    "state_logical_axes", "ReplicatedFill", "SegmentedFill", "decode_segment_impl", "fill_impl",
+    "slot_bucket", "state_logical_axes", "ReplicatedFill", "SegmentedFill", "decode_segment_impl", "fill_impl",
     "sample_tokens", "GenerationResult", "PartialSample", "decode_segment", "generate",
     "load_samples", "prefill", "read_slots", "PartialGroup", "RolloutConfig", "RolloutEngine",
     "StepInfo", "ShardedSampler", "AprilConfig", "AprilRollout", "ContinuousRollout",

@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
+from models.decoder import check_layer_loop
 from rl.rollout.pruning import Pruner
 from rl.rollout.sampler import (
     PartialSample,
@@ -60,6 +61,7 @@ from rl.rollout.sampler_state import (
     check_stop_ids,
     init_state,
     sample_keys,
+    slot_bucket,
 )
 from rl.rollout.slots import GroupSlots
 from rl.trajectory import Trajectory
@@ -70,7 +72,11 @@ class RolloutConfig:
     """num_slots samples decode in parallel; group_size N samples per prompt;
     segment_len S tokens per step; prompts up to max_prompt_len tokens; responses up to
     max_new_tokens tokens (including tokens made before an extract/resume). kv_layout:
-    "segmented" (prompt KV stored once per group) or "replicated" (see the module doc)."""
+    "segmented" (prompt KV stored once per group) or "replicated" (see the module doc).
+    layer_loop: how decode runs the layers, "scan" (default) or "unrolled" (straight-line
+    layers: no per-layer loop iteration on an accelerator; same tokens). bucket_slots:
+    allocate rl.rollout.sampler_state.slot_bucket(num_slots, group_size) slots (powers of
+    two up to 256), so that other batch sizes reuse the compiled programs."""
 
     num_slots: int
     group_size: int
@@ -83,6 +89,8 @@ class RolloutConfig:
     attn_impl: str | None = None
     kv_layout: str = "segmented"
     first_group_id: int = 0  # id (and rng stream) of the first submitted group
+    layer_loop: str = "scan"
+    bucket_slots: bool = False
 
     def __post_init__(self):
         for name in ("num_slots", "group_size", "segment_len", "max_prompt_len", "max_new_tokens"):
@@ -101,6 +109,10 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.kv_layout must be one of {KV_LAYOUTS}, got "
                              f"{self.kv_layout!r}")
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+        check_layer_loop(self.layer_loop)
+        if not isinstance(self.bucket_slots, bool):
+            raise ValueError(f"RolloutConfig.bucket_slots must be True or False, got "
+                             f"{self.bucket_slots!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +161,14 @@ class RolloutEngine(GroupSlots):
         # Groups only ever take N slots at a time, so slots past the last multiple of N
         # could never be used; the segmented cache needs whole blocks of N.
         num_slots = rollout.num_slots // n * n
+        if rollout.bucket_slots:  # empty extra slots: other batch sizes reuse the programs
+            num_slots = slot_bucket(num_slots, n)
         self.state = init_state(config, num_slots=num_slots,
                                 max_prompt_len=rollout.max_prompt_len,
                                 max_new_tokens=rollout.max_new_tokens, sampling=rollout.sampling,
                                 stop_ids=rollout.stop_ids, attn_impl=rollout.attn_impl,
-                                group_size=n, kv_layout=rollout.kv_layout)
+                                group_size=n, kv_layout=rollout.kv_layout,
+                                layer_loop=rollout.layer_loop)
         self._key = as_key_data(rollout.seed)
         self._free = list(range(num_slots))
         self._active: dict[int, list[int]] = {}  # group id -> its N slots

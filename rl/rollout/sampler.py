@@ -455,12 +455,15 @@ def generate(
     progress: Callable[[int], Any] | None = None,
     attn_impl: str | None = None,
     kv_layout: str = "segmented",
+    layer_loop: str = "scan",
+    bucket_slots: bool = False,
 ) -> GenerationResult:
     """Sample num_samples responses per prompt (one prefill per prompt) with the sampler.
     stop_ids default to config.eos_token_ids; rng is an int seed or a key. progress, if
     given, is called after every segment with the number of tokens that segment produced
     (e.g. a tqdm bar's `update`). kv_layout: "segmented" (each prompt's KV stored once for
-    its num_samples samples) or "replicated" (the same tokens, prompt KV copied per sample)."""
+    its num_samples samples) or "replicated" (the same tokens, prompt KV copied per sample).
+    layer_loop ("scan" / "unrolled") and bucket_slots: see `rl.rollout.init_state`."""
     if not prompts:
         raise ValueError("prompts is empty; pass at least one prompt")
     n = positive_int("num_samples", num_samples)
@@ -471,7 +474,7 @@ def generate(
     state = new_state(config, num_slots=g * n, max_prompt_len=max(len(p) for p in prompts),
                        max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
                        attn_impl=attn_impl, cache_dtype=None, group_size=n,
-                       kv_layout=kv_layout)
+                       kv_layout=kv_layout, layer_loop=layer_loop, bucket_slots=bucket_slots)
     keys = sample_keys(rng, np.arange(g), n)
     state = prefill(params, state, prompts, np.arange(g * n).reshape(g, n), keys)
     produced = 0

@@ -285,7 +285,8 @@ def decode_segment_impl(params: Params, state: SamplerState, num_tokens: jax.Arr
         i, st = carry
         live = ~st.done
         logits, cache = decode_jit(params, st.pending, st.cache, config=st.config,
-                                    attn_impl=st.attn_impl, kv_bound=kv_bound)
+                                    attn_impl=st.attn_impl, kv_bound=kv_bound,
+                                    layer_loop=st.layer_loop)
         # Done slots computed a throw-away step: keep their cache length (the write they
         # made lies past it, or is dropped, and is never read).
         cache = kvc.keep_lengths_where(cache, st.cache, live)

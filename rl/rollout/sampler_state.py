@@ -17,6 +17,7 @@ from flax import struct
 from models import kv_cache as kvc
 from models.chunked_prefill import DEFAULT_CHUNK, check_chunk_size
 from models.config import ModelConfig
+from models.decoder import check_layer_loop
 from models.kv_cache import KVCache, SegmentedKVCache, init_cache, init_segmented_cache
 
 
@@ -104,9 +105,10 @@ class SamplerState:
       segmented: SegmentedKVCache k/v_prompt [layers, groups, P_max, kv_heads, head_dim],
         k/v_resp [layers, groups, N, R_max, kv_heads, head_dim], prompt_lengths [groups],
         resp_lengths [groups, N]; slot s = (s // N, s % N).
-    config, sampling, attn_impl and prefill_chunk (fills wider than it prefill in chunks
-    of that many tokens, models/chunked_prefill.py; None: always one shot) are static
-    (part of the jit cache key)."""
+    config, sampling, attn_impl, prefill_chunk (fills wider than it prefill in chunks
+    of that many tokens, models/chunked_prefill.py; None: always one shot) and layer_loop
+    (how decode runs the layers: "scan" or "unrolled", models.decoder.LAYER_LOOPS) are
+    static (part of the jit cache key)."""
 
     cache: KVCache | SegmentedKVCache
     pending: jax.Array
@@ -125,6 +127,7 @@ class SamplerState:
     sampling: SamplingConfig = struct.field(pytree_node=False)
     attn_impl: str | None = struct.field(pytree_node=False, default=None)
     prefill_chunk: int | None = struct.field(pytree_node=False, default=DEFAULT_CHUNK)
+    layer_loop: str = struct.field(pytree_node=False, default="scan")
 
     @property
     def num_slots(self) -> int:
@@ -196,6 +199,8 @@ def init_state(
     group_size: int | None = None,
     kv_layout: str | None = None,
     prefill_chunk: int | None = DEFAULT_CHUNK,
+    layer_loop: str = "scan",
+    bucket_slots: bool = False,
 ) -> SamplerState:
     """All slots empty (done). The cache holds max_prompt_len + max_new_tokens positions
     per sample, enough for any prompt plus a full response. kv_layout "segmented" (the
@@ -207,21 +212,46 @@ def init_state(
     prefill_chunk: contexts (replicated) or prompts (segmented) longer than this many
     tokens prefill in chunks of it, with memory O(chunk x T) instead of O(T^2) and the
     same result (models/chunked_prefill.py, XLA attention); None: always one shot.
-    Warns once if `sampling` is truncated (top-k/top-p), since this state's log-probs
+    layer_loop: "scan" (default) or "unrolled": decode runs the layers as one loop or as
+    straight-line code (no loop iteration per layer; longer compile; the same tokens).
+    bucket_slots: allocate `slot_bucket(num_slots, group_size)` slots instead of
+    num_slots, so that states for different batch sizes share a few compiled programs
+    (the extra slots start empty, i.e. done). Warns once if `sampling` is truncated (top-k/top-p), since this state's log-probs
     are meant for RL."""
     warn_if_truncated(sampling)
     return new_state(config, num_slots=num_slots, max_prompt_len=max_prompt_len,
                       max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
                       attn_impl=attn_impl, cache_dtype=cache_dtype, group_size=group_size,
-                      kv_layout=kv_layout, prefill_chunk=prefill_chunk)
+                      kv_layout=kv_layout, prefill_chunk=prefill_chunk,
+                      layer_loop=layer_loop, bucket_slots=bucket_slots)
+
+
+MAX_POW2_SLOTS = 256  # slot_bucket: powers of two up to here, then multiples of it
+
+
+def slot_bucket(num_slots: int, group_size: int | None = None) -> int:
+    """Slots to allocate for num_slots samples so that batch sizes share compilations:
+    the next power of two >= num_slots (at least 8) up to 256, beyond that the next
+    multiple of 256; then rounded up to a multiple of group_size (whole groups). E.g.
+    5 -> 8, 40 -> 64, 200 -> 256, 300 -> 512; with group_size 3: 40 -> 66."""
+    n = positive_int("num_slots", num_slots)
+    rows = (max(8, 1 << (n - 1).bit_length()) if n <= MAX_POW2_SLOTS
+            else -(-n // MAX_POW2_SLOTS) * MAX_POW2_SLOTS)
+    if group_size is not None:
+        g = positive_int("group_size", group_size)
+        rows = -(-rows // g) * g
+    return rows
 
 
 def new_state(config, *, num_slots, max_prompt_len, max_new_tokens, sampling, stop_ids,
                attn_impl, cache_dtype, group_size=None, kv_layout=None,
-               prefill_chunk=DEFAULT_CHUNK) -> SamplerState:
+               prefill_chunk=DEFAULT_CHUNK, layer_loop="scan",
+               bucket_slots=False) -> SamplerState:
     num_slots = positive_int("num_slots", num_slots)
     if group_size is not None:
         group_size = positive_int("group_size", group_size)
+    if bucket_slots:
+        num_slots = slot_bucket(num_slots, group_size)
     kv_layout = resolve_kv_layout(kv_layout, group_size)
     if kv_layout == "segmented" and num_slots % group_size:
         raise ValueError(f"kv_layout='segmented' needs num_slots ({num_slots}) to be a multiple "
@@ -257,6 +287,7 @@ def new_state(config, *, num_slots, max_prompt_len, max_new_tokens, sampling, st
         stop_ids=jnp.asarray(_pad_stop_ids(stop_ids)),
         config=config, sampling=sampling, attn_impl=attn_impl,
         prefill_chunk=check_chunk_size(prefill_chunk),
+        layer_loop=check_layer_loop(layer_loop),
     )
 
 

@@ -76,7 +76,8 @@ class ShardedSampler:
                    group_size: int | None = None, sampling: SamplingConfig = SamplingConfig(),
                    stop_ids: Sequence[int] = (), attn_impl: str | None = None,
                    kv_layout: str | None = None, cache_dtype: str | None = None,
-                   prefill_chunk: int | None = DEFAULT_CHUNK) -> SamplerState:
+                   prefill_chunk: int | None = DEFAULT_CHUNK, layer_loop: str = "scan"
+                   ) -> SamplerState:
         """rl.rollout.init_state, placed on the mesh. ValueError (before compiling) if the
         slots, or the groups of a segmented cache, do not divide by data*fsdp."""
         def build():
@@ -84,7 +85,7 @@ class ShardedSampler:
                               max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
                               group_size=group_size, sampling=sampling, stop_ids=stop_ids,
                               attn_impl=attn_impl, kv_layout=kv_layout, cache_dtype=cache_dtype,
-                              prefill_chunk=prefill_chunk)
+                              prefill_chunk=prefill_chunk, layer_loop=layer_loop)
 
         state = jax.eval_shape(build)  # validates the arguments, allocates nothing
         self._check_state(state)

@@ -63,7 +63,12 @@ class PreparedRun:
         if hooks.mesh is None and self.mesh is not None:
             hooks = dataclasses.replace(hooks, mesh=self.mesh)
         loop = run if self.cfg.asynchronous is None else run_async
-        result = loop(self.model_config, self.params, self.task, self.cfg, resume=self.resume,
+        # the loop trains its own copy of the weights: hand ours over instead of keeping a
+        # second copy in memory for the whole run (a PreparedRun runs once)
+        if self.params is None:
+            raise RuntimeError("this PreparedRun has run already; prepare() the run again")
+        handed, self.params = [self.params], None
+        result = loop(self.model_config, handed.pop(), self.task, self.cfg, resume=self.resume,
                       hooks=hooks)
         if is_main_process():  # process 0 writes the results files
             run_dir = self.cfg.output_dir

@@ -160,6 +160,12 @@ def test_remat_checkpoints_each_layer():
 
     assert "remat" in grad_jaxpr(TINY.replace(remat=True))  # jax.checkpoint's primitive
     assert "remat" not in grad_jaxpr(TINY)
+    assert "remat" not in grad_jaxpr(TINY.replace(remat="none"))
+    full, dots = grad_jaxpr(TINY.replace(remat="full")), grad_jaxpr(TINY.replace(remat="dots"))
+    assert "remat" in full and "policy=None" in full
+    assert "DotsSaveable(only_if_no_batch_dims=True)" in dots  # the policy rides along
+    with pytest.raises(ValueError, match="ModelConfig.remat must be"):
+        TINY.replace(remat="some")
 
 
 # ----------------------------------------------------------------------------- sharding

@@ -164,3 +164,38 @@ def test_packed_token_logprobs_fused_equals_slow_twin():
     assert not np.any(np.asarray(ent1)[~predicting]) and np.all(np.asarray(ent1)[predicting] > 0)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max() + 1e-6), rtol=1e-4)
+
+
+def test_bf16_head_backward_multiplies_in_bf16_against_float64():
+    """low_precision_logits (the bf16 head): fp32 logits; its backward rounds the fp32
+    cotangent to bf16 and multiplies in bf16 with fp32 accumulation -- checked against the
+    float64 products of exactly those bf16 values; and chunked_logprobs on bf16 inputs
+    takes that path (its gradient wrt the head equals the float64 one to bf16 rounding)."""
+    from models.logprobs import low_precision_logits
+
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((6, 16)), jnp.bfloat16)
+    head = jnp.asarray(0.2 * rng.standard_normal((16, 40)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((6, 40)), jnp.float32)
+    z, vjp = jax.vjp(low_precision_logits, h, head)
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    assert z.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(z), f64(h) @ f64(head), rtol=1e-5, atol=1e-5)
+    dh, dhead = vjp(g)
+    assert dh.dtype == jnp.bfloat16 and dhead.dtype == jnp.bfloat16
+    gb = f64(g.astype(jnp.bfloat16))           # the cotangent rounded to bf16 first
+    np.testing.assert_allclose(f64(dh), gb @ f64(head).T, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(f64(dhead), f64(h).T @ gb, rtol=1e-2, atol=1e-2)
+
+    targets = jnp.asarray(rng.integers(0, 40, 6))
+
+    def loss(head):
+        return chunked_logprobs(h, head, targets, 1.0, chunk=4)[0].sum()
+    grad = jax.grad(loss)(head)
+    z64 = f64(h) @ f64(head)
+    p = np.exp(z64 - z64.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = f64(h).T @ (np.eye(40)[np.asarray(targets)] - p)  # d sum(logp) / d head
+    np.testing.assert_allclose(f64(grad), want, rtol=3e-2, atol=3e-2)
+    text = str(jax.make_jaxpr(jax.grad(loss))(head))
+    assert "custom_vjp_call" in text

@@ -1,8 +1,9 @@
 """The jitted programs that use the Pallas kernels lower for "cuda" and "tpu" on this CPU.
 
-The train step with packed=True (shared-prefix attention forward and backward), the
+The train step with packed=True (shared-prefix attention forward and backward; also with
+TrainConfig.remat="full", the layers recomputed in the backward), the
 sampler's segmented fill (shared-prefix forward) and its decode segment (segment decode,
-masked and bounded) are traced once on abstract inputs (jax.ShapeDtypeStruct: random
+masked, bounded, and bounded with the layers unrolled: issue 33's fast path) are traced once on abstract inputs (jax.ShapeDtypeStruct: random
 weights are never materialised, no model file is read) for the `tiny` and `smollm2-135m`
 configs in bf16, then lowered for each platform. With attn_impl=None (the default), the
 tpu module must hold the Mosaic kernels and the cuda module the Triton decode kernels and,
@@ -62,13 +63,14 @@ def lowered_names(program: str, model: str, platform: str) -> dict[str, list[str
 def traced_program(program: str, model: str):
     cfg = bf16_config(model)
     params = jax.eval_shape(lambda: init_params(cfg, 0))
-    if program == "train_step":
-        config = TrainConfig(packed=True)
+    if program in ("train_step", "train_step_remat"):
+        config = TrainConfig(packed=True, remat="full" if program == "train_step_remat" else None)
         fn = functools.partial(train_step, config=config, model_config=cfg)
         return jax.jit(fn).trace(abstract_train_state(cfg, config), abstract(packed_batch(cfg)))
     state = jax.eval_shape(lambda: init_state(
         cfg, num_slots=GROUPS * N, max_prompt_len=P_MAX, max_new_tokens=R_MAX,
-        sampling=SamplingConfig(), group_size=N))
+        sampling=SamplingConfig(), group_size=N,
+        layer_loop="unrolled" if program == "decode_unrolled" else "scan"))
     if program == "fill":
         return jax.jit(fill_impl).trace(params, state, segmented_fill())
     bound = None if program == "decode" else 9
@@ -111,8 +113,11 @@ def segmented_fill():
 
 # bf16 shared-prefix attention on cuda: the split design on cuDNN; elsewhere the kernels
 EXPECTED = {"train_step": lambda p: [CUDNN_FWD, CUDNN_BWD] if p == "cuda" else SPA_FWD[p] + SPA_BWD[p],
+            "train_step_remat": lambda p: ([CUDNN_FWD, CUDNN_BWD] if p == "cuda"
+                                           else SPA_FWD[p] + SPA_BWD[p]),
             "fill": lambda p: [CUDNN_FWD] if p == "cuda" else SPA_FWD[p],
-            "decode": lambda p: DECODE[p], "decode_bounded": lambda p: DECODE[p]}
+            "decode": lambda p: DECODE[p], "decode_bounded": lambda p: DECODE[p],
+            "decode_unrolled": lambda p: DECODE[p]}
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

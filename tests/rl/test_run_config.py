@@ -148,7 +148,8 @@ FLAG_VALUES = {"steps": "7", "group_size": "4", "prompts_per_step": "2", "segmen
                "lr": "0.0003", "temperature": "0.7", "micro_batches": "2", "mesh": "dp",
                "run_dir": "runs/x", "wandb": "disabled", "model": "smollm2-135m",
                "reward": "my_rewards:score", "verifier": "exact", "reward_timeout": "3.5",
-               "save_every_minutes": "10", "env_step_timeout": "5", "episode_timeout": "60"}
+               "save_every_minutes": "10", "env_step_timeout": "5", "episode_timeout": "60",
+               "remat": "full"}
 
 
 @pytest.mark.parametrize("dest", sorted(SIMPLE_FLAGS))

@@ -7,6 +7,8 @@ one time budget, every row written the moment it exists.
     python -m experiments.bench.accelerator --parts tune --budget 300   # writes the tuned table
     python -m experiments.bench.accelerator --smoke                # tiny shapes on CPU (CI)
     python -m experiments.bench.accelerator --parts spa_kernel decode_kernel   # CPU micro
+    python -m experiments.bench.accelerator --speed                # issue 33's speed check
+    python -m experiments.bench.accelerator --speed --smoke        # the same, tiny, on CPU
 
 Parts (GPU/TPU: the platform's kernels compiled; --smoke on CPU: Pallas in interpret mode):
   correctness  shared-prefix fwd+vjp of every impl (default, split_cudnn, pallas_triton,
@@ -24,6 +26,16 @@ Parts (GPU/TPU: the platform's kernels compiled; --smoke on CPU: Pallas in inter
                kernels/shared_prefix_attention/tuned/<device>.json (--tuned-dir).
   spa_kernel, decode_kernel   the CPU micro-benchmarks (micro.py); they rewrite
                experiments/results/bench_spa_kernel.json / bench_segment_decode_kernel.json.
+--speed (parts decode_step, train, torch, sampler; speed.py plans them, model by model):
+  decode_step  ms per decode step of the sampler's on-device loop, bytes read per step, the
+               copy bandwidth measured in the same process and the roofline share, both
+               layer loops, 64 and 256 rows (decode_parts.py).
+  train        as above, plus peak device memory per row, each remat policy and the head
+               chunk sized for the device.
+  torch        the HF transformers + torch train step and HF generate on the same samples
+               (torch_parts.py; "skipped" rows where torch is absent); every Tandem row of
+               the JSON gets its peer ratio (speed.peer_ratios).
+  sampler      generate() with unrolled layers and bucketed slots, and with the scan.
 Output: experiments/results/accelerator_<device>.json (accelerator_smoke_<device>.json with
 --smoke), rewritten after every task, with the rows, per-part lists and a "headline"
 {metric, value, target, machine}; the same rows as JSON lines in the .jsonl beside it (or
@@ -41,9 +53,17 @@ import time
 from pathlib import Path
 
 from experiments.bench.accelerator.runner import WORKER_FLAG, RowLog, run_task, run_tasks, worker_main
+from experiments.bench.accelerator.speed import (
+    SPEED_FULL,
+    SPEED_PARTS,
+    SPEED_SMOKE,
+    peer_ratios,
+    plan_speed_tasks,
+    speed_headline,
+)
 
 PARTS = ("correctness", "dualkv", "decode", "train", "sampler", "tune", "spa_kernel",
-         "decode_kernel")
+         "decode_kernel", "decode_step", "torch")
 DEFAULT_PARTS = ("correctness", "dualkv", "decode", "train", "sampler")
 CPU_PARTS = ("spa_kernel", "decode_kernel")
 DEFAULT_BUDGET_S = 420.0      # + process and probe overhead: inside 8 minutes on an H100
@@ -223,15 +243,17 @@ def headline(rows: list[dict], machine: str, smoke: bool) -> dict:
 def write_json(path: Path, probe: dict, rows: list[dict], args, started: float,
                done: bool) -> None:
     by_part: dict[str, list] = {}
+    rows = peer_ratios(rows)  # the JSON's rows carry their torch peer's ratio
     for row in rows:
         by_part.setdefault(row.get("part", "?"), []).append(row)
+    head = (speed_headline if args.speed else headline)(rows, probe.get("machine") or "?",
+                                                         args.smoke)
     result = {"device": probe.get("device_kind"), "platform": probe.get("platform"),
               "jax_version": probe.get("jax_version"), "machine": probe.get("machine"),
-              "smoke": args.smoke, "budget_s": args.budget, "parts": list(args.parts),
+              "smoke": args.smoke, "speed": args.speed, "budget_s": args.budget,
+              "parts": list(args.parts),
               "complete": done, "total_seconds": round(time.perf_counter() - started, 1),
-              "date": time.strftime("%Y-%m-%d"),
-              "headline": headline(rows, probe.get("machine") or "?", args.smoke),
-              **by_part, "rows": rows}
+              "date": time.strftime("%Y-%m-%d"), "headline": head, **by_part, "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -239,8 +261,10 @@ def write_json(path: Path, probe: dict, rows: list[dict], args, started: float,
 
 
 def print_row(row: dict) -> None:
-    keys = ("impl", "kernel", "dtype", "head_dim", "N", "P", "R", "model", "launch", "ms",
-            "compile_s", "max_rel_err", "ok", "speedup", "tokens_per_s", "mfu", "reason")
+    keys = ("impl", "kernel", "dtype", "head_dim", "N", "P", "R", "model", "side", "kind",
+            "launch", "layer_loop", "rows", "remat", "ms", "ms_per_step", "step_s", "compile_s",
+            "max_rel_err", "ok", "speedup", "tokens_per_s", "mfu", "roofline_share",
+            "copy_gb_per_s", "peak_memory_per_row_mb", "reason")
     text = " ".join(f"{k}={row[k]}" for k in keys if row.get(k) is not None)
     status = row.get("status", "?")
     err = f" error: {row['error'].splitlines()[0][:160]}" if row.get("error") else ""
@@ -252,6 +276,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS))
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                         help="seconds for all tasks together (default %(default)s)")
+    parser.add_argument("--speed", action="store_true",
+                        help="issue 33's speed check: parts decode_step train torch sampler "
+                             "(or those of --parts among them), planned model by model")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes; on CPU the Pallas kernels run in interpret mode")
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -269,7 +296,15 @@ def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == WORKER_FLAG:
         sys.exit(worker_main(argv[1], argv[argv.index("--worker-out") + 1]))
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.speed and {"decode_step", "torch"} & set(args.parts):
+        parser.error("the parts decode_step and torch belong to the speed check: add --speed")
+    if args.speed:
+        explicit = "--parts" in argv
+        args.parts = [x for x in args.parts if x in SPEED_PARTS] if explicit else list(SPEED_PARTS)
+        if not args.parts:
+            parser.error(f"--speed runs only the parts {SPEED_PARTS}")
     started = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     probe_rows = run_task({"part": "probe", "item": "device", "fn": f"{KP}:probe"}, 120, env)
@@ -287,7 +322,7 @@ def main(argv=None) -> dict:
                  "a GPU or TPU host, or pass --smoke for the tiny interpret-mode version (a "
                  "test, not a measurement).")
     sz = SMOKE if args.smoke else FULL
-    name = f"accelerator_{'smoke_' if args.smoke else ''}"
+    name = f"accelerator_{'speed_' if args.speed else ''}{'smoke_' if args.smoke else ''}"
     name += device_name(platform, probe["device_kind"])
     out = args.out or RESULTS_DIR / f"{name}.json"
     jsonl = args.jsonl or out.with_suffix(".jsonl")
@@ -300,8 +335,12 @@ def main(argv=None) -> dict:
 
     log.on_row = on_row
     log.add({**probe, "part": "probe", "item": "device"})
-    tasks, skipped = plan_tasks(args.parts, sz, platform, probe.get("memory_bytes"),
-                                args.smoke, peak, legacy=not args.smoke)
+    if args.speed:
+        tasks, skipped = plan_speed_tasks(args.parts, SPEED_SMOKE if args.smoke else SPEED_FULL,
+                                          platform, peak), []
+    else:
+        tasks, skipped = plan_tasks(args.parts, sz, platform, probe.get("memory_bytes"),
+                                    args.smoke, peak, legacy=not args.smoke)
     for row in skipped:
         log.add(row)
     run_tasks(tasks, args.budget, log, env)
@@ -310,7 +349,7 @@ def main(argv=None) -> dict:
     write_json(out, probe, log.rows, args, started, done=True)
     result = json.loads(out.read_text())
     head = result["headline"]
-    print(f"headline: {head['value']}x (target {head['target']}x): {head['metric']}")
+    print(f"headline: {head['value']} (target {head['target']}): {head['metric']}")
     print(f"wrote {out} and {jsonl} in {result['total_seconds']} s")
     return result
 

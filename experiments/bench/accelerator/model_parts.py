@@ -1,5 +1,9 @@
 """Model parts of the accelerator check (run inside task processes): sampler throughput
-and train-step throughput / MFU, random weights with the real configs, bf16."""
+and train-step throughput / MFU / peak device memory, random weights with the real
+configs, bf16 compute (the train step keeps fp32 master weights: param_dtype float32, so
+the optimizer updates fp32 params while every matmul runs in bf16 and the log-softmax of
+the vocabulary head in fp32). The samples both build (`train_samples`, `sampler_prompts`)
+are the ones the torch side (torch_parts.py) runs, so the two are comparable row by row."""
 from __future__ import annotations
 
 import time
@@ -15,17 +19,56 @@ def _model(name: str, param_dtype: str):
     return cfg, init_params(cfg, 0)
 
 
+def device_memory() -> tuple[int | None, str]:
+    """(peak bytes this process used on the device, what it is): the device's
+    peak_bytes_in_use where jax reports it (GPU/TPU), else the process's peak resident
+    memory (CPU)."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - CPU devices may not report memory
+        stats = {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"]), "device peak_bytes_in_use"
+    from rl.runtime.logging import peak_rss_mb
+    rss = peak_rss_mb()
+    return (None if rss is None else int(rss * 1e6)), "process peak resident memory"
+
+
+def device_memory_limit() -> int | None:
+    """The device's memory in bytes (bytes_limit), None where jax does not report it."""
+    try:
+        return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def sampler_prompts(vocab_size: int, groups: int, prompt: int) -> list[list[int]]:
+    """The sampler part's prompts (seeded): `groups` lists of `prompt` token ids."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, vocab_size, prompt).tolist() for _ in range(groups)]
+
+
+def train_samples(vocab_size: int, groups: int, n: int, p: int, r: int) -> dict:
+    """The train part's samples (seeded): prompt_ids [B, P] (each group's prompt repeated
+    N times), response_ids [B, R], rewards [B], B = groups * n."""
+    rng = np.random.default_rng(0)
+    b = groups * n
+    return {"prompt_ids": np.repeat(rng.integers(3, vocab_size, (groups, p)), n, axis=0),
+            "response_ids": rng.integers(3, vocab_size, (b, r)), "rewards": rng.normal(size=b)}
+
+
 def sampler(emit, *, model: str, groups: int, group_size: int, prompt: int,
-            response: int) -> None:
-    """generate() tokens/s for `groups` prompts x `group_size` samples."""
+            response: int, layer_loop: str = "scan", bucket_slots: bool = False) -> None:
+    """generate() tokens/s for `groups` prompts x `group_size` samples (layer_loop and
+    bucket_slots: the decode options of rl.rollout.init_state)."""
     from rl.rollout import generate
     cfg, params = _model(model, "bfloat16")
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, cfg.vocab_size, prompt).tolist() for _ in range(groups)]
+    prompts = sampler_prompts(cfg.vocab_size, groups, prompt)
 
     def run():
         return generate(params, cfg, prompts, max_new_tokens=response, stop_ids=(),
-                        num_samples=group_size)
+                        num_samples=group_size, layer_loop=layer_loop,
+                        bucket_slots=bucket_slots)
     t0 = time.perf_counter()
     run()
     first = time.perf_counter() - t0
@@ -33,8 +76,11 @@ def sampler(emit, *, model: str, groups: int, group_size: int, prompt: int,
     res = run()
     sec = time.perf_counter() - t0
     tokens = sum(len(t) for group in res.tokens for t in group)
-    emit({"model": model, "status": "ok", "tokens": tokens, "seconds": round(sec, 3),
-          "first_call_seconds": round(first, 1), "tokens_per_s": round(tokens / sec, 1)})
+    emit({"model": model, "status": "ok", "side": "tandem", "layer_loop": layer_loop,
+          "bucket_slots": bucket_slots, "groups": groups, "group_size": group_size,
+          "P": prompt, "R": response, "tokens": tokens, "seconds": round(sec, 3),
+          "first_call_seconds": round(first, 1), "tokens_per_s": round(tokens / sec, 1),
+          "ms_per_step": round(1e3 * sec / response, 3)})
 
 
 def train_flops(cfg, groups: int, n: int, p: int, r: int) -> float:
@@ -50,23 +96,29 @@ def train_flops(cfg, groups: int, n: int, p: int, r: int) -> float:
 
 
 def train(emit, *, model: str, groups: int, group_size: int, prompt: int, response: int,
-          packed: bool, attn_impl, peak_tflops) -> None:
+          packed: bool, attn_impl, peak_tflops, remat: str | None = None,
+          head_chunk: str = "default") -> None:
     """One train step's time: packed (shared-prefix attention, `attn_impl`) or the same
-    samples unpacked; tokens/s of the packed token count, TFLOP/s and MFU."""
+    samples unpacked; tokens/s of the packed token count, TFLOP/s and MFU; remat
+    (TrainConfig.remat); head_chunk "device": the vocabulary head's chunk sized for the
+    device's memory (models.logprobs.head_chunk_for_memory), "default": DEFAULT_CHUNK;
+    peak device memory in all and per row."""
+    from models.logprobs import DEFAULT_CHUNK, head_chunk_for_memory
     from rl.learner import TrainConfig, batch_from_trajectory, init_train_state, make_train_step
     from rl.trajectory import Trajectory
     g, n, p, r = groups, group_size, prompt, response
     b = g * n
     cfg, params = _model(model, "float32")
-    rng = np.random.default_rng(0)
+    s = train_samples(cfg.vocab_size, g, n, p, r)
     traj = Trajectory.create(
-        prompt_ids=np.repeat(rng.integers(3, cfg.vocab_size, (g, p)), n, axis=0),
-        prompt_lengths=np.full(b, p), response_ids=rng.integers(3, cfg.vocab_size, (b, r)),
-        response_mask=np.ones((b, r), bool), behaviour_logprobs=-np.ones((b, r)),
-        versions=np.zeros((b, r)), group_ids=np.repeat(np.arange(g), n),
-        finished=np.ones(b, bool), truncated=np.zeros(b, bool),
-        rewards={"r": rng.normal(size=b)})
-    config = TrainConfig(packed=packed, attn_impl=attn_impl)
+        prompt_ids=s["prompt_ids"], prompt_lengths=np.full(b, p),
+        response_ids=s["response_ids"], response_mask=np.ones((b, r), bool),
+        behaviour_logprobs=-np.ones((b, r)), versions=np.zeros((b, r)),
+        group_ids=np.repeat(np.arange(g), n), finished=np.ones(b, bool),
+        truncated=np.zeros(b, bool), rewards={"r": s["rewards"]})
+    chunk = (head_chunk_for_memory(cfg.vocab_size, device_memory_limit())
+             if head_chunk == "device" else DEFAULT_CHUNK)
+    config = TrainConfig(packed=packed, attn_impl=attn_impl, remat=remat, logprob_chunk=chunk)
     batch = batch_from_trajectory(traj, group_size=n, model_config=cfg, packed=packed)
     step = make_train_step(config, cfg)
     state = init_train_state(params, config, 0)
@@ -83,7 +135,11 @@ def train(emit, *, model: str, groups: int, group_size: int, prompt: int, respon
     sec = float(np.median(times))
     flops = train_flops(cfg, g, n, p, r)
     mfu = None if not peak_tflops else flops / sec / (peak_tflops * 1e12)
-    emit({"model": model, "status": "ok", "packed": packed, "attn_impl": attn_impl or "default",
+    peak, source = device_memory()
+    emit({"model": model, "status": "ok", "side": "tandem", "packed": packed,
+          "attn_impl": attn_impl or "default", "remat": remat or "none", "logprob_chunk": chunk,
+          "peak_memory_bytes": peak, "peak_memory_per_row_mb": None if peak is None
+          else round(peak / b / 1e6, 2), "peak_memory_source": source,
           "groups": g, "group_size": n, "P": p, "R": r, "tokens": g * (p + n * r),
           "step_s": round(sec, 4), "first_call_s": round(first, 1),
           "tokens_per_s": round(g * (p + n * r) / sec, 1),

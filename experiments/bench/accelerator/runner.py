@@ -3,7 +3,7 @@ row the moment it exists. Imports nothing heavy (no jax): the parent process mus
 take the accelerator's memory from the tasks it starts.
 
 A task is a JSON-able dict {"part", "item", "fn": "module:function", "args": {...},
-"cap_s": seconds}. Its process runs `fn(emit, **args)`; every `emit(row)` appends one JSON
+"cap_s": seconds[, "env": {NAME: value} added to its process's environment]}. Its process runs `fn(emit, **args)`; every `emit(row)` appends one JSON
 line to a file the parent reads when the process ends (also when it crashed or was killed
 at its time limit), so rows written before a failure survive. A task that exits non-zero
 or runs out of time adds a row with its error; a task that finds the budget spent adds a
@@ -59,6 +59,8 @@ def run_task(task: dict, timeout_s: float, env: dict | None = None) -> list[dict
         cmd = [sys.executable, "-m", task.get("module", "experiments.bench.accelerator"),
                WORKER_FLAG, json.dumps(task), "--worker-out", str(rows_file)]
         start = time.perf_counter()
+        if task.get("env"):
+            env = {**(os.environ if env is None else env), **task["env"]}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, start_new_session=True)
         status, out = "ok", ""
