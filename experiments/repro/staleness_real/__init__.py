@@ -1,0 +1,156 @@
+"""Asynchronous RL on the real model (issue 35): held-out accuracy against staleness for
+naive PPO, decoupled PPO (AReaL), M2PO and VCPO on SmolLM2-135M-Instruct, with a verdict
+per paper claim.
+
+    python -m experiments.repro.staleness_real tasks     # pick the task: base greedy accuracy
+    nohup python -m experiments.repro.staleness_real sweep > staleness_real.log 2>&1 &
+    python -m experiments.repro.staleness_real report    # tables, verdicts, PNGs from the runs
+    python -m experiments.repro.staleness_real sweep --smoke   # the tiny model, a few steps
+
+`sweep` trains every (method, k, seed) cell of the grid (methods: module `methods`;
+k = max staleness of the deterministic async loop, default {0, 2, 8, 32}; seeds {0, 1})
+in the order of `methods.grid_order` (the synchronous baseline first, then the largest
+staleness), each cell resumable (module `sweep`): stop it any time (SIGTERM / Ctrl-C
+checkpoint the current cell) and run the same command again. After every cell the summary
+experiments/results/staleness_real.json and its PNGs are rewritten from the records on
+disk (module `report`). `--max-cells N` stops after N cells have finished in this call.
+
+The task (module `tasks`: candidates measured by the base model's greedy accuracy) is
+reasoning-gym basic arithmetic, two 2-digit terms and + - * (`arith_2x2`), 256 held-out
+problems of task seed 0 (the same split for every cell), strict verifier.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from experiments.common.benchmarking import RESULTS_DIR, machine, write_results
+from experiments.repro.staleness_real.methods import METHODS, SweepSetup, grid_order, run_name
+from experiments.repro.staleness_real.tasks import CANDIDATES, measure_candidates
+
+NAME = "staleness_real"
+RUNS_DIR = RESULTS_DIR / NAME  # one JSON record per finished cell
+RESULT = RESULTS_DIR / f"{NAME}.json"
+TASK = "arith_2x2"
+SMOLLM2_PARAM_BYTES = 134.5e6 * 4  # fp32 params published to a rollout device
+
+
+def setup_for(task: str, steps: int, eval_every: int) -> SweepSetup:
+    spec, options = CANDIDATES[task]
+    return SweepSetup(task=spec, task_options=options, steps=steps, eval_every=eval_every)
+
+
+def summarize(runs_dir: Path, out: Path, command: str) -> dict:
+    """The summary JSON (+ PNGs beside it) from the records in runs_dir."""
+    from experiments.repro.staleness_real import report
+
+    records = report.load_records(runs_dir)
+    if not records:
+        raise SystemExit(f"no finished cells under {runs_dir}; run the sweep first")
+    rows = report.table(records)
+    head = report.headline(rows, machine())
+    if head["value"] is None:  # incomplete grid: say so in the metric, not with a fake number
+        head = {**head, "metric": head["metric"] + " [not measured yet: no VCPO or k=0 cell]",
+                "value": 0.0}
+    summary = {
+        "headline": head, "verdicts": report.verdicts(rows), "table": rows,
+        "time_projection": report.time_projection(records, SMOLLM2_PARAM_BYTES),
+        "cells_finished": sorted(run_name(r["method"], r["k"], r["seed"]) for r in records),
+        "task": {"spec": records[0]["task"], "options": records[0]["task_options"],
+                 "task_seed": records[0]["task_seed"], "held_out": 256, "verifier": "strict"},
+        "command": command, "machine": machine(),
+    }
+    summary["plots"] = [p.name for p in report.plot(records, rows, out.with_suffix(""))]
+    write_results(out, summary)
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    print(f"{'k':>3} {'method':<10} {'final acc (mean, min..max)':<30} {'ESS med':>8} "
+          f"{'clip':>6} {'masked':>7} {'lr scale':>8} {'step s':>7}")
+    for r in summary["table"]:
+        f = r["final_accuracy"]
+        masked = r["m2po_masked_frac_median"] or r["behav_rejected_frac_median"] or 0.0
+        print(f"{r['k']:>3} {r['method']:<10} {f['mean']:.3f} ({f['min']:.3f}..{f['max']:.3f}) "
+              f"n={len(r['seeds'])}{'':<7} {r['ess_median'] or float('nan'):>8.3f} "
+              f"{r['clip_frac_median'] or 0.0:>6.3f} {masked:>7.3f} "
+              f"{r['lr_scale_median'] or 1.0:>8.3f} {r['step_s_median'] or float('nan'):>7.1f}")
+    for name, v in summary["verdicts"].items():
+        print(f"{name}: {v['verdict']} -- {v['numbers']}")
+    tp = summary.get("time_projection") or {}
+    if tp:
+        print(f"projected async speedup on separate devices: {tp['projected_speedup']}x "
+              f"(rollout {tp['rollout_s_median']} s, train {tp['train_s_median']} s, swap {tp['swap_s']} s)")
+
+
+def run_sweep(args, command: str) -> None:
+    from tqdm.auto import tqdm
+
+    from experiments.repro.staleness_real.sweep import finish_cell, record_path, run_cell
+    from rl.runtime.preemption import Preempted
+
+    runs_dir, work_dir = Path(args.runs_dir), Path(args.work_dir)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    setup = setup_for(args.task, args.steps, args.eval_every)
+    if args.smoke:
+        setup = SweepSetup(task="synthetic", task_options={}, steps=args.steps,
+                           prompts_per_step=2, group_size=4, eval_every=0, eval_prompts=8,
+                           eval_sampled_prompts=4, save_every=1, preset="tiny-synthetic")
+    grid = grid_order(args.methods, args.ks, args.seeds, [max(args.ks)])
+    todo = [c for c in grid if not record_path(runs_dir, *c).exists()]
+    bar = tqdm(total=len(grid), initial=len(grid) - len(todo), desc=NAME, dynamic_ncols=True)
+    finished = 0
+    for cell in todo:
+        name = run_name(*cell)
+
+        def on_step(rec, name=name):
+            bar.set_postfix_str(f"{name} step {rec['step']}/{setup.steps} "
+                                f"reward {rec['reward_mean']:.3f}", refresh=True)
+
+        try:
+            run_dir, wall = run_cell(setup, *cell, work_dir, on_step=on_step)
+        except Preempted:
+            bar.write(f"{name}: stopped and checkpointed; run the same command to continue")
+            sys.exit(0)
+        rec = finish_cell(setup, cell, run_dir, wall, runs_dir, command)
+        bar.update(1)
+        bar.write(f"{name}: final greedy accuracy {rec['final_accuracy']:.3f} "
+                  f"(from {rec['initial_accuracy']:.3f}; {wall / 60:.1f} min)")
+        summarize(runs_dir, Path(args.out), command)
+        finished += 1
+        if args.max_cells and finished >= args.max_cells:
+            break
+    bar.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=f"python -m experiments.repro.{NAME}",
+                                description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("tasks", help="base model greedy accuracy on the candidate tasks")
+    t.add_argument("names", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES))
+    s = sub.add_parser("sweep", help="train the grid (resumable), then report")
+    s.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    s.add_argument("--ks", nargs="+", type=int, default=[0, 8, 32, 2],
+                   help="max staleness levels, in the order their first seed runs")
+    s.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    s.add_argument("--steps", type=int, default=40)
+    s.add_argument("--eval-every", type=int, default=10)
+    s.add_argument("--task", default=TASK, choices=list(CANDIDATES))
+    s.add_argument("--max-cells", type=int, default=0, help="stop after N cells (0: all)")
+    s.add_argument("--smoke", action="store_true",
+                   help="the tiny random model on the synthetic task (tests, a dry run)")
+    r = sub.add_parser("report", help="summarise the finished cells")
+    for q in (s, r):
+        q.add_argument("--runs-dir", default=str(RUNS_DIR), help="one JSON per finished cell")
+        q.add_argument("--out", default=str(RESULT), help="summary JSON (PNGs beside it)")
+    s.add_argument("--work-dir", default=f"runs/{NAME}", help="the cells' run dirs")
+    args = p.parse_args(argv)
+    command = f"python -m experiments.repro.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.command == "tasks":
+        measure_candidates(args.names or list(CANDIDATES))
+        return
+    if args.command == "sweep":
+        run_sweep(args, command.strip())
+    print_summary(summarize(Path(args.runs_dir), Path(args.out), command.strip()))

@@ -1,0 +1,3 @@
+from experiments.repro.staleness_real import main
+
+main()
