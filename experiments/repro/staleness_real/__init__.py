@@ -15,9 +15,12 @@ checkpoint the current cell) and run the same command again. After every cell th
 experiments/results/staleness_real.json and its PNGs are rewritten from the records on
 disk (module `report`). `--max-cells N` stops after N cells have finished in this call.
 
-The task (module `tasks`: candidates measured by the base model's greedy accuracy) is
-reasoning-gym basic arithmetic, two 2-digit terms and + - * (`arith_2x2`), 256 held-out
-problems of task seed 0 (the same split for every cell), strict verifier.
+The task (module `tasks`: candidates measured by the base model's greedy accuracy, in
+experiments/results/staleness_real_tasks.json) is the reasoning-gym mixture
+`mix_sum_arith_legs`: chain sums of 2-3 two-digit terms, two-term 2-digit + - *
+arithmetic and leg counting, in equal parts (base greedy accuracy 0.129 +- 0.021: room to
+learn on three skills, where chain_sum 2x2 plateaus near 0.41 within 16 steps); 256
+held-out problems of task seed 0 (the same split for every cell), strict verifier.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from experiments.repro.staleness_real.tasks import CANDIDATES, measure_candidate
 NAME = "staleness_real"
 RUNS_DIR = RESULTS_DIR / NAME  # one JSON record per finished cell
 RESULT = RESULTS_DIR / f"{NAME}.json"
-TASK = "arith_2x2"
+TASK = "mix_sum_arith_legs"
 SMOLLM2_PARAM_BYTES = 134.5e6 * 4  # fp32 params published to a rollout device
 
 
