@@ -25,6 +25,7 @@ held-out problems of task seed 0 (the same split for every cell), strict verifie
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -39,9 +40,27 @@ TASK = "mix_sum_arith_legs"
 SMOLLM2_PARAM_BYTES = 134.5e6 * 4  # fp32 params published to a rollout device
 
 
-def setup_for(task: str, steps: int, eval_every: int) -> SweepSetup:
-    spec, options = CANDIDATES[task]
-    return SweepSetup(task=spec, task_options=options, steps=steps, eval_every=eval_every)
+# the tool-use half of VCPO's claim: the calculator environment (preset smollm2-calc,
+# multi-turn, 64 held-out problems) at staleness {0, 8}, naive vs VCPO
+CALC_RUNS_DIR = RESULTS_DIR / f"{NAME}_calc"
+CALC_RESULT = RESULTS_DIR / f"{NAME}_calc.json"
+CALC_SETUP = SweepSetup(task=None, task_options={}, steps=16, prompts_per_step=4, group_size=8,
+                        eval_every=4, eval_prompts=64, eval_sampled_prompts=16, save_every=4,
+                        preset="smollm2-calc")
+
+
+def setup_for(args) -> SweepSetup:
+    """The cells' shared setup: --suite rg (the reasoning-gym task), calc, or --smoke."""
+    if args.smoke:
+        return SweepSetup(task="synthetic", task_options={}, steps=args.steps,
+                          prompts_per_step=2, group_size=4, eval_every=0, eval_prompts=8,
+                          eval_sampled_prompts=4, save_every=1, preset="tiny-synthetic")
+    if args.suite == "calc":
+        return dataclasses.replace(CALC_SETUP, steps=args.steps or CALC_SETUP.steps,
+                                   eval_every=args.eval_every or CALC_SETUP.eval_every)
+    spec, options = CANDIDATES[args.task]
+    return SweepSetup(task=spec, task_options=options, steps=args.steps or 40,
+                      eval_every=args.eval_every or 10)
 
 
 def summarize(runs_dir: Path, out: Path, command: str) -> dict:
@@ -60,8 +79,11 @@ def summarize(runs_dir: Path, out: Path, command: str) -> dict:
         "headline": head, "verdicts": report.verdicts(rows), "table": rows,
         "time_projection": report.time_projection(records, SMOLLM2_PARAM_BYTES),
         "cells_finished": sorted(run_name(r["method"], r["k"], r["seed"]) for r in records),
-        "task": {"spec": records[0]["task"], "options": records[0]["task_options"],
-                 "task_seed": records[0]["task_seed"], "held_out": 256, "verifier": "strict"},
+        "task": {"spec": records[0]["run_config"]["task"]["spec"],
+                 "options": records[0]["run_config"]["task"]["options"],
+                 "task_seed": records[0]["run_config"]["task"]["seed"],
+                 "held_out": records[0]["run_config"]["loop"]["eval_prompts"],
+                 "verifier": records[0]["run_config"]["reward"]["verifier"]},
         "command": command, "machine": machine(),
     }
     summary["plots"] = [p.name for p in report.plot(records, rows, out.with_suffix(""))]
@@ -95,11 +117,7 @@ def run_sweep(args, command: str) -> None:
 
     runs_dir, work_dir = Path(args.runs_dir), Path(args.work_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
-    setup = setup_for(args.task, args.steps, args.eval_every)
-    if args.smoke:
-        setup = SweepSetup(task="synthetic", task_options={}, steps=args.steps,
-                           prompts_per_step=2, group_size=4, eval_every=0, eval_prompts=8,
-                           eval_sampled_prompts=4, save_every=1, preset="tiny-synthetic")
+    setup = setup_for(args)
     grid = grid_order(args.methods, args.ks, args.seeds, [max(args.ks)])
     todo = [c for c in grid if not record_path(runs_dir, *c).exists()]
     bar = tqdm(total=len(grid), initial=len(grid) - len(todo), desc=NAME, dynamic_ncols=True)
@@ -134,22 +152,34 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.add_parser("tasks", help="base model greedy accuracy on the candidate tasks")
     t.add_argument("names", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES))
     s = sub.add_parser("sweep", help="train the grid (resumable), then report")
-    s.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    s.add_argument("--ks", nargs="+", type=int, default=[0, 8, 32, 2],
+    s.add_argument("--suite", choices=("rg", "calc"), default="rg",
+                   help="rg: the reasoning-gym task (default grid: 4 methods x k 0 8 32 2); "
+                        "calc: the calculator tool (naive and vcpo x k 0 8, 16 steps)")
+    s.add_argument("--methods", nargs="+", choices=METHODS)
+    s.add_argument("--ks", nargs="+", type=int,
                    help="max staleness levels, in the order their first seed runs")
     s.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    s.add_argument("--steps", type=int, default=40)
-    s.add_argument("--eval-every", type=int, default=10)
+    s.add_argument("--steps", type=int, default=0, help="0: the suite's (rg 40, calc 16)")
+    s.add_argument("--eval-every", type=int, default=0, help="0: the suite's (rg 10, calc 4)")
     s.add_argument("--task", default=TASK, choices=list(CANDIDATES))
     s.add_argument("--max-cells", type=int, default=0, help="stop after N cells (0: all)")
     s.add_argument("--smoke", action="store_true",
                    help="the tiny random model on the synthetic task (tests, a dry run)")
     r = sub.add_parser("report", help="summarise the finished cells")
+    r.add_argument("--suite", choices=("rg", "calc"), default="rg")
     for q in (s, r):
-        q.add_argument("--runs-dir", default=str(RUNS_DIR), help="one JSON per finished cell")
-        q.add_argument("--out", default=str(RESULT), help="summary JSON (PNGs beside it)")
-    s.add_argument("--work-dir", default=f"runs/{NAME}", help="the cells' run dirs")
+        q.add_argument("--runs-dir", help="one JSON per finished cell (default: the suite's)")
+        q.add_argument("--out", help="summary JSON, PNGs beside it (default: the suite's)")
+    s.add_argument("--work-dir", help="the cells' run dirs (default runs/staleness_real[_calc])")
     args = p.parse_args(argv)
+    calc = args.command != "tasks" and args.suite == "calc"
+    if args.command != "tasks":
+        args.runs_dir = args.runs_dir or str(CALC_RUNS_DIR if calc else RUNS_DIR)
+        args.out = args.out or str(CALC_RESULT if calc else RESULT)
+    if args.command == "sweep":
+        args.work_dir = args.work_dir or f"runs/{NAME}" + ("_calc" if calc else "")
+        args.methods = args.methods or (["naive", "vcpo"] if calc else list(METHODS))
+        args.ks = args.ks or ([0, 8] if calc else [0, 8, 32, 2])
     command = f"python -m experiments.repro.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.command == "tasks":
         measure_candidates(args.names or list(CANDIDATES))

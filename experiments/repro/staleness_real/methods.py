@@ -45,7 +45,7 @@ class SweepSetup:
     """What every cell of a sweep shares: the task (spec, options; its split is fixed by
     task_seed), the schedule and the batch. Recorded in every run's JSON."""
 
-    task: str
+    task: str | None  # None: the preset's own task (an environment such as the calculator)
     task_options: dict
     steps: int = 40
     prompts_per_step: int = 8
@@ -86,9 +86,11 @@ def cell_config(setup: SweepSetup, method: str, k: int, seed: int, run_dir: str)
     return dataclasses.replace(
         preset, name=f"staleness-real-{method}-k{k}", run_dir=run_dir,
         description=f"issue 35 sweep cell: {LABELS[method]}, max staleness {k}, seed {seed}",
-        task=TaskSpec(setup.task, dict(setup.task_options), seed=setup.task_seed),
+        task=preset.task if setup.task is None else
+        TaskSpec(setup.task, dict(setup.task_options), seed=setup.task_seed),
         # the strict verifier: full credit only, not reasoning-gym's partial credit
-        reward=RewardConfig(verifier="strict" if setup.task.startswith("reasoning_gym") else None),
+        reward=RewardConfig(verifier="strict" if (setup.task or "").startswith("reasoning_gym")
+                            else None),
         train=method_train(method, preset.train), loop=loop,
         asynchronous=AsyncConfig(mode="deterministic", max_staleness=k),
         logging=LoggingConfig(wandb="disabled", progress=False))
