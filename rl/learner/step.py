@@ -45,8 +45,9 @@ from models.packed import PackedGroups, packed_token_logprobs, packed_token_logp
 from rl.learner.batch import TrainBatch, TrainState
 from rl.learner.config import OffPolicyConfig, TrainConfig, make_optimizer, make_schedule, scales_lr
 from rl.learner.rewards import reward_advantages, scalar_rewards
-from rl.learner.vcpo import VCPOTerms, vcpo_terms
+from rl.learner.vcpo import VCPOTerms, monitor_metrics, vcpo_terms
 from rl.objectives.losses import compute_loss, token_entropy
+from rl.objectives.vcpo import sequence_log_weights
 from rl.objectives.offpolicy import (
     approx_proximal_logp,
     behaviour_weights,
@@ -107,11 +108,11 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
     ref_params = ref_params if config.loss.kl_coef > 0 else None
 
     # Advantages. VCPO needs log π/μ of the whole batch (ρ counts every row), so its terms
-    # come before the micro-batches; monitoring only logs them (loss and update unchanged).
+    # come before the micro-batches. Monitoring only logs ρ (loss and update unchanged),
+    # from the rows' log w that the micro-batches' own forward passes return (no extra pass).
     vcpo = None
-    if config.vcpo.enabled or config.vcpo.monitor:
-        vcpo = vcpo_terms(config, model_config, state.params, batch,
-                          monitor=not config.vcpo.enabled)
+    if config.vcpo.enabled:
+        vcpo = vcpo_terms(config, model_config, state.params, batch)
     if config.vcpo.enabled:
         adv, mask = vcpo.advantages, batch.loss_mask[:, 1:]
     else:
@@ -131,13 +132,15 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
                                  has_aux=True)
 
     def body(acc, mb):
-        (_, (metrics, share, n_tok)), g = grad_fn(state.params, mb, ref_params, norm,
-                                                  state.version, base)
-        return jax.tree.map(jnp.add, acc, g), (metrics, share, n_tok)
+        (_, (metrics, share, n_tok, row_log_w)), g = grad_fn(state.params, mb, ref_params, norm,
+                                                             state.version, base)
+        return jax.tree.map(jnp.add, acc, g), (metrics, share, n_tok, row_log_w)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (stacked, shares, n_toks) = jax.lax.scan(body, zeros, mbs)
+    grads, (stacked, shares, n_toks, row_log_w) = jax.lax.scan(body, zeros, mbs)
     metrics = combine_micro_metrics(stacked, shares, n_toks)
+    if config.vcpo.monitor and not config.vcpo.enabled:  # micro-batches split rows in order
+        metrics.update(monitor_metrics(row_log_w.reshape(-1), jnp.any(mask, axis=1)))
 
     # ONE update from the accumulated gradient (the optimizer is rebuilt from the frozen
     # config: deterministic, so it need not live in the state).
@@ -183,7 +186,10 @@ def micro_loss(params: Params, mb: MicroBatch, ref_params: Params | None, norm: 
                **ratio_decomposition_metrics(logp, decomp_prox, mb.behaviour, mb.mask)}
     count, n_tok = loss_count(config, mb.mask)
     share = count / norm
-    return loss * share, (metrics, share, n_tok)
+    # VCPOConfig.monitor: each row's log w = Σ_t (log π_θ - log μ) at the step's params
+    row_log_w = sequence_log_weights(sg(logp), mb.behaviour, mb.mask) \
+        if config.vcpo.monitor and not config.vcpo.enabled else jnp.zeros((0,))
+    return loss * share, (metrics, share, n_tok, row_log_w)
 
 
 # ----------------------------------------------------------------------------- the variants

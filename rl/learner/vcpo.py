@@ -76,7 +76,7 @@ def vcpo_terms(config: TrainConfig, model_config: ModelConfig, params: Any, batc
     valid = jnp.any(mask, axis=1)
     rho = ess_ratio(log_w, valid)
     if monitor:
-        return VCPOTerms(None, None, {"vcpo_ess": rho, **weight_tail_stats(log_w, valid)})
+        return VCPOTerms(None, None, monitor_metrics(log_w, valid))
     rewards = scalar_rewards(config, batch)
     adv, base = vcpo_advantages(rewards, log_w, norms, batch.group_size, baseline=vc.baseline,
                                 variant=vc.variant, valid=valid, is_cap=vc.is_cap)
@@ -94,6 +94,12 @@ def vcpo_terms(config: TrainConfig, model_config: ModelConfig, params: Any, batc
         metrics["vcpo_grad_sq_norm_mean"] = jnp.sum(jnp.where(valid, norms, 0.0)) \
             / jnp.maximum(jnp.sum(valid), 1)
     return VCPOTerms(adv, seq_w, metrics)
+
+
+def monitor_metrics(log_w: Array, valid: Array) -> dict:
+    """VCPOConfig.monitor's metrics from the rows' log w [B] (valid [B]: rows with tokens):
+    vcpo_ess (ρ) and the vcpo_logw_* tail statistics."""
+    return {"vcpo_ess": ess_ratio(log_w, valid), **weight_tail_stats(log_w, valid)}
 
 
 # ----------------------------------------------------------------------------- exact gradient norms

@@ -60,9 +60,10 @@ class VCPOConfig:
         (W_i = w_i², cheap: one extra forward).
     is_cap: cap of the truncated sequence weight in the loss (8).
     monitor: with enabled=False, still log ρ and the log-weight tail statistics (vcpo_ess,
-        vcpo_logw_*; one extra forward) while the loss and update stay the plain ones: the
-        diagnostic for any method (e.g. watch ESS collapse under GRPO). No effect when
-        enabled (those metrics are logged then anyway).
+        vcpo_logw_*; from the log-probs of the loss's own forward pass, no extra pass)
+        while the loss and update stay the plain ones: the diagnostic for any method (e.g.
+        watch ESS collapse under GRPO). No effect when enabled (those metrics are logged
+        then anyway).
     """
 
     enabled: bool = False

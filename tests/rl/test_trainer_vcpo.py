@@ -141,6 +141,37 @@ def test_equal_weights_and_norms_give_the_grpo_step(params):
     assert "vcpo_lr_scale" not in mb and "vcpo_lr_scale" in ma
 
 
+@pytest.mark.parametrize("micro_batches,packed", [(1, False), (2, False), (2, True)])
+def test_monitor_logs_the_batch_ess_of_float64_log_weights(params, micro_batches, packed):
+    # VCPOConfig(monitor=True) reads each row's log w from the loss's own forward (per
+    # micro-batch, packed or not); ρ and the tails must be the whole batch's, in float64
+    batch = batch_from_trajectory(make_traj(33), group_size=GROUP, model_config=CFG)
+    mask = np.asarray(batch.loss_mask)[:, 1:]
+    logp = _np_logprobs(params, batch.tokens)
+    noise = np.random.default_rng(34).normal(0.0, 0.5, logp.shape)
+    batch, mu = _with_behaviour(batch, np.where(mask, logp + noise, 0.0))
+    config = TrainConfig(loss=PG_CONFIG.loss, optimizer=PG_CONFIG.optimizer, temperature=TEMP,
+                         micro_batches=micro_batches, packed=packed, vcpo=VCPOConfig(monitor=True))
+    plain = TrainConfig(loss=PG_CONFIG.loss, optimizer=PG_CONFIG.optimizer, temperature=TEMP,
+                        micro_batches=micro_batches, packed=packed)
+    if packed:
+        batch = batch_from_trajectory(make_traj(33), group_size=GROUP, model_config=CFG,
+                                      packed=True).replace(behaviour_logprobs=batch.behaviour_logprobs)
+    a, m = make_train_step(config, CFG, compiler_options=FAST)(fresh_state(params, config), batch)
+    b, _ = make_train_step(plain, CFG, compiler_options=FAST)(fresh_state(params, plain), batch)
+    _assert_same_update(_deltas(a.params, params), _deltas(b.params, params))  # metrics only
+    mu = np.asarray(batch.behaviour_logprobs, np.float64)[:, 1:]
+    log_w = np.where(mask, logp - mu, 0.0).sum(axis=1)
+    valid = mask.any(axis=1)
+    w = np.exp(log_w[valid])
+    rho = w.sum() ** 2 / (w ** 2).sum() / valid.sum()
+    assert rho < 0.9  # off-policy enough that a wrong row set would show
+    np.testing.assert_allclose(m["vcpo_ess"], rho, rtol=1e-4)
+    np.testing.assert_allclose(m["vcpo_logw_max"], log_w[valid].max(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(m["vcpo_logw_mean"], log_w[valid].mean(), rtol=1e-4, atol=1e-5)
+    assert "vcpo_lr_scale" not in m
+
+
 def test_vcpo_is_off_by_default_and_validated(params):
     assert TrainConfig() == TrainConfig(vcpo=VCPOConfig(enabled=False))
     assert len(init_train_state(params, TrainConfig(vcpo=VCPOConfig(monitor=True))).opt_state) == 2
