@@ -86,7 +86,15 @@ def iter_snapshots(run_dir: Path, step: int, template: Any) -> Iterator[tuple[in
     data = load_npz(folder / f"{step}.npz", also=folder / str(step))  # the layout before
     for v in data["versions"].tolist():
         yield int(v), jax.tree.unflatten(
-            treedef, [jnp.asarray(data[f"v{v}_{i}"], dtype=leaf.dtype) for i, leaf in enumerate(leaves)])
+            treedef, [jnp.asarray(raw_leaf(data[f"v{v}_{i}"], leaf.dtype), dtype=leaf.dtype)
+                      for i, leaf in enumerate(leaves)])
+
+
+def raw_leaf(arr: np.ndarray, dtype: Any) -> np.ndarray:
+    """A leaf of the layout before: numpy stored ml_dtypes' types (bfloat16, ...) as raw
+    bytes ("V2"); view those as `dtype`."""
+    return arr.view(dtype) if arr.dtype.kind == "V" and arr.dtype.itemsize == \
+        np.dtype(dtype).itemsize else arr
 
 
 def load_snapshots(run_dir: Path, step: int, template: Any) -> dict[int, Any]:
