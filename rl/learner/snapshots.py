@@ -151,8 +151,8 @@ class ParamSnapshots(Mapping):
 
     def _trim_resident(self, keep: int | None = None) -> None:  # under the lock
         """On disk: memory keeps the newest version and at most one other: `keep` (the one
-        just read), else the highest (the next read of the deterministic loop, v + 1 - k,
-        is never lower)."""
+        just read; -1: none), else the highest (the next read of the deterministic loop,
+        v + 1 - k, is never lower)."""
         others = [v for v in self._items if v != self._newest]
         if others:
             keep = max(others) if keep is None else keep
@@ -168,7 +168,7 @@ class ParamSnapshots(Mapping):
                 return self._items[version]
             entry = self._files.get(version)
             if entry is not None:  # on disk: open it here, so eviction can't delete it first
-                f = open(entry.path, "rb")
+                f = open(entry.path, "rb")  # noqa: SIM115  (closed after the load)
                 self._trim_resident(keep=-1)  # the cached read goes before this one loads
             else:
                 held = sorted(self._files if self.directory is not None else self._items)

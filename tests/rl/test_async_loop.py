@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import threading
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -234,7 +235,7 @@ class WatchedRing(ParamSnapshots):
     """The loop's ring, recording the most versions it held (in all, in memory) and, on
     disk, checking after every put and read that its folder holds exactly its versions."""
 
-    most = {"held": 0, "resident": 0}
+    most: ClassVar[dict] = {"held": 0, "resident": 0}
 
     def put(self, *args, **kwargs):
         out = super().put(*args, **kwargs)
