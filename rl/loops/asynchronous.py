@@ -84,9 +84,10 @@ checkpoint and re-raises; a failed write is one StorageError; the producer is al
 stopped and joined (timeout, then it is a daemon thread, so it can never keep the
 process alive). Resume: deterministic mode resumes
 exactly with static rollouts (the snapshot ring is saved beside each checkpoint under
-run_dir/snapshots/STEP/, one file per version; hard links to a disk ring's files); with APRIL its FIFO is saved under run_dir/rollout_state/ and
-restored whole, but rl.rollout.april reseeds new groups on a restore, so the continuation is
-statistically, not bitwise, the same. Threaded mode restarts the producer at
+run_dir/snapshots/STEP/, one file per version, hard links to a disk ring's files); with
+APRIL its FIFO is saved under run_dir/rollout_state/ and restored whole, but
+rl.rollout.april reseeds new groups on a restore, so the continuation is statistically,
+not bitwise, the same. Threaded mode restarts the producer at
 the data position it had reached when the checkpoint was written: groups that were
 queued or still being sampled then are NOT restored and are counted as dropped
 (`dropped_on_resume_groups` in the first record); with APRIL the FIFO of unfinished

@@ -44,7 +44,8 @@ def count_writes(monkeypatch):
 
 @pytest.mark.parametrize("store", ["memory", "disk"])
 def test_save_writes_one_file_per_version_and_loads_exactly(tmp_path, monkeypatch, store):
-    snaps = ParamSnapshots(4, directory=None if store == "memory" else tmp_path / "snapshots" / "ring")
+    ring = tmp_path / "snapshots" / "ring"
+    snaps = ParamSnapshots(4, directory=None if store == "memory" else ring)
     for v in range(6):
         snaps.put(v, tree(v))
     calls = count_writes(monkeypatch)
@@ -67,7 +68,8 @@ def test_save_writes_one_file_per_version_and_loads_exactly(tmp_path, monkeypatc
 
 
 def test_the_layout_before_still_loads(tmp_path):
-    leaves = {f"v{v}_{i}": np.asarray(x) for v in (1, 2) for i, x in enumerate(jax.tree.leaves(tree(v)))}
+    leaves = {f"v{v}_{i}": np.asarray(x)
+              for v in (1, 2) for i, x in enumerate(jax.tree.leaves(tree(v)))}
     (tmp_path / "snapshots").mkdir()
     (tmp_path / "snapshots" / "4.npz").write_bytes(
         side_files.npz_bytes({"versions": np.asarray([1, 2], np.int64), **leaves}))
@@ -78,7 +80,8 @@ def test_the_layout_before_still_loads(tmp_path):
 
 
 def test_missing_or_foreign_snapshots_are_checkpoint_errors(tmp_path):
-    with pytest.raises(CheckpointError, match=r"snapshots/3'? \(or .*snapshots/3\.npz'?\).* missing"):
+    with pytest.raises(CheckpointError,
+                       match=r"snapshots/3'? \(or .*snapshots/3\.npz'?\).* missing"):
         list(iter_snapshots(tmp_path, 3, tree(0)))
     snaps = ParamSnapshots(2)
     snaps.put(0, {"w": jnp.zeros((5,))})
