@@ -52,8 +52,8 @@ from rl.loops.context import RunContext
 from rl.loops.evaluation import batch_reward_metrics
 from rl.loops.producer import AprilSource, RolloutProducer, offpolicy_prefix_batch
 from rl.loops.side_files import (
+    iter_snapshots,
     load_rollout_state,
-    load_snapshots,
     prune_side_files,
     save_rollout_state,
     save_snapshots,
@@ -154,12 +154,14 @@ def split_devices(acfg: AsyncConfig, mesh: jax.sharding.Mesh | None
 def prepare(ctx: RunContext, model_config: ModelConfig, task: Task, config: TrainConfig,
             loop: LoopConfig, acfg: AsyncConfig, run_dir: Path, *, rollout_device: jax.Device | None,
             mesh: jax.sharding.Mesh | None, resume: bool, progress: bool) -> AsyncRun:
-    """The run's state before anything samples: a ring of acfg.ring_capacity versions, the
-    buffer (b groups, bound η, starting at the state's version), and on resume the note
-    for the first record (the in-flight groups the checkpoint could not keep)."""
+    """The run's state before anything samples: a ring of acfg.ring_capacity versions (in
+    memory, or with snapshot_store "disk" under run_dir/snapshots/ring), the buffer (b
+    groups, bound η, starting at the state's version), and on resume the note for the
+    first record (the in-flight groups the checkpoint could not keep)."""
     state = ctx.state
     v0 = int(state.version)
-    snaps = ParamSnapshots(acfg.ring_capacity)
+    snaps = ParamSnapshots(acfg.ring_capacity, directory=None if acfg.snapshot_store == "memory"
+                           else run_dir / "snapshots" / "ring")
     buffer = TrajectoryBuffer(loop.prompts_per_step, acfg.max_staleness,
                               stale_policy=acfg.stale_policy, stale_weight=acfg.stale_weight,
                               start_version=v0)
@@ -183,7 +185,7 @@ def start(run: AsyncRun, *, resume: bool, on_eval: Any) -> None:
     mode), the progress bar and the step profile."""
     ctx, acfg, state = run.ctx, run.acfg, run.state
     if resume and acfg.mode == "deterministic":
-        for v, p in load_snapshots(run.run_dir, ctx.start, state.params).items():
+        for v, p in iter_snapshots(run.run_dir, ctx.start, state.params):  # one at a time
             run.snaps.put(v, p, copy=False, device=run.snapshot_device)
     publish(run, state)
     if acfg.rollout == "april":
@@ -505,11 +507,14 @@ def stop_after_fault(run: AsyncRun, err: BaseException) -> StorageError | None:
 
 def shut_down(run: AsyncRun, *, quiet: bool = False) -> None:
     """Always, error or not: stop the producer, close the buffer, join the thread (after
-    acfg.join_timeout_s a warning: it is a daemon thread), close the run context (quiet:
-    an error is on its way out, so a failure to close is a warning)."""
+    acfg.join_timeout_s a warning: it is a daemon thread), delete a disk ring's files
+    (each checkpoint links its own), close the run context (quiet: an error is on its way
+    out, so a failure to close is a warning)."""
     if run.producer is not None:
         run.producer.stop()
     run.buffer.close()
+    if run.snaps.directory is not None:
+        run.snaps.clear()
     if run.thread is not None:
         run.thread.join(run.acfg.join_timeout_s)
         if run.thread.is_alive():

@@ -38,7 +38,11 @@ Two modes (AsyncConfig.mode):
     params are resharded onto it before publishing); with one device they interleave.
   * "deterministic": no threads; step v samples its batch with the params of version
     max(v − k, 0), k = η, from a `rl.learner.snapshots.ParamSnapshots` ring, so every token of
-    step v has version exactly v − k (v ≥ k) and runs are reproducible on one CPU.
+    step v has version exactly v − k (v ≥ k) and runs are reproducible on one CPU. The ring
+    holds k + 2 versions: (k + 2) × the params' bytes of memory with
+    AsyncConfig.snapshot_store="memory" (the default), or files under
+    run_dir/snapshots/ring/ and at most 2 versions in memory with "disk" (the same run, bit
+    for bit; one params write and one read per step; deleted at the run's end).
 With η = 0 both modes reproduce `rl.loops.run` exactly (same rng splits, same
 sampling calls; rollout "static" in threaded mode, and "continuous" on equal-length
 responses).
@@ -80,9 +84,10 @@ checkpoint and re-raises; a failed write is one StorageError; the producer is al
 stopped and joined (timeout, then it is a daemon thread, so it can never keep the
 process alive). Resume: deterministic mode resumes
 exactly with static rollouts (the snapshot ring is saved beside each checkpoint under
-run_dir/snapshots/); with APRIL its FIFO is saved under run_dir/rollout_state/ and
-restored whole, but rl.rollout.april reseeds new groups on a restore, so the continuation is
-statistically, not bitwise, the same. Threaded mode restarts the producer at
+run_dir/snapshots/STEP/, one file per version, hard links to a disk ring's files); with
+APRIL its FIFO is saved under run_dir/rollout_state/ and restored whole, but
+rl.rollout.april reseeds new groups on a restore, so the continuation is statistically,
+not bitwise, the same. Threaded mode restarts the producer at
 the data position it had reached when the checkpoint was written: groups that were
 queued or still being sampled then are NOT restored and are counted as dropped
 (`dropped_on_resume_groups` in the first record); with APRIL the FIFO of unfinished

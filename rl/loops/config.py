@@ -134,6 +134,7 @@ class LoopConfig:
 MODES = ("threaded", "deterministic")
 ROLLOUTS = ("static", "continuous", "april")
 PROXIMAL = ("current", "exact", "versions", "ewma")
+SNAPSHOT_STORES = ("memory", "disk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,14 @@ class AsyncConfig:
     rl.loops.buffer). rollout "static" | "continuous" (threaded mode only) | "april" (+
     over_provision, mask_offpolicy_prefix).
     proximal "current" | "exact" | "versions" | "ewma" (+ ewma_beta). snapshot_capacity:
-    versions kept in the param ring (default η + 2; at least η + 1). rollout_devices:
+    versions kept in the param ring (default η + 2; at least η + 1). snapshot_store: where
+    the ring keeps them: "memory" (the default; ring_capacity × the trained params' bytes
+    of RAM, e.g. 34 × 0.54 GB = 18 GB for SmolLM2-135M in fp32 at η = 32) or "disk"
+    (mode="deterministic" only: each version is also written to
+    run_dir/snapshots/ring/v{version}.npz and memory holds at most 2 versions, the newest
+    and the last one read back; reads of the others load their file, bit-exact; a
+    checkpoint hard-links the files instead of writing them; costs one params write per
+    step and one read per sampling step; rl.learner.snapshots). rollout_devices:
     devices given to the sampler in threaded mode (None: half of them when there are
     several, 0 when there is one: rollout and training share it). join_timeout_s: how long
     shutdown waits for the producer thread."""
@@ -159,6 +167,7 @@ class AsyncConfig:
     proximal: str = "current"
     ewma_beta: float = 0.9
     snapshot_capacity: int | None = None
+    snapshot_store: str = "memory"
     rollout_devices: int | None = None
     join_timeout_s: float = 30.0
 
@@ -167,7 +176,8 @@ class AsyncConfig:
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"AsyncConfig.max_staleness must be an int >= 0, got {k!r}")
         for name, allowed in (("mode", MODES), ("stale_policy", STALE_POLICIES),
-                              ("rollout", ROLLOUTS), ("proximal", PROXIMAL)):
+                              ("rollout", ROLLOUTS), ("proximal", PROXIMAL),
+                              ("snapshot_store", SNAPSHOT_STORES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"AsyncConfig.{name} must be one of {allowed}, got "
                                  f"{getattr(self, name)!r}")
@@ -189,6 +199,10 @@ class AsyncConfig:
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < k + 1):
             raise ValueError(f"AsyncConfig.snapshot_capacity must be an int >= max_staleness + 1 "
                              f"= {k + 1} (the ring must hold every admissible version), got {cap!r}")
+        if self.snapshot_store == "disk" and self.mode != "deterministic":
+            raise ValueError("AsyncConfig.snapshot_store='disk' needs mode='deterministic' (the "
+                             "mode that samples from the ring and saves it with each "
+                             "checkpoint); use snapshot_store='memory' in threaded mode")
         if self.proximal == "exact" and self.stale_policy != "drop":
             raise ValueError("AsyncConfig.proximal='exact' needs stale_policy='drop': down-weighted "
                              "stale tokens can be older than any snapshot in the ring")
@@ -201,6 +215,11 @@ class AsyncConfig:
     @property
     def ring_capacity(self) -> int:
         return self.snapshot_capacity or self.max_staleness + 2
+
+    @property
+    def resident_snapshots(self) -> int:
+        """How many ring versions are held in memory at most (rl.run.plan's estimate)."""
+        return self.ring_capacity if self.snapshot_store == "memory" else min(self.ring_capacity, 2)
 
 
 

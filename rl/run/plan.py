@@ -13,6 +13,7 @@ the param dtype):
   reference   a second copy of the params when a KL term needs the reference policy
               (full fine-tuning with loss.kl_coef > 0; LoRA reuses the base)
   snapshots   the asynchronous loop's param ring: ring_capacity copies of the trained params
+              (snapshot_store "disk": at most 2 in memory, the rest on disk)
   kv_cache    the sampler's keys and values: B rows x L positions x layers x 2 x kv_heads
               x head_dim, in the compute dtype
   activations the learner's saved activations for one micro-batch: tokens x layers x
@@ -111,7 +112,7 @@ def estimate_memory(model_config: ModelConfig, cfg: Any, task: Any) -> MemoryEst
     head = 3 * min(chunk, tokens) * c.vocab_size * 4
     adam = train.optimizer.name == "adamw"
     reference = total * b if (train.lora is None and train.loss.kl_coef > 0) else 0
-    snapshots = 0 if cfg.asynchronous is None else cfg.asynchronous.ring_capacity * trained * b
+    snapshots = 0 if cfg.asynchronous is None else cfg.asynchronous.resident_snapshots * trained * b
     return MemoryEstimate(params=total * b, gradients=trained * b,
                           optimizer=(2 * trained * b) if adam else 0, reference=reference,
                           snapshots=snapshots, kv_cache=kv, activations=activations, head=head)

@@ -32,9 +32,9 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from rl.runtime.storage import StorageError
 
@@ -44,6 +44,13 @@ WANDB_MODES = ("offline", "online", "disabled")
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` atomically (temp file + fsync + rename). An OSError (e.g.
     no space left) names `path` and leaves no temp file behind."""
+    atomic_write_stream(path, lambda f: f.write(data))
+
+
+def atomic_write_stream(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
+    """atomic_write_bytes for content too big to hold in memory at once: write(f) streams
+    it into the temp file (a binary, seekable file object), then fsync + rename; the same
+    errors and cleanup."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -52,7 +59,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual file mode
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -3,21 +3,25 @@ deterministic staleness k samples step v with the params of exactly v − k; the
 proximal log-probs recomputed from the snapshot ring equal the sampler's recorded ones
 (no train–inference mismatch); a failing rollout thread, and a KeyboardInterrupt, end
 the run with a final checkpoint and no thread left; deterministic resume is exact;
-threaded resume counts the in-flight groups as dropped.
+threaded resume counts the in-flight groups as dropped; the disk param ring
+(snapshot_store="disk") gives the memory ring's run bit for bit with at most 2 versions in
+memory, its checkpoints hard-link its files, and it resumes exactly.
 
 Same geometry as tests/rl/test_sync_loop.py (tiny-synthetic preset, 2 groups of 4, 8
 eval prompts), so the compiled sampler and train step are shared with it."""
 import dataclasses
 import json
+import os
 import threading
+from typing import ClassVar
 
 import jax
 import numpy as np
 import pytest
 from test_sync_loop import LOOP, PRESET, cfg, policy  # noqa: F401  (same geometry)
 
-from rl.learner import init_train_state
-from rl.loops import AsyncConfig, build_batch, run, run_async, sample_batch_groups
+from rl.learner import ParamSnapshots, init_train_state
+from rl.loops import AsyncConfig, async_stages, build_batch, run, run_async, sample_batch_groups
 from rl.run import RunHooks
 from rl.tasks import SyntheticTask
 
@@ -107,7 +111,7 @@ def test_deterministic_resume_is_exact(policy, tmp_path):
     straight = run_async(config, params, task, cfg(tmp_path / "a", loop4, asynchronous=acfg))
     run_async(config, params, task,
               cfg(tmp_path / "b", dataclasses.replace(LOOP, steps=2), asynchronous=acfg))
-    assert (tmp_path / "b" / "snapshots" / "2.npz").exists()
+    assert sorted(os.listdir(tmp_path / "b" / "snapshots" / "2")) == ["v1.npz", "v2.npz"]
     resumed = run_async(config, params, task, cfg(tmp_path / "b", loop4, asynchronous=acfg),
                         resume=True)
     for a, b in zip(leaves(straight), leaves(resumed)):
@@ -186,6 +190,8 @@ def test_downweighted_tokens_become_loss_weights(policy):
     ({"proximal": "exact", "stale_policy": "downweight"}, "needs stale_policy='drop'"),
     ({"max_staleness": 3, "snapshot_capacity": 3}, "snapshot_capacity"),
     ({"ewma_beta": 1.0}, "ewma_beta"),
+    ({"snapshot_store": "ssd"}, "snapshot_store must be one of"),
+    ({"snapshot_store": "disk"}, "snapshot_store='disk' needs mode='deterministic'"),
 ])
 def test_async_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -206,6 +212,8 @@ def test_cli_async_flags(tmp_path):
     assert acfg == AsyncConfig(max_staleness=3, mode="deterministic", rollout="april",
                                over_provision=2.0, proximal="versions", stale_policy="downweight")
     assert async_config(["--rollout", "continuous"]).max_staleness == 1
+    assert async_config(["--async-mode", "deterministic", "--set", "async.snapshot_store=disk"]
+                        ) == AsyncConfig(mode="deterministic", snapshot_store="disk")
     summary = main(["--steps", "2", "--run-dir", str(tmp_path / "r"), "--wandb", "disabled",
                     "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "8",
                     "--eval-every", "0", "--no-progress", "--max-staleness", "1"])
@@ -221,3 +229,75 @@ def test_rollout_devices_must_leave_a_training_device(policy, tmp_path):
         run_async(config, params, task,
                   cfg(tmp_path / "r", asynchronous=AsyncConfig(rollout_devices=n)))
     assert not rollout_threads()
+
+
+class WatchedRing(ParamSnapshots):
+    """The loop's ring, recording the most versions it held (in all, in memory) and, on
+    disk, checking after every put and read that its folder holds exactly its versions."""
+
+    most: ClassVar[dict] = {"held": 0, "resident": 0}
+
+    def put(self, *args, **kwargs):
+        out = super().put(*args, **kwargs)
+        self.watch()
+        return out
+
+    def __getitem__(self, version):
+        out = super().__getitem__(version)
+        self.watch()
+        return out
+
+    def watch(self):
+        for key, n in (("held", len(self)), ("resident", len(self.resident()))):
+            WatchedRing.most[key] = max(WatchedRing.most[key], n)
+        if self.directory is not None:
+            assert sorted(os.listdir(self.directory)) == sorted(f"v{v}.npz" for v in self)
+
+
+def comparable(records):
+    return [{k: v for k, v in r.items() if not k.endswith("_s")
+             and k not in ("tokens_per_s", "peak_rss_mb", "peak_rss_per_step")} for r in records]
+
+
+def test_disk_ring_equals_the_memory_ring_and_resumes_exactly(policy, tmp_path, monkeypatch):
+    config, params, task = policy
+    loop = dataclasses.replace(LOOP, steps=6, save_every=2, keep_checkpoints=2)
+    mem = AsyncConfig(max_staleness=3, mode="deterministic", proximal="exact")
+    disk = dataclasses.replace(mem, snapshot_store="disk")
+    hooks = RunHooks(compiler_options=FAST)
+    want = run_async(config, params, task, cfg(tmp_path / "mem", loop, asynchronous=mem),
+                     hooks=hooks)
+    monkeypatch.setattr(async_stages, "ParamSnapshots", WatchedRing)
+    got = run_async(config, params, task, cfg(tmp_path / "disk", loop, asynchronous=disk),
+                    hooks=hooks)
+    for a, b in zip(leaves(want), leaves(got)):
+        np.testing.assert_array_equal(a, b)
+    assert comparable(got.train) == comparable(want.train)
+    assert [r["behaviour_version_max"] for r in got.train] == [0, 0, 0, 0, 1, 2]
+    # the ring held its 5 = k + 2 versions, never more than 2 of them in memory
+    assert WatchedRing.most == {"held": 5, "resident": 2}
+    snaps = tmp_path / "disk" / "snapshots"
+    assert os.listdir(snaps / "ring") == []  # the run's end deletes the ring's files
+    assert sorted(os.listdir(snaps)) == ["4", "6", "ring"]  # step 2's pruned with its checkpoint
+    for step, versions in ((4, [1, 2, 3, 4]), (6, [3, 4, 5, 6])):
+        assert sorted(os.listdir(snaps / str(step))) == [f"v{v}.npz" for v in versions]
+        assert sorted(os.listdir(tmp_path / "mem" / "snapshots" / str(step))) == \
+            [f"v{v}.npz" for v in versions]
+    # a version saved by two checkpoints is one file (hard links to the ring's file)
+    assert os.stat(snaps / "4" / "v3.npz").st_ino == os.stat(snaps / "6" / "v3.npz").st_ino
+    # stopped after step 3, resumed to step 6: the same run, bit for bit
+    WatchedRing.most.update(held=0, resident=0)
+    run_async(config, params, task, cfg(tmp_path / "r", dataclasses.replace(loop, steps=3),
+                                        asynchronous=disk), hooks=hooks)
+    resumed = run_async(config, params, task, cfg(tmp_path / "r", loop, asynchronous=disk),
+                        hooks=hooks, resume=True)
+    for a, b in zip(leaves(want), leaves(resumed)):
+        np.testing.assert_array_equal(a, b)
+    after = [r for r in comparable(resumed.train) if r["step"] > 3]
+    assert [r["step"] for r in after] == [4, 5, 6]
+    for r in after:
+        r.pop("dropped_on_resume_groups", None)
+        assert {k: v for k, v in r.items() if not k.startswith("buffer_")} == \
+            {k: v for k, v in comparable(want.train)[r["step"] - 1].items()
+             if not k.startswith("buffer_")}
+    assert WatchedRing.most["resident"] <= 2

@@ -214,3 +214,21 @@ def test_loop_and_train_configs_are_the_learners_own():
     assert isinstance(cfg.loop, LoopConfig) and isinstance(cfg.train, TrainConfig)
     assert isinstance(cfg.train.optimizer, OptimizerConfig)
     hash(cfg.train)  # still a jit static
+
+
+def test_snapshot_store_round_trips_and_sizes_the_ring_estimate():
+    from types import SimpleNamespace
+
+    from models.config import get_config
+    from rl.run.plan import estimate_memory
+
+    disk = RunConfig(asynchronous=AsyncConfig(max_staleness=4, mode="deterministic",
+                                              snapshot_store="disk"))
+    assert json.loads(disk.to_json())["asynchronous"]["snapshot_store"] == "disk"
+    assert RunConfig.from_json(disk.to_json()) == disk
+    assert disk.override("async.snapshot_store", "memory").asynchronous.snapshot_store == "memory"
+    memory = disk.override("async.snapshot_store", "memory")
+    task = SimpleNamespace(max_prompt_len=8, max_new_tokens=8)
+    one = estimate_memory(get_config("tiny"), RunConfig(), task).params  # fp32 params' bytes
+    assert estimate_memory(get_config("tiny"), memory, task).snapshots == 6 * one  # k + 2
+    assert estimate_memory(get_config("tiny"), disk, task).snapshots == 2 * one
