@@ -40,6 +40,7 @@ from rl.loops.validation import (
     check_allowed_changes,
     check_resume_config,
     config_record,
+    record_defaults,
     validate_run,
 )
 from rl.runtime import preemption
@@ -157,6 +158,7 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
     try:
         validate_run(config, loop)
         record = config_record(config, loop, extra_config)
+        defaults = record_defaults(config, loop, extra_config)
         allow_config_changes = () if resume is None else resume.allow_changes
         check_allowed_changes(allow_config_changes)
         resume_from_last_good = resume is not None and resume.from_last_good
@@ -197,7 +199,7 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
         if resume and lora is not None:  # before the adapters' shapes meet the checkpoint
             check_base(latest_record(run_dir / "checkpoints"), record)
             check_resume_config(latest_record(run_dir / "checkpoints"), record,
-                                allow_config_changes)
+                                allow_config_changes, defaults)
         if resume:  # straight onto the mesh (no one-device copy; needed across processes)
             shardings = None if mesh is None else state_shardings(model_config, config, mesh)
             state, meta = ckpt.restore(state, shardings=shardings, fallback=resume_from_last_good)
@@ -205,7 +207,7 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
         start = int(state.step)
         if resume:
             check_base(meta.get("config"), record)
-            check_resume_config(meta.get("config"), record, allow_config_changes)
+            check_resume_config(meta.get("config"), record, allow_config_changes, defaults)
             if start >= loop.steps and meta.get("pending_eval") is None:
                 raise ConfigError(f"nothing to resume: the checkpoint is at step {start} and "
                                   f"steps is {loop.steps}; pass a larger --steps to go on")

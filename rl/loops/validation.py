@@ -103,6 +103,16 @@ def config_record(train: TrainConfig, loop: Any, extra: Mapping[str, Any] | None
     return out
 
 
+def record_defaults(train: TrainConfig, loop: Any, extra: Mapping[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """config_record of the same config classes at their default values (extra entries
+    that are not dataclasses are left out): what a field added to the configs after a
+    checkpoint was written is taken to have been, when that checkpoint's record lacks it."""
+    dflt = {k: type(v)() for k, v in (extra or {}).items()
+            if dataclasses.is_dataclass(v) and not isinstance(v, type)}
+    return config_record(type(train)(), type(loop)(), dflt)
+
+
 def check_allowed_changes(allow: Iterable[str]) -> set[str]:
     """The names allowed to change on resume (Resume.allow_changes) as a set; ConfigError
     for a name outside CHANGEABLE_ON_RESUME."""
@@ -115,16 +125,20 @@ def check_allowed_changes(allow: Iterable[str]) -> set[str]:
 
 
 def check_resume_config(saved: Mapping[str, Any] | None, current: Mapping[str, Any],
-                        allow: Iterable[str] = ()) -> None:
+                        allow: Iterable[str] = (), defaults: Mapping[str, Any] | None = None
+                        ) -> None:
     """ConfigError listing the fields where `current` differs from the checkpoint's
     `saved` record, except FREE_ON_RESUME and the `allow`ed names (loop field names from
     CHANGEABLE_ON_RESUME, e.g. "eval_every"). A checkpoint without a record (written
-    before records existed) is not checked."""
+    before records existed) is not checked. defaults (record_defaults): a field the saved
+    record lacks (added to the configs later) matches when `current` holds its default."""
     allow = check_allowed_changes(allow)
     if saved is None:
         return
     free = FREE_ON_RESUME | {f"loop.{name}" for name in allow}
-    keys = sorted(set(saved) | set(current))
+    added = {k for k in set(current) - set(saved)
+             if defaults is not None and k in defaults and defaults[k] == current[k]}
+    keys = sorted((set(saved) | set(current)) - added)
     diffs = [(k, saved.get(k, "<absent>"), current.get(k, "<absent>")) for k in keys
              if k not in free and saved.get(k, "<absent>") != current.get(k, "<absent>")]
     if not diffs:

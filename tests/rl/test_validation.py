@@ -112,6 +112,29 @@ def test_resume_config_diff_lists_fields_and_allows_only_what_may_change():
     assert CHANGEABLE_ON_RESUME <= {f.name for f in dataclasses.fields(LoopConfig)}
 
 
+def test_a_field_added_after_the_checkpoint_matches_at_its_default_only():
+    from rl.loops import AsyncConfig
+    from rl.loops.validation import record_defaults
+
+    train, loop = PRESET.train, LOOP
+    extra = {"async": AsyncConfig(mode="deterministic", max_staleness=2), "task": "synthetic"}
+    now = config_record(train, loop, extra)
+    old = {k: v for k, v in now.items() if k != "async.snapshot_store"}  # an older record
+    defaults = record_defaults(train, loop, extra)
+    assert defaults["async.snapshot_store"] == "memory" and "task" not in defaults
+    check_resume_config(old, now, defaults=defaults)  # the new field at its default
+    with pytest.raises(ConfigError, match="async.snapshot_store: checkpoint '<absent>'"):
+        check_resume_config(old, now)  # without the defaults it is a change
+    disk = config_record(train, loop, {**extra, "async": dataclasses.replace(
+        extra["async"], snapshot_store="disk")})
+    with pytest.raises(ConfigError, match="-> now 'disk'"):
+        check_resume_config(old, disk, defaults=defaults)  # not its default: a change
+    # a field the checkpoint has is compared as before, default or not
+    with pytest.raises(ConfigError, match="loop.seed"):
+        check_resume_config(now, config_record(train, dataclasses.replace(loop, seed=5), extra),
+                            defaults=defaults)
+
+
 def test_config_record_is_flat_json_of_every_field():
     rec = config_record(TrainConfig(), LoopConfig())
     assert rec["train.loss.name"] == "ppo_clip" and rec["loop.group_size"] == 8
