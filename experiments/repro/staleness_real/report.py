@@ -157,8 +157,10 @@ def verdicts(rows: list[dict]) -> dict[str, dict]:
 def time_projection(records: list[dict], param_bytes: float) -> dict:
     """The async cost model (experiments.bench.rollout_strategies) on the measured phase
     times: sync = rollout + train; async on separate rollout / learner devices =
-    max(rollout, train) + swap (publishing the params)."""
-    roll = _median([column(r, "rollout_s") for r in records])
+    max(rollout, train) + swap (publishing the params). Rollout time: the deterministic
+    loop's rollout_wait_s (the learner waits while the batch is sampled and scored)."""
+    roll = _median([column(r, "rollout_wait_s") for r in records
+                    if "rollout_wait_s" in r["train_keys"]])
     tr = _median([column(r, "train_s") for r in records])
     if roll is None or tr is None:
         return {}

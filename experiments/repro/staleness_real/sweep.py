@@ -25,7 +25,7 @@ TRAIN_KEYS = ("reward_mean", "reward_correct", "zero_spread_frac", "vcpo_ess", "
               "vcpo_capped_frac", "clip_frac", "behav_kept_frac", "m2po_masked_frac",
               "version_lag_mean", "staleness_log_ratio_abs_mean", "mismatch_log_ratio_abs_mean",
               "total_log_ratio_abs_mean", "grad_norm", "entropy", "response_len", "rollout_s",
-              "train_s", "step_s")
+              "rollout_wait_s", "train_s", "step_s")
 EVAL_KEYS = ("greedy_accuracy", "greedy_accuracy_stderr", "accuracy", "greedy_mean_length",
              "greedy_truncated_frac")
 
@@ -64,9 +64,9 @@ def cell_record(setup: SweepSetup, method: str, k: int, seed: int, run_dir: Path
         "train_keys": ["step", *TRAIN_KEYS],
         "train": [[r["step"], *(_value(r, key) for key in TRAIN_KEYS)] for r in train],
         "wall_s_last_call": round(wall_s, 1),
-        # compute time of the whole run, resumed parts included: steps + evals
-        "compute_s": round(sum(r.get("step_s", 0.0) for r in train)
-                           + sum(e.get("time_s", 0.0) for e in evals), 1),
+        # the train steps' time, resumed parts included, and the run clock at the last eval
+        "steps_s": round(sum(r.get("step_s", 0.0) for r in train), 1),
+        "run_clock_s": round(float(evals[-1].get("time_s", 0.0)), 1),
         "run_config": json.loads((run_dir / "run_config.json").read_text()),
         "machine": machine(), "load_average_after": load_average(), "command": command,
     }
