@@ -50,7 +50,7 @@ def table(records: list[dict]) -> list[dict]:
     rows = []
     for (k, method), rs in sorted(cells(records).items(), key=lambda c: (c[0][0], METHODS.index(c[0][1]))):
         final = {**spread([r["final_accuracy"] for r in rs], digits=4), "n": len(rs)}
-        tail = [column(r, key)[k:] for r in rs for key in ("vcpo_ess",)]  # lag exactly k
+        tail = [column(r, "vcpo_ess")[k:] for r in rs]  # the steps whose lag is exactly k
         rows.append({
             "k": k, "method": method, "seeds": sorted(r["seed"] for r in rs),
             "final_accuracy": final,
