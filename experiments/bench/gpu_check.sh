@@ -4,6 +4,15 @@
 #
 #     bash experiments/bench/gpu_check.sh            # issue 32's kernel check ($OUT, default /tmp/gpu_check)
 #     bash experiments/bench/gpu_check.sh speed      # issue 33's speed check (below)
+#     bash experiments/bench/gpu_check.sh once       # all of it in one call of <= 9.2 minutes
+#
+# `once` (for a session lent one 15-minute GPU: the machine's start counts too), each step
+# under its own timeout, most important first, every file in $OUT as it is written:
+#   accelerator (issue 32: DualKV vs cuDNN on copies first, correctness, ...)  budget 140 s
+#   accelerator --speed (issue 33: decode step, train step + torch peer, ...)  budget 130 s
+#   grpo_e2e sync, 10 steps of smollm2-135m (issue 33's whole step)            <= 80 s
+#   tune (issue 32's tuned table -> $OUT/tuned/)                               budget 40 s
+#   grpo_e2e --async-staleness 1 and 4, 10 steps each (issue 35's time)       <= 65 s each
 #
 # `speed` (at most 7.7 minutes on an H100 / H200; files in $OUT: speed.{json,jsonl,log},
 # grpo_e2e.{json,log}):
@@ -30,6 +39,36 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/gpu_check}"
 mkdir -p "$OUT/tuned"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if [ "${1:-}" = "once" ]; then
+  {
+    echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) once"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+    python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1
+  } 2>&1 | tee "$OUT/once.log"
+  step() {  # step NAME TIMEOUT COMMAND...: one step, its log in $OUT/NAME.log
+    local name=$1 limit=$2; shift 2
+    echo "== $(date -u +%T) $name" | tee -a "$OUT/once.log"
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $(date -u +%T) $name exit $?" | tee -a "$OUT/once.log"
+    tail -25 "$OUT/$name.log"
+  }
+  step accelerator 150 python3 -m experiments.bench.accelerator --budget 140 \
+    --out "$OUT/accelerator.json" --jsonl "$OUT/accelerator.jsonl"
+  step speed 140 python3 -m experiments.bench.accelerator --speed --budget 130 \
+    --out "$OUT/speed.json" --jsonl "$OUT/speed.jsonl"
+  step grpo_e2e 80 python3 -m experiments.bench.grpo_e2e --model smollm2-135m --steps 10 \
+    --out "$OUT/grpo_e2e.json"
+  step tune 50 python3 -m experiments.bench.accelerator --parts tune --budget 40 \
+    --out "$OUT/tune.json" --jsonl "$OUT/tune.jsonl" --tuned-dir "$OUT/tuned"
+  for k in 1 4; do
+    step "grpo_e2e_async$k" 65 python3 -m experiments.bench.grpo_e2e --model smollm2-135m \
+      --steps 10 --async-staleness "$k" --out "$OUT/grpo_e2e_async$k.json"
+  done
+  ls -la "$OUT" "$OUT/tuned"
+  exit 0
+fi
 
 if [ "${1:-}" = "speed" ]; then
   {

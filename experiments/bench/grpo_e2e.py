@@ -5,6 +5,7 @@ task, reporting steps/hour, the step profile and peak device memory.
     python -m experiments.bench.grpo_e2e                          # smollm2-135m, 8 steps
     python -m experiments.bench.grpo_e2e --model qwen2.5-0.5b --steps 6 --layer-loop unrolled
     python -m experiments.bench.grpo_e2e --smoke                  # tiny, 3 steps, CPU (a test)
+    python -m experiments.bench.grpo_e2e --async-staleness 4      # the threaded async loop
 
 Needs only jax, flax, optax, orbax-checkpoint, chex and numpy (no wandb, gguf,
 reasoning-gym or math-verify: none is imported). The model: `--model` preset, random
@@ -16,7 +17,11 @@ The step is the library's: rollout engine (segmented KV, bounded decode; --layer
 --bucket-slots are LoopConfig's decode options), rewards, packed learner (--remat), one
 AdamW update, the vocabulary head's chunk sized for the device's memory (--head-chunk);
 wandb disabled, evals of one prompt at the start and the end (outside the
-steps), one checkpoint at the end (also outside).
+steps), one checkpoint at the end (also outside). `--async-staleness K` runs the same
+config through rl.loops.run_async in threaded mode at max staleness K (issue 35's time
+dimension: steps/hour of async beside sync on one device, where rollout and learner
+interleave on the one device's streams as jax dispatches them from two threads); its
+records' phases are the learner thread's view (wait_s = time waiting on the producer).
 
 Reported per step (rl.runtime.logging's step profile, every step after the first, which
 compiles): step_s and its phases prefill, decode, reward, learner, host, transfer, other;
@@ -128,7 +133,13 @@ def summarize(records: list[dict], tokens_per_step: int) -> dict:
     mean = {k: statistics.fmean(float(r.get(k) or 0.0) for r in timed)
             for k in ("step_s", *PHASES, "other_s")}
     share = {k: mean[k] / mean["step_s"] for k in (*PHASES, "other_s")}
+    # the last half: the async loop's producer fills its buffer (up to K batches) while the
+    # first step compiles, so the early steps after it take pre-made data; both loops are
+    # compared on this steady-state figure
+    late = timed[len(timed) // 2:]
+    steady = statistics.fmean(float(r["step_s"]) for r in late)
     return {"steps_timed": len(timed), "steps_per_hour": 3600.0 / mean["step_s"],
+            "steady_steps_per_hour": 3600.0 / steady, "steady_steps": len(late),
             "first_step_s": float(records[0]["step_s"]), "phases_mean_s": mean,
             "phases_share": share, "host_transfer_other_share": sum(share[k] for k in OVERHEAD),
             "decode_tokens_per_s": tokens_per_step / mean["decode_s"] if mean["decode_s"] else None,
@@ -155,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the default 1024 tokens")
     p.add_argument("--layer-loop", default="scan", choices=("scan", "unrolled"))
     p.add_argument("--bucket-slots", action="store_true")
+    p.add_argument("--async-staleness", type=int, default=None, metavar="K",
+                   help="run the threaded async loop (rl.loops.run_async) at max staleness K "
+                        "instead of the synchronous loop")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, 3 steps, 2 x 2 samples of 12 + 6 tokens (CPU test)")
     p.add_argument("--run-dir", help="the run's directory (default: a temp dir, removed)")
@@ -178,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     from models.decoder import init_params
     from models.logprobs import DEFAULT_CHUNK, head_chunk_for_memory
     from rl.learner.config import OptimizerConfig, TrainConfig
-    from rl.loops import run
+    from rl.loops import run, run_async
     from rl.loops.config import LoggingConfig, LoopConfig, ModelSpec, RunConfig
     from rl.objectives import AdvantageConfig, LossConfig
 
@@ -206,22 +220,30 @@ def main(argv: list[str] | None = None) -> dict:
                         eval_every=0, eval_prompts=1, save_every=0,
                         layer_loop=args.layer_loop, bucket_slots=args.bucket_slots),
         logging=LoggingConfig(wandb="disabled", progress=False))
+    loop_fn = run
+    if args.async_staleness is not None:
+        config = config.overrides({"async.max_staleness": args.async_staleness,
+                                   "async.mode": "threaded"})
+        loop_fn = run_async
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="grpo-e2e-") as tmp:
         run_dir = Path(args.run_dir or tmp)
         t0 = time.perf_counter()
         params = init_params(cfg, 0)
-        result = run(cfg, params, task, config.override("run_dir", str(run_dir)))
+        result = loop_fn(cfg, params, task, config.override("run_dir", str(run_dir)))
         wall = time.perf_counter() - t0
     tokens = args.prompts_per_step * args.group_size * args.response_len
     summary = summarize(result.train, tokens)
     peak = device_peak_bytes()
     rss = peak_rss_mb()
     device = re.sub(r"[^a-z0-9]+", "_", f"{dev.platform} {dev.device_kind}".lower()).strip("_")
+    tag = "" if args.async_staleness is None else f"async{args.async_staleness}_"
     out = Path(args.out) if args.out else RESULTS_DIR / (
-        f"bench_grpo_e2e_{'smoke_' if args.smoke else ''}{device}.json")
+        f"bench_grpo_e2e_{'smoke_' if args.smoke else ''}{tag}{device}.json")
+    loop_name = ("sync" if args.async_staleness is None
+                 else f"threaded async, max staleness {args.async_staleness}")
     payload = {
-        "headline": {"metric": f"GRPO steps/hour, {args.model} random weights, "
+        "headline": {"metric": f"GRPO steps/hour ({loop_name}), {args.model} random weights, "
                                f"{args.prompts_per_step}x{args.group_size}, "
                                f"P={args.prompt_len} R={args.response_len}",
                      "value": round(summary["steps_per_hour"], 1), "target": None,
@@ -234,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
         "host_transfer_other_target": HOST_SHARE_TARGET,
         "load_average_1_5_15min": {"before": load_before, "after": load_average()},
         **summary,
-        "steps": [{k: r.get(k) for k in ("step", "step_s", *PHASES, "other_s", "peak_rss_mb",
+        "steps": [{k: r.get(k) for k in ("step", "step_s", *PHASES, "wait_s", "other_s",
+                                         "version_lag_mean", "peak_rss_mb",
                                          "reward_mean", "tokens_per_s")} for r in result.train],
     }
     atomic_write_json(out, payload)
@@ -246,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
 def format_summary(p: dict) -> str:
     lines = [f"{p['headline']['metric']} on {p['device']}: {p['steps_per_hour']:.1f} steps/hour "
              f"({p['phases_mean_s']['step_s']:.3f} s/step over {p['steps_timed']} steps; first "
-             f"{p['first_step_s']:.1f} s)"]
+             f"{p['first_step_s']:.1f} s); steady state (last {p['steady_steps']} steps) "
+             f"{p['steady_steps_per_hour']:.1f} steps/hour"]
     for k in (*PHASES, "other_s"):
         lines.append(f"  {k[:-2]:<9} {p['phases_mean_s'][k]:8.4f} s {100 * p['phases_share'][k]:5.1f} %")
     lines.append(f"  host + transfer + other {100 * p['host_transfer_other_share']:.1f} % "
