@@ -46,8 +46,20 @@ def test_summary_of_known_records():
     assert s["steps_timed"] == 2 and s["steps_per_hour"] == 1800.0
     assert s["host_transfer_other_share"] == pytest.approx(0.05)
     assert s["decode_tokens_per_s"] == 1000.0 and s["first_step_s"] == 9.0
+    assert s["steady_steps"] == 1 and s["steady_steps_per_hour"] == 1800.0
     with pytest.raises(ValueError, match="steps >= 2"):
         summarize(recs[:1], 10)
+
+
+def test_steady_state_skips_the_batches_sampled_ahead():
+    """Async at K = 2: the first K steps after the compiling one take pre-made data (fast);
+    the steady state starts after them and one more."""
+    step_s = [30.0, 0.1, 0.1, 0.8, 0.7, 0.9]
+    recs = [{"step_s": x, "reward_mean": 0.0} for x in step_s]
+    s = summarize(recs, 10, staleness=2)
+    assert s["steady_steps"] == 2 and s["steady_steps_per_hour"] == pytest.approx(3600 / 0.8)
+    assert s["steps_per_hour"] == pytest.approx(3600 / (2.6 / 5))
+    assert summarize(recs[:3], 10, staleness=2)["steady_steps_per_hour"] is None
 
 
 def test_smoke_runs_the_whole_step_without_optional_packages(tmp_path):

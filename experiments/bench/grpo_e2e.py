@@ -123,9 +123,13 @@ def device_peak_bytes() -> int | None:
         return None
 
 
-def summarize(records: list[dict], tokens_per_step: int) -> dict:
+def summarize(records: list[dict], tokens_per_step: int, staleness: int = 0) -> dict:
     """Steps/hour, per-phase means and shares, and decode tokens/s over the records after
-    the first (which compiles); ValueError with fewer than two steps."""
+    the first (which compiles); ValueError with fewer than two steps. The steady state
+    (`steady_*`) skips 2 + `staleness` records: the compiling step, the up-to-K batches the
+    async producer sampled ahead while it compiled (steps that take pre-made data), and one
+    more; it is the figure that compares the async loop with the sync one (staleness 0).
+    None when no record is left."""
     timed = records[1:]
     if not timed:
         raise ValueError("one step only: nothing to time after the compiling step; use "
@@ -133,13 +137,11 @@ def summarize(records: list[dict], tokens_per_step: int) -> dict:
     mean = {k: statistics.fmean(float(r.get(k) or 0.0) for r in timed)
             for k in ("step_s", *PHASES, "other_s")}
     share = {k: mean[k] / mean["step_s"] for k in (*PHASES, "other_s")}
-    # the last half: the async loop's producer fills its buffer (up to K batches) while the
-    # first step compiles, so the early steps after it take pre-made data; both loops are
-    # compared on this steady-state figure
-    late = timed[len(timed) // 2:]
-    steady = statistics.fmean(float(r["step_s"]) for r in late)
+    late = records[2 + staleness:]
+    steady = statistics.fmean(float(r["step_s"]) for r in late) if late else None
     return {"steps_timed": len(timed), "steps_per_hour": 3600.0 / mean["step_s"],
-            "steady_steps_per_hour": 3600.0 / steady, "steady_steps": len(late),
+            "steady_steps_per_hour": 3600.0 / steady if steady else None,
+            "steady_steps": len(late),
             "first_step_s": float(records[0]["step_s"]), "phases_mean_s": mean,
             "phases_share": share, "host_transfer_other_share": sum(share[k] for k in OVERHEAD),
             "decode_tokens_per_s": tokens_per_step / mean["decode_s"] if mean["decode_s"] else None,
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = loop_fn(cfg, params, task, config.override("run_dir", str(run_dir)))
         wall = time.perf_counter() - t0
     tokens = args.prompts_per_step * args.group_size * args.response_len
-    summary = summarize(result.train, tokens)
+    summary = summarize(result.train, tokens, args.async_staleness or 0)
     peak = device_peak_bytes()
     rss = peak_rss_mb()
     device = re.sub(r"[^a-z0-9]+", "_", f"{dev.platform} {dev.device_kind}".lower()).strip("_")
@@ -270,7 +272,7 @@ def format_summary(p: dict) -> str:
     lines = [f"{p['headline']['metric']} on {p['device']}: {p['steps_per_hour']:.1f} steps/hour "
              f"({p['phases_mean_s']['step_s']:.3f} s/step over {p['steps_timed']} steps; first "
              f"{p['first_step_s']:.1f} s); steady state (last {p['steady_steps']} steps) "
-             f"{p['steady_steps_per_hour']:.1f} steps/hour"]
+             f"{p['steady_steps_per_hour'] or float('nan'):.1f} steps/hour"]
     for k in (*PHASES, "other_s"):
         lines.append(f"  {k[:-2]:<9} {p['phases_mean_s'][k]:8.4f} s {100 * p['phases_share'][k]:5.1f} %")
     lines.append(f"  host + transfer + other {100 * p['host_transfer_other_share']:.1f} % "
