@@ -388,3 +388,32 @@ def test_speed_smoke_runs_every_part_with_its_torch_peer(tmp_path):
     torch_rows = {r["kind"]: r for r in saved["torch"]}
     assert torch_rows["train"]["step_s"] > 0 and torch_rows["generate"]["tokens"] == 2 * 2 * 5
     assert saved["headline"]["value"] > 0 and saved["headline"]["target"] == 50_000.0
+
+
+def test_torch_train_peer_accumulates_micro_batches_when_the_batch_does_not_fit(monkeypatch):
+    """A forward of more than 2 rows raises the CUDA out-of-memory error: the peer retries
+    with 2 micro-batches of 2 rows (4 samples) and says so in its row."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from experiments.bench.accelerator import torch_parts
+    real = torch_parts.hf_model
+    seen = []
+
+    def small_memory_model(*args):
+        cfg, net, device = real(*args)
+        forward = net.forward
+
+        def guarded(*a, input_ids=None, **kw):
+            seen.append(int(input_ids.shape[0]))
+            if input_ids.shape[0] > 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+            return forward(*a, input_ids=input_ids, **kw)
+        net.forward = guarded
+        return cfg, net, device
+
+    monkeypatch.setattr(torch_parts, "hf_model", small_memory_model)
+    rows = []
+    torch_parts.train(rows.append, model="tiny", groups=2, group_size=2, prompt=5, response=4,
+                      peak_tflops=None, repeats=1)
+    assert rows[0]["status"] == "ok" and rows[0]["micro_batches"] == 2 and rows[0]["samples"] == 4
+    assert seen[0] == 4 and set(seen[1:]) == {2}

@@ -8,7 +8,10 @@ same config (models.config.config_to_hf), so that each Tandem row has its peer.
             tokens (logits_to_keep), their log-probs in fp32, the GRPO-style
             policy-gradient loss -mean(A * log p) over response tokens, backward,
             clip_grad_norm_(1.0), AdamW (fused where torch offers it, else foreach);
-            samples unpacked (each row holds its prompt: what plain torch does).
+            samples unpacked (each row holds its prompt: what plain torch does). Where the
+            whole batch does not fit the device (qwen2.5-0.5b's 64 x 512 tokens on an
+            80 GB H100 ran out of memory), gradients are accumulated over 2, 4, ...
+            micro-batches, as a torch user would; the row says how many.
   generate  model.generate(do_sample=True) in bf16 with sdpa, N samples per prompt,
             exactly R new tokens (min_new_tokens = max_new_tokens = R, top_k 0).
 
@@ -98,23 +101,42 @@ def train(emit, *, model: str, groups: int, group_size: int, prompt: int, respon
     adv = torch.from_numpy(adv).float().to(device)
     opt, flavour = _adamw(torch, net.parameters(), device)
 
+    micro = 1
+
     def step():
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
-            # the head only where a response token is predicted (as Tandem's learner does)
-            logits = net(input_ids=tokens, logits_to_keep=r + 1).logits[:, :-1]
-        logp = -F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                targets.reshape(-1), reduction="none").view(b, r)
-        loss = -(adv[:, None] * logp).mean()
-        loss.backward()
+        rows = b // micro
+        for i in range(0, b, rows):
+            with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                # the head only where a response token is predicted (as Tandem's learner)
+                logits = net(input_ids=tokens[i:i + rows], logits_to_keep=r + 1).logits[:, :-1]
+            logp = -F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                    targets[i:i + rows].reshape(-1),
+                                    reduction="none").view(rows, r)
+            # the batch's token mean, accumulated over micro-batches of equal size
+            loss = -(adv[i:i + rows, None] * logp).sum() / (b * r)
+            loss.backward()
+            del logits, logp
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    t0 = time.perf_counter()
-    step()
-    _sync(torch, device)
-    first = time.perf_counter() - t0
+    oom = getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
+    while True:
+        try:
+            t0 = time.perf_counter()
+            step()
+            _sync(torch, device)
+            first = time.perf_counter() - t0
+            break
+        except oom:
+            opt.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            if micro >= b or b % (2 * micro):
+                raise
+            micro *= 2
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -127,7 +149,7 @@ def train(emit, *, model: str, groups: int, group_size: int, prompt: int, respon
     emit({"status": "ok", "side": "torch", "kind": "train", "model": model,
           "device": device, "torch_version": torch.__version__,
           "transformers_version": transformers.__version__, "adamw": flavour,
-          "groups": g, "group_size": n, "P": p, "R": r, "samples": b,
+          "groups": g, "group_size": n, "P": p, "R": r, "samples": b, "micro_batches": micro,
           "tokens_unpacked": b * (p + r), "step_s": round(sec, 4),
           "first_call_s": round(first, 2), "tflops_per_s": round(flops / sec / 1e12, 3),
           "mfu": None if not peak_tflops else round(flops / sec / (peak_tflops * 1e12), 4),
