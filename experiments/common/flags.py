@@ -33,7 +33,7 @@ from rl.objectives.turn_credit import TURN_CREDITS
 from rl.rollout.pruning import PruneConfig
 from rl.run import DEFAULT_PRESET, PRESETS
 from rl.run.policy import BUDGET_OPTIONS
-from rl.runtime.config_tree import parse_value
+from rl.runtime.config_tree import parse_assignment, parse_value
 from rl.runtime.distributed import ENV_VARS, distributed_config
 from rl.runtime.logging import WANDB_MODES
 from rl.runtime.mesh import MESH_PRESETS
@@ -388,12 +388,18 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         train = dataclasses.replace(train, advantage=AdvantageConfig.preset(args.advantage)
                                     if args.advantage in ADVANTAGE_PRESETS
                                     else AdvantageConfig(args.advantage))
+    # set in one pass with --set (below): a check across train's fields (VCPO wants the
+    # grpo advantage) then sees the --set values too, e.g. --vcpo --set train.advantage.name=grpo
+    vcpo = None
     if args.vcpo is not None:
-        train = dataclasses.replace(train, vcpo=VCPOConfig(
-            enabled=True, lr_scale=args.vcpo, baseline=args.vcpo_baseline,
-            grad_norms=args.vcpo_grad_norms))
+        vcpo = VCPOConfig(enabled=True, lr_scale=args.vcpo, baseline=args.vcpo_baseline,
+                          grad_norms=args.vcpo_grad_norms)
     elif args.log_ess:
-        train = dataclasses.replace(train, vcpo=VCPOConfig(monitor=True))
+        vcpo = VCPOConfig(monitor=True)
+    # field by field, so that --set may change one of them too
+    late: dict[str, Any] = ({} if vcpo is None else
+                            {f"train.vcpo.{f.name}": getattr(vcpo, f.name)
+                             for f in dataclasses.fields(vcpo)})
     lora = lora_from_args(args)
     if lora is not None:
         train = dataclasses.replace(train, lora=lora)
@@ -416,8 +422,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     dist = distributed_from_args(args)
     if dist.enabled:
         cfg = dataclasses.replace(cfg, distributed=dist)
-    if args.set:
-        cfg = cfg.overrides(args.set)
+    if args.set or late:
+        cfg = cfg.overrides({**late, **dict(parse_assignment(a) for a in args.set)})
     if cfg.scheduler.replay_fraction > 0:  # the paper's correction unless one is set
         cfg = dataclasses.replace(cfg, train=replay_train_config(
             cfg.train, ReplayConfig(cfg.scheduler.replay_fraction)))

@@ -189,6 +189,14 @@ def test_composite_flags_set_what_they_say():
     assert cfg.scheduler.replay_fraction == 0.5 and cfg.train.old_logp == "behaviour"
     cfg, _ = config_from_argv(["--loss", "dapo", "--advantage", "rloo"])
     assert cfg.train.loss == LossConfig.preset("dapo") and cfg.train.advantage.name == "rloo"
+    # --vcpo on a preset whose advantage is not grpo: --set fixes it in the same pass
+    with pytest.raises(ValueError, match="leave TrainConfig.advantage at 'grpo'"):
+        config_from_argv(["--preset", "tiny-guess", "--vcpo"])
+    cfg, _ = config_from_argv(["--preset", "tiny-guess", "--vcpo", "--set",
+                               "train.advantage.name=grpo"])
+    assert cfg.train.vcpo.enabled and cfg.train.advantage.name == "grpo"
+    cfg, _ = config_from_argv(["--log-ess", "--set", "train.vcpo.monitor=false"])
+    assert not cfg.train.vcpo.monitor   # --set still wins over the short flag
 
 
 def test_set_wins_over_short_flags_and_config_files_round_trip(tmp_path, capsys):
