@@ -17,7 +17,7 @@ spec ("synthetic", "reasoning_gym:basic_arithmetic", "reasoning_gym:chain_sum=1,
 "correct" is and --reward adds your reward function (rl.tasks.rewards), as in training; a
 run dir's own reward settings (its run_config.json) apply when its task is evaluated.
 
-The report is rl.run.evaluate's (the numbers come from rl.loops.sync.eval_report, the
+The report is rl.run.evaluate's (the numbers come from rl.loops.evaluator.eval_report, the
 function the training loops' periodic eval calls): one greedy response per prompt ->
 accuracy (mean of the task's "correct" reward, else of the total reward) ± standard
 error, each reward's mean, mean length, the fraction cut at the token budget; with --k

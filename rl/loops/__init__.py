@@ -15,9 +15,12 @@
     producer      the asynchronous loop's rollout thread and APRIL source
     buffer        TrajectoryBuffer: scored groups between producer and learner (AReaL's
                   admission rule, staleness policies)
+    rollouts      sample_groups: N samples per prompt through the rollout engine (or an
+                  environment's episodes), take_rows, an environment's time limits
+    evaluator     the evaluation pass: eval_report (samples and builds the report),
+                  evaluate (its flat metrics), make_evaluator (the loops' periodic eval)
     evaluation    the statistics of an evaluation report (accuracy ± stderr, pass@k,
-                  lengths, truncation) and the train batch's zero-spread fraction;
-                  sync.eval_report samples and builds the report
+                  lengths, truncation) and the train batch's zero-spread fraction
     context       open_run / RunContext: what both loops set up (validated configs, the
                   run dir's lock, state fresh or from the last good checkpoint, logger,
                   the checked jitted step) and release
@@ -27,7 +30,7 @@
     replay        rollout replay: the FIFO of recent informative scored groups mixed into
                   each batch at a fraction, with the behaviour-policy clipped ratio
     scoring       score (a task's rewards of sampled rows, validated; an environment's
-                  outcomes) and total_reward, re-exported by sync
+                  outcomes) and total_reward
     episodes      environments in the loops: EnvTask (an rl.envs environment as a task),
                   multi-turn sampling, outcome rewards, turn credit, episode metrics
     validation    configs that cannot learn or run (validate_run), the config record every
@@ -40,8 +43,10 @@ May import anything in `rl` but rl.run; only rl.run and experiments import `rl.l
 """
 from rl.loops.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer  # noqa: I001
 from rl.loops.config import AsyncConfig, LoopConfig, Resume, RunConfig, RunHooks
-from rl.loops.sync import (RunResult, build_batch, collect_batch, eval_report,
-                           evaluate, run, sample_batch_groups, sample_groups, score)
+from rl.loops.evaluator import eval_report, evaluate
+from rl.loops.rollouts import sample_groups
+from rl.loops.scoring import score
+from rl.loops.sync import RunResult, build_batch, collect_batch, run, sample_batch_groups
 from rl.loops.asynchronous import run_async, train_config_for
 from rl.loops.scheduling import SchedulerOptions
 

@@ -58,10 +58,10 @@ from rl.loops.side_files import (
     save_rollout_state,
     save_snapshots,
 )
+from rl.loops.evaluator import make_evaluator
 from rl.loops.sync import (
     RunResult,
     build_batch,
-    make_evaluator,
     rollout_seed,
     sample_batch_groups,
 )

@@ -1,12 +1,12 @@
 """Environments in the training loops: an `rl.envs.Environment` run the way a task is.
 
 `EnvTask(env)` shows an environment to the loops as an `rl.tasks.Task` whose rollouts are
-multi-turn episodes: the loops' few hooks (rl.loops.sync.sample_groups / score /
+multi-turn episodes: the loops' few hooks (rl.loops.rollouts.sample_groups / score /
 build_batch, the step metrics and the eval record) hand such a task to this module:
 
     sample_episodes    prompts -> episodes through rl.rollout.multiturn.MultiTurnEngine (a
                        group of `group_size` episodes per prompt, rng keys by global group
-                       id like rl.loops.sync.sample_groups), rows in prompt order
+                       id like rl.loops.rollouts.sample_groups), rows in prompt order
     episode_rewards    the episodes' outcomes (Trajectory.rewards) as the task rewards
     turn_credit_of     the TurnCreditConfig batch_from_trajectory applies (None for a task)
     take_episode_metrics   the metrics of the episodes sampled since the last call:
@@ -181,7 +181,7 @@ def sample_episodes(params: Any, version: int, model_config: ModelConfig, task: 
                     profile=NULL_PROFILE, pruner: Any = None,
                     time_limits: TimeLimits | None = None) -> Trajectory:
     """`group_size` episodes per prompt with the multi-turn engine (all groups together;
-    rl.loops.sync.sample_groups' contract): rows grouped in prompt order (group g =
+    rl.loops.rollouts.sample_groups' contract): rows grouped in prompt order (group g =
     prompts[g], group ids 0..G-1; rng keys by the global id first_group_id + g), with
     rewards = the outcomes; the records go to task.record. profile gets the engine's
     prefill_s / decode_s (decode + observation appends) and the rest as host_s. pruner:

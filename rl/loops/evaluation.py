@@ -1,6 +1,6 @@
 """Statistics of scored responses: the numbers of an evaluation report and the train
 batch's reward-spread metric. Pure numpy on already sampled and scored data; the sampling
-side is `rl.loops.sync.eval_report` (what `python -m experiments.evaluate` and the
+side is `rl.loops.evaluator.eval_report` (what `python -m experiments.evaluate` and the
 training loops' periodic eval both call).
 
 Accuracy is the mean of the task's "correct" reward when it has one, else of the

@@ -17,7 +17,10 @@ from models.config import ModelConfig
 from rl.learner.batch import TrainBatch
 from rl.learner.config import TrainConfig
 from rl.loops.buffer import ScoredGroup, TrajectoryBuffer
-from rl.loops.sync import LoopConfig, rollout_seed, score, take_rows, total_reward
+from rl.loops.config import LoopConfig
+from rl.loops.rollouts import take_rows
+from rl.loops.scoring import score, total_reward
+from rl.loops.sync import rollout_seed
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.april import AprilConfig, AprilRollout, offpolicy_prefix_mask
 from rl.rollout.engine import RolloutConfig, RolloutEngine

@@ -11,11 +11,11 @@ params, optimizer state, step, rng (the source of every rollout seed) and the da
 position, so 2 steps + resume + 2 steps == 4 steps, bit for bit on CPU. SIGTERM / Ctrl-C
 stop it at a safe point with a checkpoint (rl.runtime.preemption; docs: guides/faults.md).
 
-Its pieces are shared with the asynchronous loop (rl.loops.asynchronous): open_run (run dir, state,
-checkpointer, logger, jitted step: rl.loops.context), make_evaluator, sample_batch_groups (one batch of
-scored groups) and build_batch (groups -> TrainBatch, with optional per-token loss
-weights), score, evaluate / eval_report (the evaluation report; statistics in
-rl.loops.evaluation), rollout_seed, run_clock.
+Its pieces are shared with the asynchronous loop (rl.loops.asynchronous): open_run (run
+dir, state, checkpointer, logger, jitted step: rl.loops.context), sample_batch_groups (one
+batch of scored groups) and build_batch (groups -> TrainBatch, with optional per-token loss
+weights), rollout_seed. Sampling groups is rl.loops.rollouts (sample_groups), the periodic
+eval rl.loops.evaluator (make_evaluator, eval_report), the rewards rl.loops.scoring.
 """
 from __future__ import annotations
 
@@ -37,20 +37,19 @@ from rl.learner.config import TrainConfig
 from rl.loops import episodes
 from rl.loops.buffer import ScoredGroup
 from rl.loops.config import LoopConfig, Resume, RunConfig, RunHooks, as_resume
-from rl.loops.context import open_run, resolve_mesh, run_clock
-from rl.loops.evaluation import (accuracy_name, batch_reward_metrics, flat_metrics, jsonable,
-                                 mean_stderr, pass_at_k, response_stats, solved)
+from rl.loops.context import open_run, resolve_mesh
+from rl.loops.evaluation import accuracy_name, batch_reward_metrics
+from rl.loops.evaluator import make_evaluator
+from rl.loops.rollouts import loop_time_limits, sample_groups, take_rows
 from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_source
 from rl.loops.scoring import score, total_reward  # re-exported: the loops' task rewards
 from rl.objectives.offpolicy import kept_group_indices
-from rl.rollout.engine import RolloutConfig, RolloutEngine
-from rl.rollout.multiturn import TimeLimits
-from rl.rollout.pruning import PruneConfig, Pruner, make_pruner, settle_rollouts
+from rl.rollout.pruning import Pruner, make_pruner, settle_rollouts
 from rl.rollout.sampler_state import SamplingConfig
 from rl.runtime.distributed import process_local, process_shard
-from rl.runtime.logging import NULL_PROFILE, MetricsLogger, StepProfile
-from rl.runtime.preemption import Preempted, StepAbandoned, abandon_point
-from rl.tasks.base import Prompt, Task
+from rl.runtime.logging import NULL_PROFILE, StepProfile
+from rl.runtime.preemption import Preempted, StepAbandoned
+from rl.tasks.base import Task
 from rl.trajectory import Trajectory, concat_trajectories
 
 
@@ -67,175 +66,11 @@ class RunResult:
     summary: dict | None = None
 
 
-# ----------------------------------------------------------------------------- rollout
-def take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
-    idx = np.asarray(rows, np.int64)
-    return jax.tree.map(lambda x: np.asarray(x)[idx], traj)
-
-
-def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Task,
-                  prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
-                  segment_len: int, seed: int, first_group_id: int = 0,
-                  max_new_tokens: int | None = None, profile=NULL_PROFILE,
-                  pruner: Pruner | None = None, time_limits: TimeLimits | None = None,
-                  layer_loop: str = "scan", bucket_slots: bool = False) -> Trajectory:
-    """Sample `group_size` responses for each prompt with the rollout engine (all groups
-    decode together). Rows come back grouped in prompt order: group g = prompts[g].
-    first_group_id: the global index of prompts[0] (a process's shard of a batch): the
-    rng keys follow the global group ids, the returned group ids stay 0..G-1.
-    max_new_tokens: the response budget (default task.max_new_tokens). profile: a
-    StepProfile that gets the engine's prefill_s / decode_s and the rest as host_s.
-    pruner: online pruning in the engine (rl.rollout.pruning; None = off). time_limits: an
-    environment's step / episode time limits (rl.rollout.multiturn.TimeLimits). A stop
-    request inside an abandonable phase (rl.runtime.preemption) ends it between segments.
-    layer_loop, bucket_slots: the engine's decode options (rl.rollout.RolloutConfig; same
-    tokens)."""
-    if episodes.is_episodic(task):  # an environment: multi-turn episodes (rl.loops.episodes)
-        return episodes.sample_episodes(
-            params, version, model_config, task, prompts, group_size=group_size,
-            sampling=sampling, segment_len=segment_len, seed=seed,
-            first_group_id=first_group_id, profile=profile, pruner=pruner,
-            time_limits=time_limits)
-    if not prompts:
-        raise ValueError("no prompts to sample: the prompt list is empty")
-    t0 = time.perf_counter()
-    rc = RolloutConfig(num_slots=len(prompts) * group_size, group_size=group_size,
-                       segment_len=segment_len, max_prompt_len=task.max_prompt_len,
-                       max_new_tokens=int(max_new_tokens or task.max_new_tokens),
-                       sampling=sampling,
-                       stop_ids=tuple(task.stop_ids), seed=int(seed),
-                       first_group_id=int(first_group_id), layer_loop=layer_loop,
-                       bucket_slots=bucket_slots)
-    engine = RolloutEngine(model_config, rc, pruner=pruner)
-    engine.submit([p.ids for p in prompts])
-    parts = []
-    while not engine.idle:
-        abandon_point()
-        engine.step(params, int(version))
-        part = engine.harvest()
-        if part is not None:
-            parts.append(part)
-    abandon_point()
-    traj = parts[0] if len(parts) == 1 else concat_trajectories(parts)
-    order = np.argsort(np.asarray(traj.group_ids), kind="stable")
-    traj = take_rows(traj, order)
-    traj = traj.replace(group_ids=np.asarray(traj.group_ids) - first_group_id)
-    fill, dec = engine.timings["prefill_s"], engine.timings["decode_s"]
-    profile.add("prefill_s", fill)
-    profile.add("decode_s", dec)
-    profile.add("host_s", time.perf_counter() - t0 - fill - dec)
-    return traj
-
-
-# ----------------------------------------------------------------------------- eval
-def _sample_rows(params, version, model_config, task, prompts, *, group_size, sampling,
-                 segment_len, seed, max_new_tokens, max_slots, bar, time_limits):
-    """(response id lists, truncated [B], rewards {name: [B]}) of group_size samples per
-    prompt, rows in prompt order, sampled in chunks of at most max_slots rows (None: all at
-    once); rng keys follow the global group id, so the chunking changes no sample."""
-    per = len(prompts) if max_slots is None else max(1, max_slots // group_size)
-    ids, trunc, parts = [], [], []
-    for start in range(0, len(prompts), per):
-        chunk = prompts[start:start + per]
-        traj = sample_groups(params, version, model_config, task, chunk, group_size=group_size,
-                             sampling=sampling, segment_len=segment_len, seed=seed,
-                             first_group_id=start, max_new_tokens=max_new_tokens,
-                             time_limits=time_limits)
-        parts.append(score(task, chunk, traj))
-        resp, mask = np.asarray(traj.response_ids), np.asarray(traj.response_mask)
-        ids += [resp[i, :int(mask[i].sum())].tolist() for i in range(traj.batch_size)]
-        trunc.append(np.asarray(traj.truncated, bool))
-        bar.update(len(chunk) * group_size)
-    return ids, np.concatenate(trunc), {n: np.concatenate([p[n] for p in parts])
-                                        for n in task.reward_names}
-
-
-def eval_report(params: Any, version: int, model_config: ModelConfig, task: Task,
-                prompts: Sequence[Prompt], *, sampling: SamplingConfig | None = None,
-                segment_len: int = 32, seed: int = 0, k: int = 0, temperature: float = 1.0,
-                reward_weights: dict[str, float] | None = None, max_new_tokens: int | None = None,
-                examples: int = 0, decode: Callable[[list[int]], str] | None = None,
-                max_slots: int | None = None, progress: bool = False,
-                time_limits: TimeLimits | None = None) -> dict:
-    """The evaluation report of `params` on `prompts` (rl.loops.evaluation has the formulas).
-
-    One response per prompt with `sampling` (default greedy): "accuracy" (+ "accuracy_stderr";
-    "accuracy_reward" names the reward it reads), the weighted total "reward", each named
-    reward's mean under "rewards", "mean_length" (tokens), "truncated_frac" (cut at the
-    budget, no stop token), "n" and "per_prompt_accuracy". k > 0 adds "pass_at_k": k samples
-    per prompt at `temperature` with pass_at_k (+ stderr), best_of_k (mean best accuracy),
-    the same block statistics over all k * n samples and per_prompt_accuracy [n][k].
-    "examples": the first `examples` prompts' main-pass completions (prompt text, response
-    via decode (default: the task's tokenizer, else the ids), answer, rewards, length,
-    truncated, the task's describe line). max_new_tokens overrides the task's budget; max_slots caps the rows sampled
-    at once; progress shows a tqdm bar; time_limits: an environment's (sample_groups)."""
-    if not prompts:
-        raise ValueError("eval_report: no prompts to evaluate")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"eval_report: k must be an int >= 0 (0 = no pass@k), got {k!r}")
-    sampling = sampling or SamplingConfig(greedy=True)
-    w, acc_name = dict(reward_weights or {}), accuracy_name(task.reward_names)
-    bar = tqdm(total=len(prompts) * (1 + k), desc="eval", disable=not progress, unit="resp",
-               dynamic_ncols=True)
-
-    def one_pass(group_size, how):
-        ids, trunc, rewards = _sample_rows(
-            params, version, model_config, task, prompts, group_size=group_size, sampling=how,
-            segment_len=segment_len, seed=seed, max_new_tokens=max_new_tokens,
-            max_slots=max_slots, bar=bar, time_limits=time_limits)
-        total = sum(w.get(n, 1.0) * v for n, v in rewards.items())
-        acc = total if acc_name == "reward" else rewards[acc_name]
-        return response_stats(rewards, total, [len(x) for x in ids], trunc, acc_name), \
-            ids, trunc, rewards, np.asarray(acc, np.float64)
-
-    try:
-        block, ids, trunc, rewards, acc = one_pass(1, sampling)
-        report = {"accuracy_reward": acc_name, "greedy": sampling.greedy,
-                  "temperature": None if sampling.greedy else sampling.temperature, **block,
-                  "per_prompt_accuracy": acc.tolist(), "pass_at_k": None}
-        if k:
-            kblock, *_, kacc = one_pass(k, SamplingConfig(temperature=temperature))
-            per = kacc.reshape(len(prompts), k)
-            report["pass_at_k"] = {
-                "k": k, "temperature": temperature, "pass_at_k": pass_at_k(per),
-                "pass_at_k_stderr": mean_stderr(solved(per).any(axis=1))[1],
-                "best_of_k": float(per.max(axis=1).mean()), **kblock,
-                "per_prompt_accuracy": per.tolist()}
-    finally:
-        bar.close()
-    if decode is None:
-        tok = getattr(task, "tokenizer", None)
-        decode = tok.decode if tok is not None else (lambda x: " ".join(map(str, x)))
-    report["examples"] = [
-        {"prompt": prompts[i].text, "response": decode(list(ids[i])), "answer":
-         jsonable(prompts[i].answer), "rewards": {n: float(v[i]) for n, v in rewards.items()},
-         "length": len(ids[i]), "truncated": bool(trunc[i]),
-         "describe": task.describe(prompts[i], list(ids[i]))}
-        for i in range(min(int(examples), len(prompts)))]
-    return report
-
-
-def evaluate(params: Any, version: int, model_config: ModelConfig, task: Task,
-             prompts: Sequence[Prompt], *, sampling: SamplingConfig, segment_len: int,
-             seed: int, reward_weights: dict[str, float] | None = None,
-             time_limits: TimeLimits | None = None) -> dict[str, float]:
-    """One response per eval prompt (eval_report's main pass) as flat metrics: {"reward":
-    weighted total mean, <name>: mean, accuracy, accuracy_stderr, mean_length,
-    truncated_frac}."""
-    return flat_metrics(eval_report(params, version, model_config, task, prompts,
-                                    sampling=sampling, segment_len=segment_len, seed=seed,
-                                    reward_weights=reward_weights, time_limits=time_limits))
-
-
 # ----------------------------------------------------------------------------- the loop
 def rollout_seed(rng: jax.Array) -> tuple[int, jax.Array]:
     """Split a raw key [2] uint32: (seed for one rollout, the key to keep)."""
     key, sub = jax.random.split(jnp.asarray(rng))
     return int(jax.random.randint(sub, (), 0, np.iinfo(np.int32).max)), key
-
-
-def loop_time_limits(loop: LoopConfig) -> TimeLimits:  # an environment's, from the loop's
-    return TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s)
 
 
 def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:
@@ -402,41 +237,6 @@ def collect_batch(state: TrainState, model_config: ModelConfig, task: Task, conf
         batch = build_batch(groups, model_config=model_config, task=task, config=config,
                             group_size=loop.group_size)
     return batch, state, data_position, stats
-
-
-def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, loop: LoopConfig,
-                   logger: MetricsLogger, on_eval: Callable[[dict], Any] | None = None
-                   ) -> Callable[[int, Any, int], dict]:
-    """do_eval(step, params, version) -> the logged eval record: eval_report's main pass
-    (flat_metrics: reward, each named reward, accuracy, accuracy_stderr, mean_length,
-    truncated_frac) sampled at the train temperature, plus the same with prefix "greedy_"
-    with loop.eval_greedy (seed from loop.seed and step), and time_s (do_eval.clock())."""
-    eval_prompts = task.eval_prompts(loop.eval_prompts)
-    weights = dict(config.reward_weights)
-    clock = run_clock(logger)
-
-    def do_eval(step: int, params: Any, version: int) -> dict:
-        rec = {}
-        modes = [("", SamplingConfig(temperature=config.temperature))]
-        if loop.eval_greedy:
-            modes.append(("greedy_", SamplingConfig(greedy=True)))
-        for prefix, sampling in modes:
-            prompts = eval_prompts
-            if not prefix and loop.eval_sampled_prompts:
-                prompts = eval_prompts[:loop.eval_sampled_prompts]
-            res = evaluate(params, version, model_config, task, prompts, sampling=sampling,
-                           segment_len=loop.segment_len, seed=(loop.seed * 7919 + step) % (2 ** 31),
-                           reward_weights=weights, time_limits=loop_time_limits(loop))
-            res.update(episodes.take_episode_metrics(task))  # an environment: its episodes
-            rec.update({f"{prefix}{k}": v for k, v in res.items()})
-        rec["time_s"] = clock()
-        record = logger.log(step, rec, kind="eval")
-        if on_eval is not None:
-            on_eval(record)
-        return record
-
-    do_eval.clock = clock
-    return do_eval
 
 
 def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *,

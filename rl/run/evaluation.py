@@ -11,7 +11,7 @@ reward, pass@k, response lengths and truncation, a few example completions.
 A source is a RunConfig, a training run dir (model.json + checkpoints/: rl.run.load_run,
 latest checkpoint or `step`; the task, its options and the split seed default to the
 run's), a registered model name, a .gguf file, a Hugging Face directory, or "tiny" (a
-random init, for tokenizer-free tasks). The numbers come from rl.loops.sync.eval_report,
+random init, for tokenizer-free tasks). The numbers come from rl.loops.evaluator.eval_report,
 the function the training loops' periodic eval calls: one greedy response per prompt ->
 accuracy (mean of the task's "correct" reward, else of the total reward) ± standard
 error; with k > 0 also k samples per prompt at `temperature` -> pass@k and best-of-k.
@@ -114,7 +114,7 @@ def evaluate(source: RunConfig | str | os.PathLike, *, task: str | None = None,
              max_slots: int = 256, progress: bool = True,
              reward: RewardConfig | None = None) -> dict:
     """The evaluation report of `source` (module docstring) on `n` eval prompts:
-    rl.loops.sync.eval_report's keys plus "model", "model_kind", "tokenizer", "step",
+    rl.loops.evaluator.eval_report's keys plus "model", "model_kind", "tokenizer", "step",
     "task", "task_options", "seed", "max_new_tokens", "wall_s". reward: load_for_eval's;
     the weighted total ("reward") gives a task's logged-only rewards weight 0."""
     for name, value, low in (("n", n, 1), ("k", k, 0), ("examples", examples, 0),

@@ -1,4 +1,4 @@
-"""The evaluation report (rl.loops.sync.eval_report, rl.loops.evaluation) and the reports
+"""The evaluation report (rl.loops.evaluator.eval_report, rl.loops.evaluation) and the reports
 that must not be misread: `python -m experiments.evaluate` end to end on the run dir of a
 short tiny training run, its numbers recomputed naively from the per-prompt data and the
 example completions it returns (rewards re-scored by the task itself); the statistics

@@ -150,12 +150,12 @@ def test_slot_bucket_sizes_and_one_program_for_several_batch_sizes(tiny_params):
 
 
 def test_the_loops_rollouts_take_the_decode_options(tiny_params, monkeypatch):
-    """LoopConfig.layer_loop / bucket_slots reach the train rollouts (rl.loops.sync
+    """LoopConfig.layer_loop / bucket_slots reach the train rollouts (rl.loops.rollouts
     sample_groups -> RolloutConfig): 3 groups x 2 samples (6 rows in an 8-slot state) with
     unrolled layers give the default rollout's trajectory."""
-    import rl.loops.sync as sync
+    import rl.loops.rollouts as rollouts
     from rl.loops.config import LoopConfig
-    from rl.loops.sync import sample_groups
+    from rl.loops.rollouts import sample_groups
     from rl.rollout import RolloutEngine
     from rl.tasks.synthetic import SyntheticTask
 
@@ -166,7 +166,7 @@ def test_the_loops_rollouts_take_the_decode_options(tiny_params, monkeypatch):
             states.append(self.state)
             return super().harvest()
 
-    monkeypatch.setattr(sync, "RolloutEngine", Spy)
+    monkeypatch.setattr(rollouts, "RolloutEngine", Spy)
 
     task = SyntheticTask(kind="reverse", length=6, alphabet=4)
     prompts = task.train_prompts(0, 3)

@@ -28,7 +28,7 @@ from models.lora import PROJECTIONS, LoraConfig, compose, init_lora
 from rl.learner.snapshots import load_params_file
 from rl.loops import AsyncConfig, run, run_async, sample_groups
 from rl.loops.adapters import BASE_KEY, base_hash, lora_run, merged_params
-from rl.loops.sync import evaluate
+from rl.loops.evaluator import evaluate
 from rl.loops.validation import ConfigError
 from rl.rollout import SamplingConfig
 
