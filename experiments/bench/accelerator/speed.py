@@ -97,7 +97,8 @@ def plan_speed_tasks(parts, sz: dict, platform: str, peak) -> list[dict]:
     if "train" in parts:
         for remat in sz["remat"]:
             train(first, True, remat=remat)
-        train(first, True, head_chunk="device")
+        if platform != "cpu":  # a CPU reports no memory: its "device" chunk is the default
+            train(first, True, head_chunk="device")
     if "decode_step" in parts and gpu and sz["command_buffer_flags"]:
         decode(first, sz["decode_rows"][0], ("scan", "unrolled"),
                env={"XLA_FLAGS": sz["command_buffer_flags"]}, tag=" command buffers")
