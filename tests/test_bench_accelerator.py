@@ -380,11 +380,18 @@ def test_speed_smoke_runs_every_part_with_its_torch_peer(tmp_path):
                                                     rel=1e-2)
         assert r["tokens_made"] == r["rows"] * 5
     assert steps[0]["vs_hf_generate_step"] > 0       # 4 rows = HF generate's 2 x 2
-    train = {(r["packed"], r["remat"]): r for r in saved["train"]}
+    train = {(r["packed"], r["remat"]): r for r in saved["train"] if "step_s" in r}
     assert set(train) == {(True, "none"), (True, "full"), (False, "none")}
     assert all(r["vs_torch_per_sample"] > 0 and r["peak_memory_per_row_mb"] > 0
                for r in train.values())
     assert all(r["vs_hf_generate"] > 0 and r["tokens"] == 2 * 2 * 5 for r in saved["sampler"])
+    # the first model's decode and packed train rows carry a profiler trace's summary
+    traces = {r["kind"]: r for r in saved["decode_step"] + saved["train"]
+              if r.get("kind", "").endswith("trace")}
+    assert set(traces) == {"decode trace", "train trace"}
+    for r in traces.values():
+        assert r["events"] > 0 and 0 < r["busy_us"] <= r["window_us"] and r["top"]
+    assert traces["decode trace"]["steps"] == 5
     torch_rows = {r["kind"]: r for r in saved["torch"]}
     assert torch_rows["train"]["step_s"] > 0 and torch_rows["generate"]["tokens"] == 2 * 2 * 5
     assert saved["headline"]["value"] > 0 and saved["headline"]["target"] == 50_000.0

@@ -5,6 +5,7 @@
 #     bash experiments/bench/gpu_check.sh            # issue 32's kernel check ($OUT, default /tmp/gpu_check)
 #     bash experiments/bench/gpu_check.sh speed      # issue 33's speed check (below)
 #     bash experiments/bench/gpu_check.sh once       # all of it in one call of <= 10 minutes
+#     bash experiments/bench/gpu_check.sh next       # what the H100 session left unmeasured
 #
 # `once` (for a session lent one 15-minute GPU: the machine's start counts too), each step
 # under its own timeout, most important first, every file in $OUT as it is written:
@@ -42,6 +43,38 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/gpu_check}"
 mkdir -p "$OUT/tuned"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+# `next` (<= 9.5 minutes, 6 files in $OUT): what the first `once` call (H100, 2026-11-26)
+# skipped for lack of budget, most wanted first:
+#   accelerator --parts train   issue 32's model path (packed vs unpacked at long shapes)
+#                               and every train row                        budget 180 s
+#   accelerator --parts dualkv  the headline again (a second run: its spread), the fused
+#                               Triton kernel, the copies_pallas_flash baseline  budget 100 s
+#   accelerator --speed         issue 33 with profiler-trace summaries of the decode and
+#                               train steps, the torch peer (now micro-batched)  budget 140 s
+#   accelerator --parts tune    issue 32's tuned table -> $OUT/tuned/      budget 120 s
+if [ "${1:-}" = "next" ]; then
+  LOGS=/tmp/gpu_check_logs; mkdir -p "$LOGS"
+  {
+    echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) next"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+    python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+  } 2>&1 | tee "$OUT/once.log"
+  run_part() {  # run_part NAME TIMEOUT ARGS...: accelerator with ARGS, $OUT/NAME.json
+    local name=$1 limit=$2; shift 2
+    echo "== $(date -u +%T) $name" | tee -a "$OUT/once.log"
+    timeout -k 5 "$limit" python3 -m experiments.bench.accelerator "$@" \
+      --out "$OUT/$name.json" --jsonl "$LOGS/$name.jsonl" > "$LOGS/$name.log" 2>&1
+    echo "== $(date -u +%T) $name exit $?" | tee -a "$OUT/once.log"
+    tail -40 "$LOGS/$name.log" | tee -a "$OUT/once.log"
+  }
+  run_part train 190 --parts train --budget 180
+  run_part dualkv 110 --parts dualkv --budget 100
+  run_part speed 150 --speed --budget 140
+  run_part tune 130 --parts tune --budget 120 --tuned-dir "$OUT/tuned"
+  ls -la "$OUT" "$OUT/tuned" 2>&1 | tee -a "$OUT/once.log"
+  exit 0
+fi
 
 if [ "${1:-}" = "once" ]; then
   # at most 8 files in $OUT (the device tool returns no more): the step logs go into

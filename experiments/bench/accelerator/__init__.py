@@ -36,6 +36,9 @@ Parts (GPU/TPU: the platform's kernels compiled; --smoke on CPU: Pallas in inter
                (torch_parts.py; "skipped" rows where torch is absent); every Tandem row of
                the JSON gets its peer ratio (speed.peer_ratios).
   sampler      generate() with unrolled layers and bucketed slots, and with the scan.
+  The first model's decode_step and packed train tasks add a "decode trace" / "train trace"
+  row: one call under the jax profiler, summarized (trace.py: device busy share, idle gaps,
+  kernels per step and per layer-step, the top kernels by time).
 Output: experiments/results/accelerator_<device>.json (accelerator_smoke_<device>.json with
 --smoke), rewritten after every task, with the rows, per-part lists and a "headline"
 {metric, value, target, machine}; the same rows as JSON lines in the .jsonl beside it (or

@@ -63,9 +63,12 @@ def decode_bytes_per_step(config, *, weights: int, rows: int, group_size: int,
 
 def decode_step(emit, *, model: str, rows: list, group_size: int, prompt: int, steps: int,
                 layer_loops: list, seconds: float, copy_mb: int,
-                xla_flags: str | None = None) -> None:
+                xla_flags: str | None = None, trace: bool = False) -> None:
     """One row per (rows, layer_loop): ms per decode step, tokens/s, bytes per step and
-    the roofline share, compile time apart; a first row with the copy bandwidth."""
+    the roofline share, compile time apart; a first row with the copy bandwidth. trace:
+    after each timing, one segment under the jax profiler, summarized in a "decode trace"
+    row (experiments.bench.accelerator.trace: device busy share, gaps, kernels per step
+    and per layer-step, the top kernels)."""
     from models.config import get_config
     from models.decoder import init_params
     from rl.rollout import SamplingConfig, init_state, prefill, sample_keys
@@ -115,3 +118,11 @@ def decode_step(emit, *, model: str, rows: list, group_size: int, prompt: int, s
                   "copy_gb_per_s": bw["copy_gb_per_s"],
                   "roofline_ms": round(roofline_ms, 4),
                   "roofline_share": round(roofline_ms / ms, 4)})
+            if trace:
+                from experiments.bench.accelerator.trace import traced
+                summary = traced(lambda: jax.block_until_ready(  # noqa: B023 - called now
+                    compiled(*args).response_ids), steps)
+                emit({"status": "ok", "kind": "decode trace", "model": model, "rows": n_rows,
+                      "layer_loop": loop, "xla_flags": xla_flags, "num_layers": cfg.num_layers,
+                      "events_per_layer_step": summary["events_per_step"] / cfg.num_layers,
+                      **summary})

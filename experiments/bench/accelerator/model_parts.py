@@ -97,12 +97,13 @@ def train_flops(cfg, groups: int, n: int, p: int, r: int) -> float:
 
 def train(emit, *, model: str, groups: int, group_size: int, prompt: int, response: int,
           packed: bool, attn_impl, peak_tflops, remat: str | None = None,
-          head_chunk: str = "default") -> None:
+          head_chunk: str = "default", trace: bool = False) -> None:
     """One train step's time: packed (shared-prefix attention, `attn_impl`) or the same
     samples unpacked; tokens/s of the packed token count, TFLOP/s and MFU; remat
     (TrainConfig.remat); head_chunk "device": the vocabulary head's chunk sized for the
     device's memory (models.logprobs.head_chunk_for_memory), "default": DEFAULT_CHUNK;
-    peak device memory in all and per row."""
+    peak device memory in all and per row. trace: one more step under the jax profiler,
+    summarized in a "train trace" row (experiments.bench.accelerator.trace)."""
     from models.logprobs import DEFAULT_CHUNK, head_chunk_for_memory
     from rl.learner import TrainConfig, batch_from_trajectory, init_train_state, make_train_step
     from rl.trajectory import Trajectory
@@ -145,3 +146,13 @@ def train(emit, *, model: str, groups: int, group_size: int, prompt: int, respon
           "tokens_per_s": round(g * (p + n * r) / sec, 1),
           "tflops_per_s": round(flops / sec / 1e12, 3),
           "mfu": None if mfu is None else round(mfu, 4)})
+    if trace:
+        from experiments.bench.accelerator.trace import traced
+        holder = [state]
+
+        def one_step():  # the state is donated: carry the new one
+            holder[0], _ = step(holder[0], batch)
+            jax.block_until_ready(holder[0].params)
+        emit({"model": model, "status": "ok", "side": "tandem", "kind": "train trace",
+              "packed": packed, "remat": remat or "none", "groups": g, "group_size": n,
+              "P": p, "R": r, "num_layers": cfg.num_layers, **traced(one_step, 1)})

@@ -8,8 +8,11 @@ prompts, generate() with unrolled layers and bucketed slots (it compiles one dec
 program per KV bound, each longer: last), the unpacked train step. Then, for the first
 model: the decode step at the larger row counts, the train step with each remat policy and
 with the head chunk sized for the device, and the decode step under XLA flags that put
-while loops into command buffers (CUDA graphs). A task the budget cannot start becomes a
-"skipped" row.
+while loops into command buffers (CUDA graphs). The first model's decode-step and packed
+train tasks also trace one call under the jax profiler ("decode trace" / "train trace"
+rows: device busy share, gaps, kernels per step and per layer-step, the top kernels;
+experiments.bench.accelerator.trace). A task the budget cannot start becomes a "skipped"
+row.
 
 `peer_ratios` gives every Tandem row of the JSON its ratio to the torch row of the same
 samples (computed when the results are written; the JSON-lines stream keeps the rows as
@@ -52,20 +55,21 @@ def plan_speed_tasks(parts, sz: dict, platform: str, peak) -> list[dict]:
     sg, sn, sp, sr = sz["sampler"]
     tasks = []
 
-    def decode(model, rows, loops, env=None, tag=""):
+    def decode(model, rows, loops, env=None, tag="", trace=False):
         tasks.append(_task("decode_step", f"{model} rows={rows} {'+'.join(loops)}{tag}",
                            f"{DP}:decode_step", cap(150), env=env, model=model, rows=[rows],
                            group_size=sz["group_size"], prompt=sz["decode_prompt"],
                            steps=sz["decode_steps"], layer_loops=list(loops),
                            seconds=sz["seconds"], copy_mb=sz["copy_mb"],
-                           xla_flags=(env or {}).get("XLA_FLAGS")))
+                           xla_flags=(env or {}).get("XLA_FLAGS"), trace=trace))
 
-    def train(model, packed, remat=None, head_chunk="default"):
+    def train(model, packed, remat=None, head_chunk="default", trace=False):
         item = (f"{model} {'packed' if packed else 'unpacked'} remat={remat or 'none'}"
                 f"{' chunk=device' if head_chunk == 'device' else ''}")
         tasks.append(_task("train", item, f"{MP}:train", cap(90), model=model, groups=g,
                            group_size=n, prompt=p, response=r, packed=packed, attn_impl=None,
-                           peak_tflops=peak, remat=remat, head_chunk=head_chunk))
+                           peak_tflops=peak, remat=remat, head_chunk=head_chunk,
+                           trace=trace))
 
     def sampler(model, loop, bucket):
         tasks.append(_task("sampler", f"{model} {loop}", f"{MP}:sampler", cap(90), model=model,
@@ -73,10 +77,11 @@ def plan_speed_tasks(parts, sz: dict, platform: str, peak) -> list[dict]:
                            bucket_slots=bucket))
 
     for model in sz["models"]:
+        first_model = model == sz["models"][0]   # its decode and train rows carry a trace
         if "decode_step" in parts:
-            decode(model, sz["decode_rows"][0], ("scan", "unrolled"))
+            decode(model, sz["decode_rows"][0], ("scan", "unrolled"), trace=first_model)
         if "train" in parts:
-            train(model, True)
+            train(model, True, trace=first_model)
         if "torch" in parts:
             tasks.append(_task("torch", f"{model} train", f"{TORCH}:train", cap(120),
                                model=model, groups=g, group_size=n, prompt=p, response=r,
@@ -118,7 +123,7 @@ def peer_ratios(rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
         row = dict(row)
-        if row.get("status") == "ok" and row.get("part") == "train":
+        if row.get("status") == "ok" and row.get("part") == "train" and "step_s" in row:
             peer = next((t for t in torch_train if _same_samples(row, t)), None)
             if peer is not None:
                 row["vs_torch_per_sample"] = round(peer["step_s"] / row["step_s"], 3)
