@@ -20,7 +20,9 @@ Parts (GPU/TPU: the platform's kernels compiled; --smoke on CPU: Pallas in inter
                jax's Pallas flash); a baseline whose memory estimate exceeds the device is
                skipped with the reason. Target >= 2.0x cuDNN on copies at (16, 4096, 1024).
   decode       one segment-decode step vs the replicated cache, N = 64, P = 1024 / 8192.
-  train        train step (packed; default and Triton attention; unpacked) tokens/s, MFU.
+  train        train step (packed; default and Triton attention; unpacked) tokens/s, MFU;
+               on a GPU first the model-path rows (the smallest model, packed and
+               unpacked, at the long shape of issue 32's target).
   sampler      generate() tokens/s, random weights.
   tune         per-launch Triton configs and split knobs (tune.py); writes
                kernels/shared_prefix_attention/tuned/<device>.json (--tuned-dir).
@@ -173,6 +175,12 @@ def plan_tasks(parts, sz, platform: str, memory: int | None, smoke: bool, peak,
                                n=sz["decode_n"], p=p, r=sz["decode_r"], heads=h, kv_heads=kvh,
                                head_dim=d, interpret=interp, seconds=sec))
     if "train" in parts:
+        if sz["train_long"] and gpu:   # the model-path target's shape, smallest model: first
+            g, n, p, r = sz["train_long"]
+            for packed in (True, False):
+                tasks.append(_task("train", f"{sz['models'][0]} long {packed}", f"{MP}:train", 90,
+                                   model=sz["models"][0], groups=g, group_size=n, prompt=p,
+                                   response=r, packed=packed, attn_impl=None, peak_tflops=peak))
         g, n, p, r = sz["train"]
         for model in sz["models"]:
             modes = [(True, None), (True, "pallas_triton")] if gpu else [(True, None)]
@@ -181,12 +189,6 @@ def plan_tasks(parts, sz, platform: str, memory: int | None, smoke: bool, peak,
                 tasks.append(_task("train", item, f"{MP}:train", 90 if gpu else 240,
                                    model=model, groups=g, group_size=n, prompt=p, response=r,
                                    packed=packed, attn_impl=attn, peak_tflops=peak))
-        if sz["train_long"] and gpu:   # the model-path target's shape, smallest model
-            g, n, p, r = sz["train_long"]
-            for packed in (True, False):
-                tasks.append(_task("train", f"{sz['models'][0]} long {packed}", f"{MP}:train", 90,
-                                   model=sz["models"][0], groups=g, group_size=n, prompt=p,
-                                   response=r, packed=packed, attn_impl=None, peak_tflops=peak))
     if "dualkv" in parts:
         for shape in sz["dualkv"]:
             for impl in [x for x in baselines if x not in first]:
