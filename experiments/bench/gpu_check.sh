@@ -44,6 +44,26 @@ OUT="${OUT:-/tmp/gpu_check}"
 mkdir -p "$OUT/tuned"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
+LOGS=/tmp/gpu_check_logs   # step logs and JSON-lines streams: not in $OUT (<= 8 files)
+mkdir -p "$LOGS"
+
+header() {  # header LOG TAG: commit, device, jax (and torch, when present) into $OUT/LOG
+  {
+    echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) $2"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+    python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1
+  } 2>&1 | tee "$OUT/$1"
+}
+
+step() {  # step NAME TIMEOUT COMMAND...: one step under its timeout; its tail into once.log
+  local name=$1 limit=$2; shift 2
+  echo "== $(date -u +%T) $name" | tee -a "$OUT/once.log"
+  timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  echo "== $(date -u +%T) $name exit $?" | tee -a "$OUT/once.log"
+  tail -40 "$LOGS/$name.log" | tee -a "$OUT/once.log"
+}
+
 # `next` (<= 9.5 minutes, 6 files in $OUT): what the first `once` call (H100, 2026-11-26)
 # skipped for lack of budget, most wanted first:
 #   accelerator --parts train   issue 32's model path (packed vs unpacked at long shapes)
@@ -54,45 +74,22 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 #                               train steps, the torch peer (now micro-batched)  budget 140 s
 #   accelerator --parts tune    issue 32's tuned table -> $OUT/tuned/      budget 120 s
 if [ "${1:-}" = "next" ]; then
-  LOGS=/tmp/gpu_check_logs; mkdir -p "$LOGS"
-  {
-    echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) next"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
-    python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
-  } 2>&1 | tee "$OUT/once.log"
-  run_part() {  # run_part NAME TIMEOUT ARGS...: accelerator with ARGS, $OUT/NAME.json
-    local name=$1 limit=$2; shift 2
-    echo "== $(date -u +%T) $name" | tee -a "$OUT/once.log"
-    timeout -k 5 "$limit" python3 -m experiments.bench.accelerator "$@" \
-      --out "$OUT/$name.json" --jsonl "$LOGS/$name.jsonl" > "$LOGS/$name.log" 2>&1
-    echo "== $(date -u +%T) $name exit $?" | tee -a "$OUT/once.log"
-    tail -40 "$LOGS/$name.log" | tee -a "$OUT/once.log"
-  }
-  run_part train 190 --parts train --budget 180
-  run_part dualkv 110 --parts dualkv --budget 100
-  run_part speed 150 --speed --budget 140
-  run_part tune 130 --parts tune --budget 120 --tuned-dir "$OUT/tuned"
+  header once.log next
+  acc=(python3 -m experiments.bench.accelerator)
+  step train 190 "${acc[@]}" --parts train --budget 180 \
+    --out "$OUT/train.json" --jsonl "$LOGS/train.jsonl"
+  step dualkv 110 "${acc[@]}" --parts dualkv --budget 100 \
+    --out "$OUT/dualkv.json" --jsonl "$LOGS/dualkv.jsonl"
+  step speed 150 "${acc[@]}" --speed --budget 140 \
+    --out "$OUT/speed.json" --jsonl "$LOGS/speed.jsonl"
+  step tune 130 "${acc[@]}" --parts tune --budget 120 --tuned-dir "$OUT/tuned" \
+    --out "$OUT/tune.json" --jsonl "$LOGS/tune.jsonl"
   ls -la "$OUT" "$OUT/tuned" 2>&1 | tee -a "$OUT/once.log"
   exit 0
 fi
 
 if [ "${1:-}" = "once" ]; then
-  # at most 8 files in $OUT (the device tool returns no more): the step logs go into
-  # once.log, the JSON-lines streams into /tmp
-  LOGS=/tmp/gpu_check_logs; mkdir -p "$LOGS"
-  {
-    echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) once"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
-    python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
-    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1
-  } 2>&1 | tee "$OUT/once.log"
-  step() {  # step NAME TIMEOUT COMMAND...: one step, its output appended to $OUT/once.log
-    local name=$1 limit=$2; shift 2
-    echo "== $(date -u +%T) $name" | tee -a "$OUT/once.log"
-    timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
-    echo "== $(date -u +%T) $name exit $?" | tee -a "$OUT/once.log"
-    tail -40 "$LOGS/$name.log" | tee -a "$OUT/once.log"
-  }
+  header once.log once
   step accelerator 150 python3 -m experiments.bench.accelerator --budget 140 \
     --out "$OUT/accelerator.json" --jsonl "$LOGS/accelerator.jsonl"
   step speed 140 python3 -m experiments.bench.accelerator --speed --budget 130 \
@@ -110,12 +107,7 @@ if [ "${1:-}" = "once" ]; then
 fi
 
 if [ "${1:-}" = "speed" ]; then
-  {
-    echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) speed"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
-    python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
-    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1
-  } 2>&1 | tee "$OUT/speed.log"
+  header speed.log speed
   timeout -k 10 280 python3 -m experiments.bench.accelerator --speed --budget 240 \
     --out "$OUT/speed.json" --jsonl "$OUT/speed.jsonl" 2>&1 | tee -a "$OUT/speed.log"
   echo "== accelerator --speed exit ${PIPESTATUS[0]}" | tee -a "$OUT/speed.log"
@@ -126,11 +118,7 @@ if [ "${1:-}" = "speed" ]; then
   exit 0
 fi
 
-{
-  echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
-  python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
-} 2>&1 | tee "$OUT/accelerator.log"
+header accelerator.log ""
 
 timeout -k 10 330 python3 -m experiments.bench.accelerator --budget 300 \
   --out "$OUT/accelerator.json" --jsonl "$OUT/accelerator.jsonl" 2>&1 | tee -a "$OUT/accelerator.log"

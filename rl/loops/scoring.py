@@ -1,4 +1,4 @@
-"""The task rewards of sampled rows, as the loops score them (re-exported by rl.loops.sync).
+"""The task rewards of sampled rows, as the loops score them (exported by rl.loops).
 
     score          {name: [B] float64} of a Trajectory's rows: the task's reward function
                    per response, validated (names, numbers, finiteness); an environment's

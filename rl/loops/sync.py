@@ -42,7 +42,7 @@ from rl.loops.evaluation import accuracy_name, batch_reward_metrics
 from rl.loops.evaluator import make_evaluator
 from rl.loops.rollouts import loop_time_limits, sample_groups, take_rows
 from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_source
-from rl.loops.scoring import score, total_reward  # re-exported: the loops' task rewards
+from rl.loops.scoring import score, total_reward
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.pruning import Pruner, make_pruner, settle_rollouts
 from rl.rollout.sampler_state import SamplingConfig
