@@ -3,12 +3,16 @@
     python -m experiments.bench.grpo_step                 # smollm2-rg, 6 steps, vs 2991625
     python -m experiments.bench.grpo_step --steps 3 --repeats 1 --baseline HEAD
     python -m experiments.bench.grpo_step --preset tiny-synthetic --steps 2 --baseline none
+    python -m experiments.bench.grpo_step --steps 4 --repeats 2 --baseline self \
+        --old-arg=--remat --old-arg=full --new-arg=--low-memory --headline memory
 
 Each run is `python -m experiments.train --preset P --steps N --seed S --eval-every 0
 --save-every 0 --eval-prompts E --wandb disabled --no-progress` in a subprocess, one at a
 time (a real-model run holds many GB; two at once would also share the cores): "new" in
 this working tree, "old" in a `git worktree` of --baseline (default 2991625, the commit
-issue 17 starts from) made in a temp dir and removed at the end. Runs alternate old, new,
+issue 17 starts from) made in a temp dir and removed at the end; with `--baseline self`
+both sides run this tree and differ by their --old-arg / --new-arg flags (an option's cost
+and memory measured side by side). Runs alternate old, new,
 old, new, ... (--repeats pairs), with the same seeds, so load from other processes hits
 both sides alike.
 
@@ -20,10 +24,12 @@ must agree within noise; the table gives the mean absolute difference per step).
 per hour = 3600 / mean step wall time over every run's steps after the first (which
 compiles). The new side also has the step profile (prefill, decode, reward, learner,
 host, transfer, other, peak memory per step; rl.runtime.logging), summarised from its
-summary.json; each side's process peak resident memory comes from os.wait4.
+summary.json; each side's process peak resident memory and user / system CPU seconds come
+from os.wait4 (CPU seconds move less than walls when other jobs share the cores).
 
 Writes experiments/results/bench_grpo_step.json (--out): "headline" {"metric": "steps/hour
-new/old", "value", "target": 2.0, "machine"}, the per-side table, every run's per-step
+new/old", "value", "target": 2.0, "machine"}; with `--headline memory` the new side's
+per-step peak resident GB against 4.0), the per-side table, every run's per-step
 walls and rewards, and the load average before and after each run.
 """
 from __future__ import annotations
@@ -50,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository
 RESULT = results_path(__file__)
 DEFAULT_BASELINE = "2991625"  # the commit issue 17 starts from
 TARGET = 2.0  # issue 17: steps per hour at least doubled
+MEMORY_TARGET_GB = 4.0  # issue 33: the smollm2-rg step's peak resident memory on CPU
 PHASE_KEYS = ("prefill_s", "decode_s", "reward_s", "learner_s", "host_s", "transfer_s", "other_s")
 
 
@@ -102,6 +109,7 @@ def run_once(root: Path, command: list[str], run_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {
         "process_wall_s": wall,
         "process_peak_rss_mb": usage.ru_maxrss * 1024 / 1e6,  # Linux: KiB
+        "cpu_user_s": usage.ru_utime, "cpu_sys_s": usage.ru_stime,
         "load_average_before": load_before, "load_average_after": load_average(),
         "step_wall_s": step_walls(records),
         "reward_mean": [r["reward_mean"] for r in train],
@@ -179,6 +187,10 @@ def side_table(runs: list[dict]) -> dict[str, Any]:
         "reward_mean_per_step": [statistics.fmean(r["reward_mean"][i] for r in runs)
                                  for i in range(steps)],
         "process_peak_rss_mb": max(r["process_peak_rss_mb"] for r in runs),
+        # CPU seconds of the whole process (compile and evals included): less sensitive to
+        # other load on the machine than the walls
+        "cpu_user_s_mean": statistics.fmean(r.get("cpu_user_s", 0.0) for r in runs),
+        "cpu_sys_s_mean": statistics.fmean(r.get("cpu_sys_s", 0.0) for r in runs),
     }
     prof = [p for r in runs for p in r.get("profile", [])[1:]]
     if prof:
@@ -200,7 +212,12 @@ def compare(new: dict, old: dict | None) -> dict[str, Any]:
         return {}
     a, b = new["reward_mean_per_step"], old["reward_mean_per_step"]
     diffs = [abs(x - y) for x, y in zip(a, b)]
+    cpu = {side: s["cpu_user_s_mean"] + s["cpu_sys_s_mean"] for side, s in (("new", new),
+                                                                           ("old", old))}
     return {"steps_per_hour_ratio": new["steps_per_hour"] / old["steps_per_hour"],
+            "train_s_ratio": (new["train_s_mean"] / old["train_s_mean"]
+                              if new["train_s_mean"] and old["train_s_mean"] else None),
+            "process_cpu_s_ratio": cpu["new"] / cpu["old"] if cpu["old"] else None,
             "reward_mean_abs_diff": statistics.fmean(diffs) if diffs else None,
             "reward_max_abs_diff": max(diffs) if diffs else None,
             "first_step_reward_equal": bool(diffs) and diffs[0] == 0.0}
@@ -209,14 +226,15 @@ def compare(new: dict, old: dict | None) -> dict[str, Any]:
 def format_table(result: dict) -> str:
     sides = result["sides"]
     header = (f"{'side':<5} {'steps/h':>8} {'s/step':>8} {'first':>8} {'rollout':>8} "
-              f"{'train':>8} {'peak GB':>8}  rewards per step")
+              f"{'train':>8} {'peak GB':>8} {'cpu usr':>8} {'cpu sys':>8}  rewards per step")
     lines = [header]
     for name, s in sides.items():
         rewards = " ".join(f"{x:.3f}" for x in s["reward_mean_per_step"])
         lines.append(
             f"{name:<5} {s['steps_per_hour']:8.1f} {s['step_wall_s_mean']:8.2f} "
             f"{s['first_step_wall_s_mean']:8.2f} {s['rollout_s_mean'] or 0:8.2f} "
-            f"{s['train_s_mean'] or 0:8.2f} {s['process_peak_rss_mb'] / 1e3:8.2f}  {rewards}")
+            f"{s['train_s_mean'] or 0:8.2f} {s['process_peak_rss_mb'] / 1e3:8.2f} "
+            f"{s['cpu_user_s_mean']:8.1f} {s['cpu_sys_s_mean']:8.1f}  {rewards}")
     new = sides["new"]
     if "phases_mean_s" in new:
         lines.append("new step profile (mean s, share; steps after the first):")
@@ -227,8 +245,10 @@ def format_table(result: dict) -> str:
             lines.append(f"  peak memory in a step {new['peak_rss_mb_per_step_max'] / 1e3:.2f} GB")
     c = result["comparison"]
     if c:
-        lines.append(f"new/old steps/hour {c['steps_per_hour_ratio']:.3f} (target {TARGET}); "
-                     f"reward per step mean |new-old| {c['reward_mean_abs_diff']:.4f}")
+        lines.append(f"new/old steps/hour {c['steps_per_hour_ratio']:.3f}; train_s "
+                     f"{c['train_s_ratio'] or float('nan'):.3f}; process CPU seconds "
+                     f"{c['process_cpu_s_ratio'] or float('nan'):.3f}; reward per step mean "
+                     f"|new-old| {c['reward_mean_abs_diff']:.4f}")
     return "\n".join(lines)
 
 
@@ -242,11 +262,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="old/new pairs of runs")
     p.add_argument("--baseline", default=DEFAULT_BASELINE,
                    help=f"commit to compare against (default {DEFAULT_BASELINE}); 'none': only "
-                        "this tree")
+                        "this tree; 'self': this tree on both sides (set them apart with "
+                        "--old-arg / --new-arg)")
     p.add_argument("--eval-prompts", type=int, default=8,
                    help="prompts of the start and end evals (outside the timed steps)")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                    help="an extra experiments.train argument for both sides (repeatable)")
+    p.add_argument("--old-arg", action="append", default=[], metavar="ARG",
+                   help="an extra experiments.train argument for the old side only")
+    p.add_argument("--new-arg", action="append", default=[], metavar="ARG",
+                   help="an extra experiments.train argument for the new side only")
+    p.add_argument("--headline", choices=("speed", "memory"), default="speed",
+                   help="speed: new/old steps per hour (target 2, issue 17); memory: the new "
+                        "side's per-step peak resident GB (target 4, issue 33)")
     p.add_argument("--work-dir", help="where the runs' dirs go (default: a temp dir, removed)")
     p.add_argument("--out", default=str(RESULT), help="results JSON")
     return p
@@ -259,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.repeats < 1:
         build_parser().error("--repeats must be >= 1")
     baseline = None if args.baseline.lower() == "none" else args.baseline
+    if baseline is None and args.old_arg:
+        build_parser().error("--old-arg needs an old side: --baseline COMMIT or self")
     command_line = "python -m experiments.bench.grpo_step " + " ".join(
         sys.argv[1:] if argv is None else argv)
     load_start = load_average()
@@ -268,7 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
             stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-grpo-step-")))
         roots = {"new": ROOT}
         sha = None
-        if baseline is not None:
+        if baseline == "self":
+            roots["old"], sha = ROOT, "self"
+        elif baseline is not None:
             roots["old"], sha = stack.enter_context(baseline_tree(baseline))
         for root in roots.values():
             check_imports_from(root)
@@ -277,8 +309,9 @@ def main(argv: list[str] | None = None) -> dict:
         for i, side in enumerate(bar):
             bar.set_postfix(side=side)
             run_dir = work / f"{i:02d}-{side}"
+            side_args = args.new_arg if side == "new" else args.old_arg
             cmd = train_command(args.preset, args.steps, args.seed, args.eval_prompts, run_dir,
-                                args.train_arg)
+                                [*args.train_arg, *side_args])
             rec = run_once(roots[side], cmd, run_dir)
             rec["order"] = i
             runs[side].append(rec)
@@ -293,19 +326,25 @@ def main(argv: list[str] | None = None) -> dict:
                           check=False)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                            capture_output=True, text=True, check=False).stdout.strip() != ""
-    result = {
-        "headline": {
+    if args.headline == "memory":
+        peak = sides["new"].get("peak_rss_mb_per_step_max") or sides["new"]["process_peak_rss_mb"]
+        headline = {"metric": "new side's peak resident GB in a step", "value": round(peak / 1e3, 3),
+                    "target": MEMORY_TARGET_GB}
+    else:
+        headline = {
             "metric": "steps/hour new/old" if comparison else "steps/hour (no baseline)",
             "value": round(comparison["steps_per_hour_ratio"], 4) if comparison
             else round(sides["new"]["steps_per_hour"], 2),
-            "target": TARGET if comparison else None,
-            "machine": machine(),
-        },
+            "target": TARGET if comparison else None}
+    result = {
+        "headline": {**headline, "machine": machine()},
         "command": command_line,
         "preset": args.preset, "steps": args.steps, "seed": args.seed, "repeats": args.repeats,
         "eval_prompts": args.eval_prompts, "train_args": args.train_arg,
+        "old_args": args.old_arg, "new_args": args.new_arg,
         "new": {"commit": head.stdout.strip(), "uncommitted_changes": dirty},
-        "old": None if sha is None else {"commit": sha, "asked": baseline},
+        "old": (None if sha is None else {"commit": head.stdout.strip(), "asked": "self"}
+                if sha == "self" else {"commit": sha, "asked": baseline}),
         "load_average_1_5_15min": {"before": load_start, "after": load_average()},
         "sides": sides,
         "comparison": comparison,
@@ -315,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
                "(compiling) step; runs alternate old, new with the same seeds",
     }
     out = Path(args.out)
-    if comparison:
+    if result["headline"]["target"] is not None:
         write_results(out, result)
     else:  # no ratio to headline: write_results wants a numeric target
         atomic_write_json(out, result)

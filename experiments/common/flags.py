@@ -35,6 +35,7 @@ from rl.run import DEFAULT_PRESET, PRESETS
 from rl.run.policy import BUDGET_OPTIONS
 from rl.runtime.config_tree import parse_assignment, parse_value
 from rl.runtime.distributed import ENV_VARS, distributed_config
+from rl.runtime.host_memory import MALLOC_POLICIES
 from rl.runtime.logging import WANDB_MODES
 from rl.runtime.mesh import MESH_PRESETS
 from rl.runtime.preemption import EXIT_PREEMPTED
@@ -54,7 +55,11 @@ SIMPLE_FLAGS = {
     "reward_timeout": "reward.timeout_s",
     "save_every_minutes": "loop.save_every_minutes",
     "env_step_timeout": "loop.env_step_timeout_s", "episode_timeout": "loop.episode_timeout_s",
+    "host_malloc": "loop.host_malloc",
 }
+# --low-memory: the learner and host options that bring the smollm2-rg step under 4 GB
+# resident on CPU (docs/results/learner-memory.md), at a learner time cost
+LOW_MEMORY = {"train.remat": "full", "train.logprob_chunk": 256, "loop.host_malloc": "lean"}
 # store_true flag dest -> (path, value it sets)
 SWITCHES = {
     "packed": ("train.packed", True), "dynamic_sampling": ("loop.dynamic_sampling", True),
@@ -139,6 +144,13 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
     p.add_argument("--remat", choices=REMAT_POLICIES,
                    help="rematerialise the learner's layers: none, dots (keep matmul outputs) "
                         "or full (keep layer inputs); default: the model config's setting")
+    p.add_argument("--host-malloc", choices=MALLOC_POLICIES,
+                   help="the host allocator: default, or lean (freed blocks of >= 64 KiB leave "
+                        "the resident set at once: a lower CPU peak, more system time)")
+    p.add_argument("--low-memory", action="store_true",
+                   help="= --remat full --set train.logprob_chunk=256 --host-malloc lean: the "
+                        "lowest resident peak on CPU (slower learner); --remat, --host-malloc "
+                        "and --set override it")
     p.add_argument("--packed", action="store_true",
                    help="learner runs each group's shared prompt once (DualKV P+NR packing)")
     p.add_argument("--eval-every", type=int, help="steps between evals (0: start and end only)")
@@ -374,8 +386,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ValueError("--config and --preset both name the run to start from; give one")
     cfg = RunConfig.load(args.config) if args.config else PRESETS[args.preset or DEFAULT_PRESET]
     cfg = task_overrides(cfg, args)
-    paths = {path: getattr(args, dest) for dest, path in SIMPLE_FLAGS.items()
-             if getattr(args, dest) is not None}
+    paths = dict(LOW_MEMORY) if args.low_memory else {}
+    paths.update({path: getattr(args, dest) for dest, path in SIMPLE_FLAGS.items()
+                  if getattr(args, dest) is not None})
     paths.update({path: value for dest, (path, value) in SWITCHES.items() if getattr(args, dest)})
     if args.time_limit is not None:
         paths["loop.time_limit_s"] = 60.0 * args.time_limit

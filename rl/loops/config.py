@@ -50,6 +50,7 @@ from rl.rollout.april import AprilConfig
 from rl.rollout.pruning import PruneConfig
 from rl.runtime import config_tree
 from rl.runtime.distributed import DistributedConfig
+from rl.runtime.host_memory import MALLOC_POLICIES, check_malloc_policy
 from rl.runtime.logging import WANDB_MODES
 
 ALIASES = {"async": "asynchronous"}  # dotted-path spellings of sections
@@ -79,7 +80,9 @@ class LoopConfig:
     = none): an episode past either ends with EndReason.TIMEOUT (rl.rollout.multiturn).
     layer_loop / bucket_slots: the train rollouts' decode options (rl.rollout.RolloutConfig:
     "scan" or "unrolled" layers; slot counts bucketed to powers of two up to 256); the
-    same tokens either way, off by default."""
+    same tokens either way, off by default. host_malloc: how the host's C allocator returns
+    freed memory (rl.runtime.host_memory: "default", or "lean" for a lower resident peak on
+    CPU at some system time); it changes no computed value."""
 
     steps: int = 100
     prompts_per_step: int = 8
@@ -101,8 +104,12 @@ class LoopConfig:
     save_every_minutes: float = 0.0
     env_step_timeout_s: float = 0.0
     episode_timeout_s: float = 0.0
+    host_malloc: str = "default"
 
     def __post_init__(self):
+        if self.host_malloc not in MALLOC_POLICIES:
+            raise ValueError(f"LoopConfig.host_malloc must be one of {MALLOC_POLICIES}, got "
+                             f"{self.host_malloc!r}")
         if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s >= 0):
             raise ValueError(f"LoopConfig.time_limit_s must be >= 0 seconds (0 = no limit), "
                              f"got {self.time_limit_s!r}")
@@ -460,6 +467,7 @@ class RunConfig:
         from rl.loops.validation import validate_run
 
         validate_run(self.train, self.loop)
+        check_malloc_policy(self.loop.host_malloc)  # this platform's C library can apply it
         a, s, p = self.asynchronous, self.scheduler, self.prune
         if p is not None and a is not None:
             raise ValueError("online pruning (prune, --prune) is for the synchronous loop; "

@@ -36,7 +36,8 @@ MIN_TRAIN_TEMPERATURE = 0.05
 # How far a resumed run goes, and how it meets faults (time-based saves, environment time
 # limits): the resume itself says it may change.
 FREE_ON_RESUME = frozenset({"loop.steps", "loop.time_limit_s", "loop.save_every_minutes",
-                            "loop.env_step_timeout_s", "loop.episode_timeout_s"})
+                            "loop.env_step_timeout_s", "loop.episode_timeout_s",
+                            "loop.host_malloc"})
 # Fields that change what is measured or saved, not what is learned: allowed on resume
 # when named explicitly (rl.loops.run(..., resume=Resume(allow_changes=...)),
 # --allow-config-change).

@@ -7,7 +7,8 @@
 
 Two stages, so that everything that can be refused is refused before anything compiles:
   prepare(cfg, resume)   validate the config, join the multi-process run
-                         (cfg.distributed), check the run dir (no checkpoints unless
+                         (cfg.distributed), set the host allocator (loop.host_malloc,
+                         rl.runtime.host_memory), check the run dir (no checkpoints unless
                          resuming, no other writer), load the policy and task
                          (rl.run.policy.load_policy: the model, prompt file and reward
                          function checks), give the task's logged-only rewards weight 0,
@@ -37,6 +38,7 @@ from rl.run.record import write_record
 from rl.run.summary import summarize
 from rl.runtime.distributed import initialize_distributed, is_main_process
 from rl.runtime.host import load_average, machine
+from rl.runtime.host_memory import apply_malloc_policy
 from rl.runtime.logging import atomic_write_json
 from rl.runtime.runlock import check_run_dir_free
 
@@ -88,6 +90,7 @@ def prepare(cfg: RunConfig, resume: bool | Resume = False) -> PreparedRun:
     cfg.validate()
     resume_opts = as_resume(resume)
     initialize_distributed(cfg.distributed)  # before any other JAX computation
+    apply_malloc_policy(cfg.loop.host_malloc)  # before the weights are allocated
     run_dir = cfg.output_dir
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     ckpts = run_dir / "checkpoints"
