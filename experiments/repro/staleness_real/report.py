@@ -5,7 +5,9 @@ Final accuracy is the greedy accuracy on the task's 256 held-out problems after 
 step (strict verifier), mean and min..max over seeds. The synchronous baseline is the
 k = 0 cell of the first method (deterministic async at k = 0 is the synchronous loop). A
 method "holds" at staleness k when its mean final accuracy is at least the baseline's
-minus `TOLERANCE` (two standard errors of a 256-problem accuracy near 0.4 are ~0.06).
+minus `TOLERANCE` (two standard errors of a 256-problem accuracy near 0.4 are ~0.06), and
+it is "stable" when its final accuracy is at least its own best eval of the run minus
+`TOLERANCE` (a run that learned and then fell back does not count as stable training).
 """
 from __future__ import annotations
 
@@ -88,6 +90,16 @@ def _holds(row: dict | None, base: dict | None) -> bool | None:
     return row["final_accuracy"]["mean"] >= base["final_accuracy"]["mean"] - TOLERANCE
 
 
+def _stable(row: dict | None) -> bool | None:
+    if row is None:
+        return None
+    return row["final_accuracy"]["mean"] >= row["peak_accuracy_mean"] - TOLERANCE
+
+
+def _with_peak(row: dict | None) -> str:
+    return _acc(row) + ("" if row is None else f", best eval {row['peak_accuracy_mean']:.3f}")
+
+
 def _acc(row: dict | None) -> str:
     if row is None:
         return "not run"
@@ -109,8 +121,8 @@ def verdicts(rows: list[dict]) -> dict[str, dict]:
     out["vcpo"] = {
         "claim": "VCPO: stable asynchronous training even in highly off-policy regimes (128 "
                  "steps off-policy); on a long-horizon tool-use task it matches synchronous accuracy",
-        "verdict": "not run" if held is None else ("partly" if held else "not"),
-        "numbers": f"VCPO at k={kmax}: {_acc(v)}; {base_s}",
+        "verdict": "not run" if held is None else ("partly" if held and _stable(v) else "not"),
+        "numbers": f"VCPO at k={kmax}: {_with_peak(v)}; {base_s}",
         "note": "the reasoning-gym half only: k up to 32, not 128; the calculator tool-use "
                 "half (smollm2-calc at k 0 / 8) is not in these results"}
     a_k = min((k for k in ks if k >= 4), default=None)
@@ -129,12 +141,13 @@ def verdicts(rows: list[dict]) -> dict[str, dict]:
         "numbers": f"k={a_k}: decoupled {_acc(d)}, naive {_acc(n)}; {base_s}",
         "note": "tested at the smallest staleness >= 4 in the grid"}
     m = _cell(rows, kmax, "m2po") if kmax else None
-    held = _holds(m, base)
+    held, stable = _holds(m, base), _stable(m)
     out["m2po"] = {
         "claim": "M2PO: training stays stable with very stale data by masking tokens with "
                  "outlying second-moment importance weights",
-        "verdict": "not run" if held is None else ("reproduced" if held else "not"),
-        "numbers": f"M2PO at k={kmax}: {_acc(m)}, masked tokens "
+        "verdict": "not run" if held is None else
+        ("reproduced" if held and stable else "partly" if held or stable else "not"),
+        "numbers": f"M2PO at k={kmax}: {_with_peak(m)}, masked tokens "
                    f"{None if m is None else m['m2po_masked_frac_median']} (median); {base_s}"}
     d0 = _cell(rows, 0, "decoupled")
     dk = _cell(rows, kmax, "decoupled") if kmax else None
