@@ -7,6 +7,8 @@ here, so a sampler-only user does not load orbax or wandb).
                             process_local, is_main_process, the CLI flags
     rl.runtime.checkpoint   Checkpointer (orbax; async, atomic, restores onto any mesh),
                             CheckpointError
+    rl.runtime.host_memory  the host allocator's policy (LoopConfig.host_malloc: "lean"
+                            returns freed blocks to the kernel: a lower CPU peak)
     rl.runtime.logging      MetricsLogger (jsonl + wandb offline), atomic file writes
     rl.runtime.preemption   SIGTERM / Ctrl-C stop a run at a safe point (stop_signals,
                             RunControl, Preempted), the exit statuses
