@@ -58,7 +58,8 @@ SIMPLE_FLAGS = {
     "host_malloc": "loop.host_malloc",
 }
 # --low-memory: the learner and host options that bring the smollm2-rg step under 4 GB
-# resident on CPU (docs/results/learner-memory.md), at a learner time cost
+# resident on CPU (docs/results/learner-memory.md), at a learner time cost; it also caps
+# the evals' rows at one train batch (loop.eval_max_rows = prompts_per_step x group_size)
 LOW_MEMORY = {"train.remat": "full", "train.logprob_chunk": 256, "loop.host_malloc": "lean"}
 # store_true flag dest -> (path, value it sets)
 SWITCHES = {
@@ -148,9 +149,10 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
                    help="the host allocator: default, or lean (freed blocks of >= 64 KiB leave "
                         "the resident set at once: a lower CPU peak, more system time)")
     p.add_argument("--low-memory", action="store_true",
-                   help="= --remat full --set train.logprob_chunk=256 --host-malloc lean: the "
-                        "lowest resident peak on CPU (slower learner); --remat, --host-malloc "
-                        "and --set override it")
+                   help="= --remat full --host-malloc lean --set train.logprob_chunk=256 "
+                        "--set loop.eval_max_rows=<rows of a train batch>: the lowest resident "
+                        "peak on CPU (slower learner); --remat, --host-malloc and --set "
+                        "override it")
     p.add_argument("--packed", action="store_true",
                    help="learner runs each group's shared prompt once (DualKV P+NR packing)")
     p.add_argument("--eval-every", type=int, help="steps between evals (0: start and end only)")
@@ -386,7 +388,11 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ValueError("--config and --preset both name the run to start from; give one")
     cfg = RunConfig.load(args.config) if args.config else PRESETS[args.preset or DEFAULT_PRESET]
     cfg = task_overrides(cfg, args)
-    paths = dict(LOW_MEMORY) if args.low_memory else {}
+    paths: dict[str, Any] = {}
+    if args.low_memory:  # a view: the flags and --set below override it
+        rows = ((args.prompts_per_step or cfg.loop.prompts_per_step)
+                * (args.group_size or cfg.loop.group_size))
+        paths = {**LOW_MEMORY, "loop.eval_max_rows": rows}
     paths.update({path: getattr(args, dest) for dest, path in SIMPLE_FLAGS.items()
                   if getattr(args, dest) is not None})
     paths.update({path: value for dest, (path, value) in SWITCHES.items() if getattr(args, dest)})

@@ -82,7 +82,9 @@ class LoopConfig:
     "scan" or "unrolled" layers; slot counts bucketed to powers of two up to 256); the
     same tokens either way, off by default. host_malloc: how the host's C allocator returns
     freed memory (rl.runtime.host_memory: "default", or "lean" for a lower resident peak on
-    CPU at some system time); it changes no computed value."""
+    CPU at some system time); it changes no computed value. eval_max_rows: rows an eval
+    samples at once (0 = all its prompts in one batch); fewer bound the eval's KV cache
+    (the same samples, rl.loops.evaluator)."""
 
     steps: int = 100
     prompts_per_step: int = 8
@@ -105,6 +107,7 @@ class LoopConfig:
     env_step_timeout_s: float = 0.0
     episode_timeout_s: float = 0.0
     host_malloc: str = "default"
+    eval_max_rows: int = 0
 
     def __post_init__(self):
         if self.host_malloc not in MALLOC_POLICIES:
@@ -122,7 +125,7 @@ class LoopConfig:
         for name, low in (("eval_sampled_prompts", 0), ("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
                           ("segment_len", 1), ("eval_every", 0), ("eval_prompts", 1),
                           ("save_every", 0), ("keep_checkpoints", 1), ("max_resample_rounds", 0),
-                          ("seed", 0)):
+                          ("seed", 0), ("eval_max_rows", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {v!r}")

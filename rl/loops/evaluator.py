@@ -117,13 +117,15 @@ def eval_report(params: Any, version: int, model_config: ModelConfig, task: Task
 def evaluate(params: Any, version: int, model_config: ModelConfig, task: Task,
              prompts: Sequence[Prompt], *, sampling: SamplingConfig, segment_len: int,
              seed: int, reward_weights: dict[str, float] | None = None,
-             time_limits: TimeLimits | None = None) -> dict[str, float]:
+             time_limits: TimeLimits | None = None, max_slots: int | None = None
+             ) -> dict[str, float]:
     """One response per eval prompt (eval_report's main pass) as flat metrics: {"reward":
     weighted total mean, <name>: mean, accuracy, accuracy_stderr, mean_length,
-    truncated_frac}."""
+    truncated_frac}. max_slots: rows sampled at once (None: all; the same samples)."""
     return flat_metrics(eval_report(params, version, model_config, task, prompts,
                                     sampling=sampling, segment_len=segment_len, seed=seed,
-                                    reward_weights=reward_weights, time_limits=time_limits))
+                                    reward_weights=reward_weights, time_limits=time_limits,
+                                    max_slots=max_slots))
 
 
 def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, loop: LoopConfig,
@@ -132,7 +134,9 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
     """do_eval(step, params, version) -> the logged eval record: eval_report's main pass
     (flat_metrics: reward, each named reward, accuracy, accuracy_stderr, mean_length,
     truncated_frac) sampled at the train temperature, plus the same with prefix "greedy_"
-    with loop.eval_greedy (seed from loop.seed and step), and time_s (do_eval.clock())."""
+    with loop.eval_greedy (seed from loop.seed and step), and time_s (do_eval.clock()).
+    loop.eval_max_rows > 0 samples the prompts in chunks of that many rows (a smaller KV
+    cache; the same samples: the rng keys follow the prompt's index)."""
     eval_prompts = task.eval_prompts(loop.eval_prompts)
     weights = dict(config.reward_weights)
     clock = run_clock(logger)
@@ -148,7 +152,8 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
                 prompts = eval_prompts[:loop.eval_sampled_prompts]
             res = evaluate(params, version, model_config, task, prompts, sampling=sampling,
                            segment_len=loop.segment_len, seed=(loop.seed * 7919 + step) % (2 ** 31),
-                           reward_weights=weights, time_limits=loop_time_limits(loop))
+                           reward_weights=weights, time_limits=loop_time_limits(loop),
+                           max_slots=loop.eval_max_rows or None)
             res.update(episodes.take_episode_metrics(task))  # an environment: its episodes
             rec.update({f"{prefix}{k}": v for k, v in res.items()})
         rec["time_s"] = clock()

@@ -220,3 +220,50 @@ def test_plot_reward_curve_per_reward_lines_and_minutes_panel(tmp_path):
     plot_reward_curve([{k: v for k, v in r.items() if k != "time_s"} for r in train], evals,
                       tmp_path / "no_time.png", minutes=True)  # no time_s: one panel
     assert (tmp_path / "no_time.png").is_file()
+
+
+# ----------------------------------------------------------------------------- chunked evals
+def test_eval_in_chunks_of_rows_draws_the_same_samples(tmp_path, monkeypatch):
+    """loop.eval_max_rows (rows an eval samples at once) bounds the eval's KV cache and
+    changes no sample: the chunked evaluator's record equals the one-batch evaluator's, for
+    the sampled and the greedy pass, at chunk sizes that do and do not divide the prompts."""
+    from models.config import get_config
+    from models.decoder import init_params
+    from rl.loops.config import LoopConfig
+    from rl.loops import evaluator
+    from rl.loops.evaluator import eval_report, make_evaluator
+    from rl.learner import TrainConfig
+    from rl.runtime.logging import MetricsLogger
+    from rl.rollout.sampler_state import SamplingConfig
+
+    task = make_task("synthetic", seed=0, kind="reverse", length=4, alphabet=4)
+    cfg = get_config("tiny", vocab_size=task.vocab_size)
+    params = init_params(cfg, 0)
+    train = TrainConfig(temperature=1.0)
+
+    batches = []  # rows of every sampler call the evaluator makes
+    real = evaluator.sample_groups
+    monkeypatch.setattr(evaluator, "sample_groups",
+                        lambda *a, **k: batches.append(len(a[4])) or real(*a, **k))
+
+    def record(rows, name):
+        batches.clear()
+        loop = LoopConfig(eval_prompts=7, eval_greedy=True, segment_len=3, eval_max_rows=rows)
+        logger = MetricsLogger(tmp_path / name, wandb_mode="disabled")
+        rec = make_evaluator(cfg, task, train, loop, logger)(5, params, 0)
+        return {k: v for k, v in rec.items() if k != "time_s"}
+
+    whole = record(0, "whole")
+    assert batches == [7, 7]  # the sampled and the greedy pass, one batch each
+    assert 0.0 < whole["accuracy"] or 0.0 < whole["mean_length"]  # it sampled something
+    for rows, chunks in ((1, [1] * 7), (3, [3, 3, 1]), (7, [7]), (16, [7])):
+        assert record(rows, f"rows{rows}") == whole, rows
+        assert batches == chunks * 2, (rows, batches)
+    # the responses themselves, not only their statistics
+    prompts = task.eval_prompts(7)
+    kw = dict(sampling=SamplingConfig(temperature=1.0), segment_len=3, seed=11, examples=7)
+    one = eval_report(params, 0, cfg, task, prompts, **kw)
+    chunked = eval_report(params, 0, cfg, task, prompts, max_slots=2, **kw)
+    assert [e["response"] for e in chunked["examples"]] == [e["response"] for e in one["examples"]]
+    with pytest.raises(ValueError, match="eval_max_rows"):
+        LoopConfig(eval_max_rows=-1)

@@ -80,10 +80,15 @@ def test_config_round_trip_and_low_memory_flag():
     assert RunConfig().loop.host_malloc == "default"
     low, _ = config_from_argv(["--preset", "smollm2-rg", "--low-memory"])
     assert (low.train.remat, low.train.logprob_chunk, low.loop.host_malloc) == ("full", 256, "lean")
+    assert low.loop.eval_max_rows == 8 * 8  # one train batch of rows
     # everything else is the preset's
     plain, _ = config_from_argv(["--preset", "smollm2-rg"])
     assert dataclasses.replace(low, train=plain.train, loop=plain.loop) == plain
-    assert dataclasses.replace(low.loop, host_malloc="default") == plain.loop
+    assert dataclasses.replace(low.loop, host_malloc="default", eval_max_rows=0) == plain.loop
+    # the eval cap follows the batch the flags give
+    wide, _ = config_from_argv(["--preset", "smollm2-rg", "--low-memory", "--group-size", "4",
+                                "--prompts-per-step", "3"])
+    assert wide.loop.eval_max_rows == 12
     # explicit flags win over the view
     mixed, _ = config_from_argv(["--preset", "smollm2-rg", "--low-memory", "--remat", "dots",
                                  "--host-malloc", "default"])
@@ -94,7 +99,7 @@ def test_config_round_trip_and_low_memory_flag():
 def test_host_malloc_may_change_on_resume():
     cfg = RunConfig()
     saved = config_record(cfg.train, cfg.loop)
-    lean = cfg.override("loop.host_malloc", "lean")
+    lean = cfg.override("loop.host_malloc", "lean").override("loop.eval_max_rows", 16)
     check_resume_config(saved, config_record(lean.train, lean.loop))  # no error
     steps = cfg.override("loop.group_size", 4)
     with pytest.raises(ConfigError, match="group_size"):
