@@ -34,6 +34,7 @@ from rl.objectives import VCPOConfig
 from rl.run import PRESETS
 
 METHODS = ("naive", "decoupled", "m2po", "vcpo")
+VCPO_CHUNK = 2  # rows per vmap(grad) chunk of VCPO's exact gradient norms (memory, above)
 LABELS = {"naive": "naive PPO (old = behaviour μ)", "decoupled": "decoupled PPO (AReaL)",
           "m2po": "M2PO", "vcpo": "VCPO"}
 COLORS = {"naive": "tab:gray", "decoupled": "tab:green", "m2po": "tab:blue", "vcpo": "tab:red"}
@@ -70,7 +71,11 @@ def method_train(method: str, base: TrainConfig) -> TrainConfig:
         return dataclasses.replace(base, old_logp="current", vcpo=monitor,
                                    offpolicy=OffPolicyConfig(correction="m2po", cap=0.04))
     if method == "vcpo":
-        return dataclasses.replace(base, old_logp="current", vcpo=VCPOConfig(enabled=True))
+        # 2 rows per vmap(grad) chunk: the exact per-row gradient norms hold chunk copies of
+        # the gradient (0.54 GB each for SmolLM2) with their rows' activations; at the
+        # default 8 the cell reached 20 GB resident and was OOM-killed beside a 4 GB job
+        return dataclasses.replace(base, old_logp="current",
+                                   vcpo=VCPOConfig(enabled=True, chunk=VCPO_CHUNK))
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
