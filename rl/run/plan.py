@@ -16,18 +16,30 @@ the param dtype):
               (snapshot_store "disk": at most 2 in memory, the rest on disk)
   kv_cache    the sampler's keys and values: B rows x L positions x layers x 2 x kv_heads
               x head_dim, in the compute dtype
-  activations the learner's saved activations for one micro-batch: tokens x layers x
-              (4 hidden + 2 q/o + 2 k/v + 2 mlp widths) floats, plus the attention scores
-              (rows x heads x positions² per layer), in the compute dtype; packed groups
-              count their prompt once (prompts_per_step x (prompt + group_size x response))
+  activations the learner's saved activations for one micro-batch, by the remat policy
+              (train.remat, else the model config's): "none" keeps per layer tokens x
+              (4 hidden + 2 q/o + 2 k/v + 2 mlp widths) floats plus the attention scores
+              (rows x heads x positions²); "dots" keeps per layer the projections' outputs
+              (q + 2 k/v + hidden + 2 mlp widths + hidden) and "full" the layer's input
+              (hidden), each plus one layer's "none" set for the recomputation; in the
+              compute dtype; packed groups count their prompt once (prompts_per_step x
+              (prompt + group_size x response))
   head        the chunked vocabulary head: logprob_chunk x vocab floats, x 3 (forward,
               backward, softmax)
   runtime     a fixed 1 GiB for the JAX / XLA process (compiled programs, buffers)
 
+`total` is the training step's sum. The evals hold params, optimizer state, reference and
+snapshots too, with their own KV cache (`eval_kv_cache`: one row per eval prompt, or
+loop.eval_max_rows rows at a time) instead of the learner's parts; `peak` is the larger of
+the two. The eval side counts the KV cache only: the prefill's temporaries come on top.
+
 Against measurements (the peak resident memory of the run's step profile, CPU): the
 smollm2-rg preset estimates 9.9 GB and measured 10.3 GB (docs/results/real-model-step.md);
 a run of the tiny HF model (models.tiny_hf; 2 prompts x 4 samples, 160 + 8 tokens)
-estimates 1.09 GB and measured 1.05 GB, nearly all of it the runtime. On a GPU XLA's
+estimates 1.09 GB and measured 1.05 GB, nearly all of it the runtime; smollm2-rg with
+`--remat full` estimates 4.82 GB a step and measured 5.19-5.31 GB, with `--low-memory`
+4.36 GB and 3.90-4.10 GB. The evals are underestimated: an unchunked 256-prompt eval of
+smollm2-rg estimates 4.76 GB and reached >= 8 GB (docs/results/learner-memory.md). On a GPU XLA's
 allocator preallocates most of the device's memory, so compare with the profile's peak,
 not with nvidia-smi.
 """
@@ -56,15 +68,31 @@ class MemoryEstimate:
     activations: int
     head: int
     runtime: int = RUNTIME_BYTES
+    eval_kv_cache: int = 0
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+        """The training step: every part but eval_kv_cache."""
+        return sum(getattr(self, f.name) for f in dataclasses.fields(self)
+                   if f.name != "eval_kv_cache")
+
+    @property
+    def eval_total(self) -> int:
+        """An eval: the state the run keeps (params, optimizer, reference, snapshots,
+        runtime) and the eval's KV cache."""
+        return (self.params + self.optimizer + self.reference + self.snapshots + self.runtime
+                + self.eval_kv_cache)
+
+    @property
+    def peak(self) -> int:
+        return max(self.total, self.eval_total)
 
     def format(self) -> str:
         parts = ", ".join(f"{f.name} {gb(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                          if getattr(self, f.name))
-        return f"~{gb(self.total)} ({parts})"
+                          if getattr(self, f.name) and f.name != "eval_kv_cache")
+        evals = (f"; evals ~{gb(self.eval_total)} (KV cache {gb(self.eval_kv_cache)})"
+                 if self.eval_kv_cache else "")
+        return f"~{gb(self.total)} a step ({parts}){evals}"
 
 
 def gb(n: int) -> str:
@@ -90,6 +118,8 @@ def count_params(config: ModelConfig, lora: Any = None) -> tuple[int, int]:
 
 def estimate_memory(model_config: ModelConfig, cfg: Any, task: Any) -> MemoryEstimate:
     """The memory estimate of a run of `cfg` (a RunConfig) on `task` (module docstring)."""
+    from models.decoder import remat_policy
+
     c, train, loop = model_config, cfg.train, cfg.loop
     b = _BYTES[c.param_dtype]
     act = _BYTES[c.dtype]
@@ -107,7 +137,17 @@ def estimate_memory(model_config: ModelConfig, cfg: Any, task: Any) -> MemoryEst
     k = c.num_kv_heads * c.head_dim
     per_token = 4 * c.hidden_size + 2 * q + 2 * k + 2 * c.intermediate_size
     scores = -(-rows // train.micro_batches) * c.num_heads * length * length
-    activations = (tokens * per_token + scores) * c.num_layers * act
+    layer = tokens * per_token + scores  # one layer's activations, no remat
+    policy = remat_policy(c.remat if train.remat is None else train.remat)
+    if policy == "none":
+        activations = layer * c.num_layers * act
+    else:  # what each layer keeps, plus one layer recomputed in the backward
+        kept = (q + 2 * k + 2 * c.hidden_size + 2 * c.intermediate_size
+                if policy == "dots" else c.hidden_size)
+        activations = (tokens * kept * c.num_layers + layer) * act
+    eval_rows = loop.eval_prompts if not loop.eval_max_rows else min(loop.eval_max_rows,
+                                                                     loop.eval_prompts)
+    eval_kv = eval_rows * length * c.num_layers * 2 * c.num_kv_heads * c.head_dim * act
     chunk = train.logprob_chunk or tokens
     head = 3 * min(chunk, tokens) * c.vocab_size * 4
     adam = train.optimizer.name == "adamw"
@@ -115,7 +155,8 @@ def estimate_memory(model_config: ModelConfig, cfg: Any, task: Any) -> MemoryEst
     snapshots = 0 if cfg.asynchronous is None else cfg.asynchronous.resident_snapshots * trained * b
     return MemoryEstimate(params=total * b, gradients=trained * b,
                           optimizer=(2 * trained * b) if adam else 0, reference=reference,
-                          snapshots=snapshots, kv_cache=kv, activations=activations, head=head)
+                          snapshots=snapshots, kv_cache=kv, activations=activations, head=head,
+                          eval_kv_cache=eval_kv)
 
 
 def format_plan(cfg: Any, model_config: ModelConfig, task: Any) -> str:

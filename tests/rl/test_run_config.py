@@ -240,3 +240,37 @@ def test_snapshot_store_round_trips_and_sizes_the_ring_estimate():
     one = estimate_memory(get_config("tiny"), RunConfig(), task).params  # fp32 params' bytes
     assert estimate_memory(get_config("tiny"), memory, task).snapshots == 6 * one  # k + 2
     assert estimate_memory(get_config("tiny"), disk, task).snapshots == 2 * one
+
+
+def test_memory_estimate_follows_remat_and_the_eval_rows():
+    """estimate_memory's activations by remat policy and its eval KV cache, against the
+    counts written out by hand for the tiny config (module docstring's formulas)."""
+    from types import SimpleNamespace
+
+    from models.config import get_config
+    from rl.run.plan import estimate_memory
+
+    c = get_config("tiny")
+    task = SimpleNamespace(max_prompt_len=8, max_new_tokens=8)
+    base = RunConfig().overrides({"loop.prompts_per_step": 2, "loop.group_size": 4,
+                                  "loop.eval_prompts": 10})
+    rows, length, b = 8, 16, 4  # fp32 compute
+    q, k = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = rows * length * (4 * c.hidden_size + 2 * q + 2 * k + 2 * c.intermediate_size) \
+        + rows * c.num_heads * length * length
+    kept = {"none": None, "full": c.hidden_size,
+            "dots": q + 2 * k + 2 * c.hidden_size + 2 * c.intermediate_size}
+    for policy, keep in kept.items():
+        e = estimate_memory(c, base.override("train.remat", policy), task)
+        want = layer * c.num_layers if keep is None else \
+            rows * length * keep * c.num_layers + layer
+        assert e.activations == want * b, policy
+    assert kept["full"] < kept["dots"]
+    kv_row = length * c.num_layers * 2 * k * b
+    e = estimate_memory(c, base, task)
+    assert (e.kv_cache, e.eval_kv_cache) == (rows * kv_row, 10 * kv_row)
+    assert e.eval_total == e.params + e.optimizer + e.runtime + 10 * kv_row
+    assert e.peak == max(e.total, e.eval_total)
+    capped = estimate_memory(c, base.override("loop.eval_max_rows", 4), task)
+    assert capped.eval_kv_cache == 4 * kv_row and capped.total == e.total
+    assert "a step" in e.format() and "evals ~" in e.format()
