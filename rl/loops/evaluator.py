@@ -23,6 +23,7 @@ from rl.loops.rollouts import loop_time_limits, sample_groups
 from rl.loops.scoring import score
 from rl.rollout.multiturn import TimeLimits
 from rl.rollout.sampler_state import SamplingConfig
+from rl.runtime.host_memory import release_cycles
 from rl.runtime.logging import MetricsLogger
 from rl.tasks.base import Prompt, Task
 
@@ -156,6 +157,7 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
                            max_slots=loop.eval_max_rows or None)
             res.update(episodes.take_episode_metrics(task))  # an environment: its episodes
             rec.update({f"{prefix}{k}": v for k, v in res.items()})
+        release_cycles()  # an eval compiles its own sampler programs (rl.runtime.host_memory)
         rec["time_s"] = clock()
         record = logger.log(step, rec, kind="eval")
         if on_eval is not None:

@@ -38,7 +38,7 @@ from rl.run.record import write_record
 from rl.run.summary import summarize
 from rl.runtime.distributed import initialize_distributed, is_main_process
 from rl.runtime.host import load_average, machine
-from rl.runtime.host_memory import apply_malloc_policy
+from rl.runtime.host_memory import apply_malloc_policy, release_cycles
 from rl.runtime.logging import atomic_write_json
 from rl.runtime.runlock import check_run_dir_free
 
@@ -101,6 +101,7 @@ def prepare(cfg: RunConfig, resume: bool | Resume = False) -> PreparedRun:
         check_run_dir_free(run_dir)
     load_before, started = load_average(), time.perf_counter()
     model_config, params, task = load_policy(cfg)
+    release_cycles()  # loading traced and compiled: free what its cycles hold (host_memory)
     cfg = with_logged_reward_weights(cfg, task)
     mesh = resolve_mesh(cfg, model_config, RunHooks())
     if is_main_process():  # what rl.run.load_run / evaluate / export rebuild the policy from

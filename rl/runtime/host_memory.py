@@ -25,6 +25,14 @@ Measured on the smollm2-rg step with remat and a 256-token head chunk, side by s
 "lean", the same rewards (the allocator never changes a computed value), no visible wall
 cost, 1.13x the process's CPU seconds (system time).
 
+Also here: `release_cycles()`, gc.collect() at the points where jax has just traced and
+compiled (the run's model load, a loop's first step, each eval). Tracing leaves reference
+cycles (tracers, jaxpr equations) that keep arrays alive -- the params-sized intermediates
+of the traced function among them -- until Python's cyclic collector runs, which for
+long-lived objects can be many steps later. Measured: after SmolLM2's init_params the
+cycles held 194 arrays (708 MB) and the process 2.96 GB resident, 0.81 GB after one
+gc.collect(); after a compiling 64-row sampler call, ~1 GB.
+
 A leaf module: the standard library only.
 """
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 
 MALLOC_POLICIES = ("default", "lean")
 
@@ -80,3 +89,10 @@ def apply_malloc_policy(policy: str) -> bool:
             raise RuntimeError(f"glibc refused mallopt({param}, {value}); run with "
                                "loop.host_malloc='default'")
     return True
+
+
+def release_cycles() -> int:
+    """Collect the reference cycles tracing and compiling leave behind (module docstring),
+    so the arrays they hold are freed now rather than at Python's next full collection.
+    Returns the number of unreachable objects found. Costs a full collection (~0.1 s)."""
+    return gc.collect()
