@@ -226,7 +226,8 @@ def test_plot_reward_curve_per_reward_lines_and_minutes_panel(tmp_path):
 def test_eval_in_chunks_of_rows_draws_the_same_samples(tmp_path, monkeypatch):
     """loop.eval_max_rows (rows an eval samples at once) bounds the eval's KV cache and
     changes no sample: the chunked evaluator's record equals the one-batch evaluator's, for
-    the sampled and the greedy pass, at a chunk size that does not divide the prompts and one above them."""
+    the sampled and the greedy pass, at a chunk size that does not divide the prompts and
+    at one above them."""
     from models.config import get_config
     from models.decoder import init_params
     from rl.loops.config import LoopConfig
