@@ -50,6 +50,7 @@ from rl.loops.buffer import TrajectoryBuffer
 from rl.loops.config import AsyncConfig, LoopConfig
 from rl.loops.context import RunContext
 from rl.loops.evaluation import batch_reward_metrics
+from rl.loops.evaluator import make_evaluator
 from rl.loops.producer import AprilSource, RolloutProducer, offpolicy_prefix_batch
 from rl.loops.side_files import (
     iter_snapshots,
@@ -58,7 +59,6 @@ from rl.loops.side_files import (
     save_rollout_state,
     save_snapshots,
 )
-from rl.loops.evaluator import make_evaluator
 from rl.loops.sync import (
     RunResult,
     build_batch,

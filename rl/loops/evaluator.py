@@ -17,8 +17,15 @@ from rl.learner.config import TrainConfig
 from rl.loops import episodes
 from rl.loops.config import LoopConfig
 from rl.loops.context import run_clock
-from rl.loops.evaluation import (accuracy_name, flat_metrics, jsonable, mean_stderr, pass_at_k,
-                                 response_stats, solved)
+from rl.loops.evaluation import (
+    accuracy_name,
+    flat_metrics,
+    jsonable,
+    mean_stderr,
+    pass_at_k,
+    response_stats,
+    solved,
+)
 from rl.loops.rollouts import loop_time_limits, sample_groups
 from rl.loops.scoring import score
 from rl.rollout.multiturn import TimeLimits

@@ -31,8 +31,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.config import ModelConfig
-from rl.learner.batch import (NonFiniteError, TrainBatch, TrainState, batch_from_trajectory,
-                              global_batch)
+from rl.learner.batch import (
+    NonFiniteError,
+    TrainBatch,
+    TrainState,
+    batch_from_trajectory,
+    global_batch,
+)
 from rl.learner.config import TrainConfig
 from rl.loops import episodes
 from rl.loops.buffer import ScoredGroup

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from experiments import evaluate as evaluate_cli
-from experiments.common.train_cli import main as train_main
 from experiments.common.plots import plot_reward_curve
+from experiments.common.train_cli import main as train_main
 from rl.loops import RunResult
 from rl.loops.evaluation import (
     batch_reward_metrics,
@@ -230,12 +230,12 @@ def test_eval_in_chunks_of_rows_draws_the_same_samples(tmp_path, monkeypatch):
     at one above them."""
     from models.config import get_config
     from models.decoder import init_params
-    from rl.loops.config import LoopConfig
-    from rl.loops import evaluator
-    from rl.loops.evaluator import eval_report, make_evaluator
     from rl.learner import TrainConfig
-    from rl.runtime.logging import MetricsLogger
+    from rl.loops import evaluator
+    from rl.loops.config import LoopConfig
+    from rl.loops.evaluator import eval_report, make_evaluator
     from rl.rollout.sampler_state import SamplingConfig
+    from rl.runtime.logging import MetricsLogger
 
     task = make_task("synthetic", seed=0, kind="reverse", length=4, alphabet=4)
     cfg = get_config("tiny", vocab_size=task.vocab_size)
