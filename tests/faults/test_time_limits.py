@@ -20,7 +20,7 @@ from rl.loops.config import LoopConfig
 from rl.loops.episodes import EnvTask, sample_episodes, take_episode_metrics
 from rl.rollout.multiturn import MultiTurnConfig, MultiTurnEngine, TimeLimits
 from rl.rollout.sampler_state import SamplingConfig
-from rl.tasks.base import Prompt
+from tests.rl.scripted_env import IdTextEnv
 
 CFG = get_config("tiny")
 STOPS = tuple(range(3, 256, 23))
@@ -58,14 +58,11 @@ class Episode:
         return {"score": float(self.turn)}
 
 
-class Env:
+class Env(IdTextEnv):
     name = "scripted-faults"
     reward_names = ("score",)
     stop_ids = STOPS
-    max_turns = 3
-    max_turn_tokens = 9
-    max_prompt_len = 8
-    max_episode_tokens = 64
+    PROMPTS = ((5, 17, 33), (9, 10, 11, 12), (7, 7, 8), (100, 101, 102), (60,), (31, 32))
 
     def __init__(self, faults=None, tool=None, step_timeout_s=None):
         self.faults, self.tool = faults or {}, tool
@@ -77,22 +74,9 @@ class Env:
             RELEASE.wait(120)
         return Episode(self.faults.get(prompt.index), self.tool)
 
-    def decode_turn(self, ids):
-        return " ".join(str(int(t)) for t in ids)
-
-    def encode_observation(self, text):
-        return [int(t) for t in text.split()]
-
-    def train_prompts(self, start, count):
-        return prompts()[start:start + count]
-
-    def eval_prompts(self, count):
-        return prompts()[:count]
-
 
 def prompts():
-    raw = [[5, 17, 33], [9, 10, 11, 12], [7, 7, 8], [100, 101, 102], [60], [31, 32]]
-    return [Prompt(ids=tuple(p), answer=None, index=i) for i, p in enumerate(raw)]
+    return Env().prompts()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from rl.envs.base import EndReason, StepResult
 from rl.rollout.multiturn import MultiTurnConfig, MultiTurnEngine
 from rl.rollout.sampler_state import SamplingConfig
 from rl.tasks.base import Prompt
+from tests.rl.scripted_env import IdTextEnv
 
 CFG = get_config("tiny")  # fp32
 STOPS = tuple(range(3, 256, 23))  # ~1/23 of the vocabulary ends a turn: ragged turns
@@ -64,14 +65,12 @@ class ScriptedEpisode:
         return {"total": self.total, "turns": float(self.turn)}
 
 
-class ScriptedEnv:
+class ScriptedEnv(IdTextEnv):
     name = "scripted"
     reward_names = ("total", "turns")
     stop_ids = STOPS
-    max_turns = 3
-    max_turn_tokens = 9
-    max_prompt_len = 8
-    max_episode_tokens = 64
+    PROMPTS = ((5, 17, 33), (9, 10, 11, 12, 13, 200), (7, 7, 8), (100, 101, 102, 103), (60,),
+               (31, 32))
 
     def __init__(self, behaviours=None):
         self.behaviours = behaviours or {}
@@ -81,23 +80,9 @@ class ScriptedEnv:
             raise KeyError("cannot reset")
         return ScriptedEpisode(prompt, self.behaviours.get(prompt.index))
 
-    def decode_turn(self, ids):
-        return " ".join(str(int(t)) for t in ids)
-
-    def encode_observation(self, text):
-        return [int(t) for t in text.split()]
-
-    def train_prompts(self, start, count):
-        return prompts()[start:start + count]
-
-    def eval_prompts(self, count):
-        return prompts()[:count]
-
 
 def prompts():
-    raw = [[5, 17, 33], [9, 10, 11, 12, 13, 200], [7, 7, 8], [100, 101, 102, 103], [60],
-           [31, 32]]
-    return [Prompt(ids=tuple(p), answer=None, index=i) for i, p in enumerate(raw)]
+    return ScriptedEnv().prompts()
 
 
 @pytest.fixture(scope="module")
