@@ -29,8 +29,11 @@ def test_tiny_run_writes_the_table_and_a_consistent_profile(tmp_path):
     assert len(new["reward_mean_per_step"]) == 2
     assert all(0.0 <= r <= 1.0 for r in new["reward_mean_per_step"])
     assert sum(new["phases_share"].values()) == pytest.approx(1.0)
-    assert new["process_peak_rss_mb"] >= new["peak_rss_mb_per_step_max"] > 10.0
     (run,) = res["runs"]["new"]
+    # each step resets the kernel's high-water mark (/proc/self/clear_refs), so the process
+    # peak os.wait4 reports covers the last step onward: at least that step's peak
+    assert new["peak_rss_mb_per_step_max"] > 10.0
+    assert new["process_peak_rss_mb"] >= run["profile"][-1]["peak_rss_mb"]
     assert res["runs"]["old"] == [] and run["profile_summary"]["steps_measured"] == 1
     records = read_jsonl(work / "00-new" / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]

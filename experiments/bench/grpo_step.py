@@ -25,7 +25,9 @@ per hour = 3600 / mean step wall time over every run's steps after the first (wh
 compiles). The new side also has the step profile (prefill, decode, reward, learner,
 host, transfer, other, peak memory per step; rl.runtime.logging), summarised from its
 summary.json; each side's process peak resident memory and user / system CPU seconds come
-from os.wait4 (CPU seconds move less than walls when other jobs share the cores).
+from os.wait4 (CPU seconds move less than walls when other jobs share the cores; the step
+profile resets the kernel's high-water mark at every step, so that peak covers the last
+step, the final eval and the save).
 
 Writes experiments/results/bench_grpo_step.json (--out): "headline" {"metric": "steps/hour
 new/old", "value", "target": 2.0, "machine"}; with `--headline memory` the new side's
@@ -343,8 +345,8 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_prompts": args.eval_prompts, "train_args": args.train_arg,
         "old_args": args.old_arg, "new_args": args.new_arg,
         "new": {"commit": head.stdout.strip(), "uncommitted_changes": dirty},
-        "old": (None if sha is None else {"commit": head.stdout.strip(), "asked": "self"}
-                if sha == "self" else {"commit": sha, "asked": baseline}),
+        "old": None if sha is None else {
+            "commit": head.stdout.strip() if sha == "self" else sha, "asked": baseline},
         "load_average_1_5_15min": {"before": load_start, "after": load_average()},
         "sides": sides,
         "comparison": comparison,

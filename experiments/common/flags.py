@@ -388,11 +388,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ValueError("--config and --preset both name the run to start from; give one")
     cfg = RunConfig.load(args.config) if args.config else PRESETS[args.preset or DEFAULT_PRESET]
     cfg = task_overrides(cfg, args)
-    paths: dict[str, Any] = {}
-    if args.low_memory:  # a view: the flags and --set below override it
-        rows = ((args.prompts_per_step or cfg.loop.prompts_per_step)
-                * (args.group_size or cfg.loop.group_size))
-        paths = {**LOW_MEMORY, "loop.eval_max_rows": rows}
+    paths: dict[str, Any] = dict(LOW_MEMORY) if args.low_memory else {}  # flags override it
     paths.update({path: getattr(args, dest) for dest, path in SIMPLE_FLAGS.items()
                   if getattr(args, dest) is not None})
     paths.update({path: value for dest, (path, value) in SWITCHES.items() if getattr(args, dest)})
@@ -443,6 +439,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg = dataclasses.replace(cfg, distributed=dist)
     if args.set or late:
         cfg = cfg.overrides({**late, **dict(parse_assignment(a) for a in args.set)})
+    if args.low_memory and not any(a.split("=", 1)[0].strip() == "loop.eval_max_rows"
+                                   for a in args.set):
+        # evals in chunks of one train batch, of the batch the config ends with
+        cfg = cfg.override("loop.eval_max_rows", cfg.loop.prompts_per_step * cfg.loop.group_size)
     if cfg.scheduler.replay_fraction > 0:  # the paper's correction unless one is set
         cfg = dataclasses.replace(cfg, train=replay_train_config(
             cfg.train, ReplayConfig(cfg.scheduler.replay_fraction)))

@@ -66,7 +66,6 @@ from rl.loops.sync import (
     sample_batch_groups,
 )
 from rl.rollout.april import AprilConfig
-from rl.runtime.host_memory import release_cycles
 from rl.runtime.logging import EXTRA_PHASES, PHASES, StepProfile
 from rl.runtime.preemption import Preempted, StepAbandoned, abandon_point
 from rl.runtime.storage import StorageError
@@ -389,8 +388,6 @@ def record_step(run: AsyncRun, step: int, metrics: dict, stats: dict, extra: dic
         metrics.update(run.resume_note)
     metrics.update(run.prof.finish())
     record = run.ctx.logger.log(step + 1, metrics, kind="train")
-    if step == run.ctx.start:  # it compiled the learner (and, in step, the sampler) programs
-        release_cycles()
     run.bar.update(1)
     run.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                         lag=f"{extra.get('version_lag_mean', 0):.1f}")

@@ -52,7 +52,6 @@ from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.pruning import Pruner, make_pruner, settle_rollouts
 from rl.rollout.sampler_state import SamplingConfig
 from rl.runtime.distributed import process_local, process_shard
-from rl.runtime.host_memory import release_cycles
 from rl.runtime.logging import NULL_PROFILE, StepProfile
 from rl.runtime.preemption import Preempted, StepAbandoned
 from rl.tasks.base import Task
@@ -367,8 +366,6 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
             done = step + 1
             record = logger.log(done, metrics, kind="train")
             last, in_step = (state, data_position), False
-            if step == start:  # it compiled the rollout and learner programs
-                release_cycles()
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}")

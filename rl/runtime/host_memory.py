@@ -26,7 +26,8 @@ Measured on the smollm2-rg step with remat and a 256-token head chunk, side by s
 cost, 1.13x the process's CPU seconds (system time).
 
 Also here: `release_cycles()`, gc.collect() at the points where jax has just traced and
-compiled (the run's model load, a loop's first step, each eval). Tracing leaves reference
+compiled outside the timed steps (after the run's model load, at the end of each eval;
+a collection inside a step would land in the next step's wall time). Tracing leaves reference
 cycles (tracers, jaxpr equations) that keep arrays alive -- the params-sized intermediates
 of the traced function among them -- until Python's cyclic collector runs, which for
 long-lived objects can be many steps later. Measured: after SmolLM2's init_params the

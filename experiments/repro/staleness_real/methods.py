@@ -34,7 +34,7 @@ from rl.objectives import VCPOConfig
 from rl.run import PRESETS
 
 METHODS = ("naive", "decoupled", "m2po", "vcpo")
-VCPO_CHUNK = 2  # rows per vmap(grad) chunk of VCPO's exact gradient norms (memory, above)
+VCPO_CHUNK = 2  # rows per vmap(grad) chunk of VCPO's exact gradient norms (why: method_train)
 LABELS = {"naive": "naive PPO (old = behaviour μ)", "decoupled": "decoupled PPO (AReaL)",
           "m2po": "M2PO", "vcpo": "VCPO"}
 COLORS = {"naive": "tab:gray", "decoupled": "tab:green", "m2po": "tab:blue", "vcpo": "tab:red"}
