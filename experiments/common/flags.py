@@ -30,6 +30,7 @@ from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
 from rl.objectives.advantages import ADVANTAGE_PRESETS
 from rl.objectives.losses import LOSS_PRESETS
 from rl.objectives.turn_credit import TURN_CREDITS
+from rl.objectives.vcpo import GRAD_NORMS
 from rl.rollout.pruning import PruneConfig
 from rl.run import DEFAULT_PRESET, PRESETS
 from rl.run.policy import BUDGET_OPTIONS
@@ -290,8 +291,9 @@ def add_vcpo_flags(p: argparse.ArgumentParser) -> None:
                         "off-policy baseline and truncated sequence weights (replaces --advantage)")
     v.add_argument("--vcpo-baseline", choices=("opob", "group_mean", "none"), default="opob",
                    help="VCPO's baseline (default opob: the minimum-variance off-policy baseline)")
-    v.add_argument("--vcpo-grad-norms", choices=("exact", "none"), default="exact",
-                   help="exact per-trajectory gradient norms (vmap(grad)) or the cheap mode")
+    v.add_argument("--vcpo-grad-norms", choices=GRAD_NORMS, default="ghost",
+                   help="per-trajectory gradient norms: ghost (one batched backward), exact "
+                        "(the vmap(grad) twin, same values, slower) or none (the cheap mode)")
     v.add_argument("--log-ess", action="store_true",
                    help="log the batch's ESS ratio and log-weight tails (VCPOConfig(monitor=True))")
 

@@ -6,8 +6,9 @@ the ESS-scaled update — lives in `rl.objectives.vcpo`).
                                    the vcpo_* metrics (and ρ for the optimizer)
     per_trajectory_logprob_grads   the exact per-trajectory gradient norms ‖∇_θ log π(τ_i)‖²
     per_trajectory_grad_sq_norms   that the minimum-variance baseline weighs
-                                   (W_i = w_i² ‖∇_θ log π(τ_i)‖²), by ``vmap(grad)`` over
-                                   rows in chunks
+                                   (W_i = w_i² ‖∇_θ log π(τ_i)‖²): grad_norms="ghost" from
+                                   one batched backward (models.ghost_norms), "exact" its
+                                   slow twin, ``vmap(grad)`` over rows in chunks
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from models.config import ModelConfig
+from models.ghost_norms import ghost_logprob_grads
 from models.logprobs import token_logprobs, token_logprobs_fused
 from rl.learner.batch import TrainBatch
 from rl.learner.config import TrainConfig
@@ -59,10 +61,10 @@ def vcpo_terms(config: TrainConfig, model_config: ModelConfig, params: Any, batc
     tokens, positions, loss_mask = batch.tokens, batch.positions, batch.loss_mask
     mask = loss_mask[:, 1:]
     norms = None
-    if not monitor and vc.baseline == "opob" and vc.grad_norms == "exact":
-        logp, norms = per_trajectory_logprob_grads(params, model_config, tokens, positions,
-                                                   loss_mask, config.temperature, vc.chunk,
-                                                   config.attn_impl)
+    if not monitor and vc.baseline == "opob" and vc.grad_norms != "none":
+        norms_of = ghost_logprob_grads if vc.grad_norms == "ghost" else per_trajectory_logprob_grads
+        logp, norms = norms_of(params, model_config, tokens, positions, token_mask(loss_mask),
+                               config.temperature, vc.chunk, config.attn_impl)
     else:  # one forward, micro-batch by micro-batch (the activations of one at a time)
         m = config.micro_batches
 

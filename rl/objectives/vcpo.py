@@ -7,8 +7,9 @@ few trajectories then dominate the update. VCPO (i) measures the effective sampl
 s, s = min(1, ρ/ρ_base) (:func:`scale_by_ess`, chained AFTER the optimizer), and (ii)
 centres each group's rewards on the minimum-variance off-policy baseline
 b_g = Σ W_i R_i / (Σ W_i + 1e-8), W_i = w_i² ‖∇_θ log π(τ_i)‖² (:func:`min_variance_baseline`),
-with per-trajectory gradient norms computed exactly by ``vmap(grad)`` in chunks
-(`rl.learner.vcpo.per_trajectory_grad_sq_norms`: it needs the model, so it lives on the
+with per-trajectory gradient norms computed exactly, by default from one batched backward
+pass ("ghost norms", `models.ghost_norms`), or by its slow twin ``vmap(grad)`` in chunks
+(`rl.learner.vcpo.per_trajectory_grad_sq_norms`: both need the model, so they live on the
 learner side). The loss multiplies each sequence by its truncated weight
 min(exp(clamp(log w, -20, 20)), 8), detached.
 
@@ -36,7 +37,7 @@ sg = jax.lax.stop_gradient
 LR_SCALES = ("sqrt", "linear", "none")
 BASELINES = ("opob", "group_mean", "none")
 VARIANTS = ("paper", "released")
-GRAD_NORMS = ("exact", "none")
+GRAD_NORMS = ("ghost", "exact", "none")
 _LOG_CLAMP = 20.0  # the loss's clamp on log w before exponentiating
 _BASELINE_EPS = 1e-8  # b_g = Σ W R / (Σ W + 1e-8), as in the paper
 _STD_FLOOR = 1e-8  # σ_g at or below this: no division
@@ -55,9 +56,13 @@ class VCPOConfig:
         it replaces TrainConfig.advantage (which must stay "grpo"; its params are unused).
     variant: "paper" W_i = w_i² ‖∇ log π(τ_i)‖²; "released" W_i = w̃_i² w_i² ‖∇ Σ_t log π‖²
         (w̃ the truncated weight: the released code's w to the fourth power).
-    grad_norms: "exact" per-trajectory ‖∇_θ Σ_t log π(y_t)‖² by vmap(grad) over chunks
-        of `chunk` rows (one extra forward+backward per row); "none" drops the norm factor
-        (W_i = w_i², cheap: one extra forward).
+    grad_norms: the per-trajectory ‖∇_θ Σ_t log π(y_t)‖², both ways exact: "ghost" from one
+        forward and input-gradient backward of `chunk` rows at a time (models.ghost_norms:
+        each weight's row norm from Grams of its inputs and output gradients, no per-row
+        gradient formed; plain params only, as VCPO refuses LoRA anyway); "exact" the slow
+        twin, vmap(grad) over chunks of `chunk` rows (one full forward+backward per row and
+        `chunk` gradient copies in memory); "none" drops the norm factor (W_i = w_i², cheap:
+        one extra forward).
     is_cap: cap of the truncated sequence weight in the loss (8).
     monitor: with enabled=False, still log ρ and the log-weight tail statistics (vcpo_ess,
         vcpo_logw_*; from the log-probs of the loss's own forward pass, no extra pass)
@@ -71,7 +76,7 @@ class VCPOConfig:
     rho_base: float = 1.0
     baseline: str = "opob"
     variant: str = "paper"
-    grad_norms: str = "exact"
+    grad_norms: str = "ghost"
     chunk: int = 8
     is_cap: float = 8.0
     monitor: bool = False
