@@ -144,7 +144,7 @@ def _ghost_swiglu_fwd(x, w_gate, w_up, w_down, probe):
 
 def _ghost_swiglu_bwd(saved, dy):
     res, probe = saved
-    x, g, u, w_gate, w_up, w_down = res
+    x, g, u, _, _, w_down = res
     dx, d_gate, d_up, d_down = swiglu_backward(res, dy)
     s = jax.nn.sigmoid(g)
     silu = g * s

@@ -19,9 +19,9 @@ TEMP = 0.7
 B, T = 5, 12
 
 CONFIGS = {
-    "tied": dict(tie_word_embeddings=True),
-    "untied_bias_qknorm": dict(tie_word_embeddings=False, attention_bias=True, qk_norm=True),
-    "tied_remat": dict(tie_word_embeddings=True, remat="full"),
+    "tied": {"tie_word_embeddings": True},
+    "untied_bias_qknorm": {"tie_word_embeddings": False, "attention_bias": True, "qk_norm": True},
+    "tied_remat": {"tie_word_embeddings": True, "remat": "full"},
 }
 
 
@@ -78,7 +78,7 @@ def test_params_outside_the_ghost_ops_raise():
     cfg = get_config("tiny", vocab_size=16, max_position_embeddings=32)
     params = init_params(cfg, 1)
     tokens, positions, mask = _inputs()
-    run = lambda p: ghost_logprob_grads(p, cfg, tokens, positions, mask, TEMP, 2)  # noqa: E731
+    run = lambda p: ghost_logprob_grads(p, cfg, tokens, positions, mask, TEMP, 2)
     with pytest.raises(ValueError, match="leave out params.*extra/w"):
         run({**params, "extra": {"w": jnp.zeros(3)}})
     lora = LoraConfig(rank=2)

@@ -18,7 +18,8 @@ learner, π_prox the PPO "old" policy:
              the rest is <= 0.04, kept tokens weighted by π_prox / μ, no clip
              (OffPolicyConfig "m2po"; with π_prox = the step's params the PPO clip is inactive).
   vcpo       VCPO: sequence weight min(π/μ, 8), the minimum-variance off-policy baseline
-             (exact per-row gradient norms), the update scaled by √ESS (VCPOConfig(enabled)).
+             (exact per-row gradient norms, ghost: one batched pass), the update scaled by
+             √ESS (VCPOConfig(enabled)).
 
 Every method logs the batch's ESS ratio ρ (VCPOConfig(monitor=True): one extra forward),
 and the learner logs both factors of π_θ/μ (mismatch_* = π_prox/μ, staleness_* = π_θ/π_prox).
@@ -34,7 +35,7 @@ from rl.objectives import VCPOConfig
 from rl.run import PRESETS
 
 METHODS = ("naive", "decoupled", "m2po", "vcpo")
-VCPO_CHUNK = 2  # rows per vmap(grad) chunk of VCPO's exact gradient norms (why: method_train)
+VCPO_CHUNK = 8  # rows per batched pass of VCPO's exact (ghost) gradient norms
 LABELS = {"naive": "naive PPO (old = behaviour μ)", "decoupled": "decoupled PPO (AReaL)",
           "m2po": "M2PO", "vcpo": "VCPO"}
 COLORS = {"naive": "tab:gray", "decoupled": "tab:green", "m2po": "tab:blue", "vcpo": "tab:red"}
@@ -71,11 +72,12 @@ def method_train(method: str, base: TrainConfig) -> TrainConfig:
         return dataclasses.replace(base, old_logp="current", vcpo=monitor,
                                    offpolicy=OffPolicyConfig(correction="m2po", cap=0.04))
     if method == "vcpo":
-        # 2 rows per vmap(grad) chunk: the exact per-row gradient norms hold chunk copies of
-        # the gradient (0.54 GB each for SmolLM2) with their rows' activations; at the
-        # default 8 the cell reached 20 GB resident and was OOM-killed beside a 4 GB job
-        return dataclasses.replace(base, old_logp="current",
-                                   vcpo=VCPOConfig(enabled=True, chunk=VCPO_CHUNK))
+        # the ghost norms (one batched pass, models.ghost_norms). vcpo_k8_s0 ran with the
+        # vmap(grad) twin at 2 rows a chunk (at 8 it held 8 gradient copies of 0.54 GB and
+        # reached 20 GB resident); the two agree to float rounding, and the choice is free on
+        # resume
+        return dataclasses.replace(base, old_logp="current", vcpo=VCPOConfig(
+            enabled=True, grad_norms="ghost", chunk=VCPO_CHUNK))
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
