@@ -12,4 +12,6 @@ Import the submodule you need (nothing heavy is imported here):
   models.sharding   logical axis rules, make_mesh, logical_to_mesh_sharding, mesh_context
   models.convert    params_from_hf, hf_from_params (HF tensor names <-> our pytree)
   models.hf_loader  load_hf_checkpoint, save_hf_checkpoint
+  models.ghost_norms  ghost_logprob_grads (each row's exact ‖∇_θ Σ log π‖² from one
+                    batched backward; VCPO's baseline weighs them)
 """

@@ -158,7 +158,12 @@ def per_trajectory_logprob_grads(params: Any, model_config: Any, tokens: Array, 
 
 def per_trajectory_grad_sq_norms(params: Any, model_config: Any, tokens: Array, positions: Array,
                                  mask: Array, temperature: float = 1.0, chunk: int = 8,
-                                 attn_impl: str | None = None) -> Array:
-    """[B] exact ‖∇_θ Σ_t log π(y_t)‖² per row (see per_trajectory_logprob_grads)."""
-    return per_trajectory_logprob_grads(params, model_config, tokens, positions, mask,
-                                        temperature, chunk, attn_impl)[1]
+                                 attn_impl: str | None = None, method: str = "ghost") -> Array:
+    """[B] exact ‖∇_θ Σ_t log π(y_t)‖² per row: method "ghost" from one batched backward of
+    `chunk` rows at a time (models.ghost_norms.ghost_logprob_grads; plain params), "exact"
+    by its slow twin per_trajectory_logprob_grads (vmap(grad); any params)."""
+    if method not in ("ghost", "exact"):
+        raise ValueError(f"method must be 'ghost' or 'exact' (the vmap(grad) twin), got {method!r}")
+    norms_of = ghost_logprob_grads if method == "ghost" else per_trajectory_logprob_grads
+    return norms_of(params, model_config, tokens, positions, token_mask(mask), temperature,
+                    chunk, attn_impl)[1]

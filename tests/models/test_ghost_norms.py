@@ -13,7 +13,7 @@ from models.decoder import forward, init_params
 from models.ghost_norms import ghost_logprob_grads, outer_sum_sq_norms
 from models.logprobs import token_logprobs
 from models.lora import LoraConfig, compose, init_lora
-from rl.learner.vcpo import per_trajectory_logprob_grads
+from rl.learner.vcpo import per_trajectory_grad_sq_norms, per_trajectory_logprob_grads
 
 TEMP = 0.7
 B, T = 5, 12
@@ -63,6 +63,11 @@ def test_row_norms_match_per_row_grads(name, impl):
     np.testing.assert_allclose(np.asarray(norms, np.float64), want, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(logp, token_logprobs(params, cfg, tokens, positions, TEMP)[0],
                                atol=1e-5)
+    # the public entry (rl.learner) dispatches to the same function
+    method = "ghost" if impl == "ghost" else "exact"
+    public = per_trajectory_grad_sq_norms(params, cfg, tokens, positions, mask, TEMP, 2,
+                                          method=method)
+    np.testing.assert_allclose(public, norms, rtol=1e-6)
 
 
 def test_outer_sum_sq_norms_both_forms_against_float64():
@@ -85,6 +90,8 @@ def test_params_outside_the_ghost_ops_raise():
     composed = compose(params, init_lora(params, lora, 0), lora)
     with pytest.raises(ValueError, match="plain params only"):
         run(composed)
+    with pytest.raises(ValueError, match="method must be"):
+        per_trajectory_grad_sq_norms(params, cfg, tokens, positions, mask, method="vmap")
 
 
 def test_how_the_norms_are_computed_may_change_on_resume():
