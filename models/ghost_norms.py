@@ -161,7 +161,7 @@ ghost_swiglu.defvjp(_ghost_swiglu_fwd, _ghost_swiglu_bwd)
 
 @jax.custom_vjp
 def ghost_lookup(table: Array, tokens: Array, probe: Array) -> tuple[Array, Array]:
-    """(table[tokens] [B, S, E], carrier zeros [B, S, E]): the carrier goes to the tied
+    """(`table[tokens]` [B, S, E], carrier zeros [B, S, E]): the carrier goes to the tied
     head, whose backward sends back u_t (module docstring) for the cross term."""
     return table[tokens], jnp.zeros(tokens.shape + table.shape[1:], _norm_dtype(table))
 
