@@ -111,3 +111,17 @@ def test_how_the_norms_are_computed_may_change_on_resume():
     check_resume_config(record(grad_norms="exact", chunk=2), record(grad_norms="ghost", chunk=8))
     with pytest.raises(ConfigError, match="baseline"):
         check_resume_config(record(baseline="opob"), record(baseline="group_mean"))
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_ghost_norms_lower_for_accelerators(platform):
+    """The ghost pass (custom vjps, the lookup's scatter, the Grams) lowers for GPU and TPU
+    from this CPU machine."""
+    cfg = get_config("tiny", vocab_size=16, max_position_embeddings=32)
+    params = init_params(cfg, 0)
+    tokens, positions, mask = _inputs()
+    exported = jax.export.export(
+        jax.jit(lambda p, t, q, m: ghost_logprob_grads(p, cfg, t, q, m, TEMP, 2)),
+        platforms=[platform])(params, tokens, positions, mask)
+    assert exported.platforms == (platform,)
+    assert exported.out_avals[1].shape == (B,)
