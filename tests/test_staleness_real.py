@@ -41,7 +41,32 @@ def test_each_method_sets_its_correction():
 def _row(k, method, final, peak):
     return {"k": k, "method": method, "peak_accuracy_mean": peak,
             "final_accuracy": {"mean": final, "min": final, "max": final, "n": 1},
-            "m2po_masked_frac_median": 0.05, "mismatch_log_ratio_abs_median": None}
+            "m2po_masked_frac_median": 0.05, "mismatch_log_ratio_abs_median": None,
+            "mismatch_abs_median_at_lag_0": None, "mismatch_abs_median_at_lag_k": None}
+
+
+def test_the_discrepancy_term_comes_from_the_batches_zero_versions_old():
+    """missing_old_logits: |log π_prox/μ| on the steps whose batch was 0 versions old (a
+    k = 8 cell's first steps) is the train/inference discrepancy alone; the steps exactly
+    8 old carry the staleness too."""
+    from experiments.repro.staleness_real.report import table
+
+    others = ["vcpo_ess", "vcpo_lr_scale", "clip_frac", "behav_kept_frac", "m2po_masked_frac",
+              "vcpo_capped_frac", "staleness_log_ratio_abs_mean", "step_s"]
+
+    def record(method, k, lags, mismatch):
+        return {"k": k, "method": method, "seed": 0, "final_accuracy": 0.1,
+                "final_accuracy_stderr": 0.02, "initial_accuracy": 0.1, "peak_accuracy": 0.1,
+                "train_keys": [*others, "version_lag_mean", "mismatch_log_ratio_abs_mean"],
+                "train": [[None] * len(others) + [lag, m] for lag, m in zip(lags, mismatch)]}
+
+    recs = [record("naive", 0, [0, 0], [None, None]),  # naive: no π_prox, nothing logged
+            record("decoupled", 8, [0, 0, 1, 8, 8, 8], [1e-6, 3e-6, 0.05, 0.2, 0.3, 0.4])]
+    rows = table(recs)
+    got = verdicts(rows)["missing_old_logits"]
+    assert got["verdict"] == "partly"
+    assert "2e-06 on batches 0 versions old" in got["numbers"]
+    assert "0.3 on batches exactly 8 versions old" in got["numbers"]
 
 
 @pytest.mark.parametrize("final, peak, expected", [
