@@ -289,16 +289,22 @@ def _param_paths(params: Any) -> set[tuple[str, ...]]:
 
 
 def ghost_token_logprobs(params: Any, config: ModelConfig, tokens: Array, positions: Array,
-                         probe: Array, temperature: float, attn_impl: str | None = None) -> Array:
+                         probe: Array, temperature: float, attn_impl: str | None = None,
+                         logits_at: Array | None = None) -> Array:
     """logp [B, T-1] as models.logprobs.token_logprobs (the log-prob of token t+1 at
     temperature), computed through the ghost ops: d(Σ_b c_b · f_b(logp))/d probe [B] is
-    each row's ‖∇_θ f_b‖² for a per-row function f_b of its own log-probs."""
+    each row's ‖∇_θ f_b‖² for a per-row function f_b of its own log-probs.
+    logits_at [B, K] int in [0, T-1) (optional): the head only at those logit positions
+    -> logp [B, K] (the vocabulary head is the costliest per-token op of a small model)."""
     trace = _Trace(probe)
     model = decoder.Decoder(config, "forward", attn_impl, return_hidden=True)
     with nn.intercept_methods(_interceptor(trace)):
         hidden, _ = model.apply({"params": params}, tokens, positions,
                                 decoder.segment_mask(jnp.ones_like(tokens)))
-    h = hidden[:, :-1]
+    h, targets = hidden[:, :-1], tokens[:, 1:]
+    if logits_at is not None:
+        h = jnp.take_along_axis(h, logits_at[:, :, None], axis=1)
+        targets = jnp.take_along_axis(targets, logits_at, axis=1)
     if config.tie_word_embeddings:
         table = params["embed"]["embedding"].astype(config.dtype)
         z = ghost_tied_head(h, table, trace.carrier, tokens, probe)
@@ -311,18 +317,40 @@ def ghost_token_logprobs(params: Any, config: ModelConfig, tokens: Array, positi
         raise ValueError("ghost gradient norms would leave out params "
                          f"{sorted('/'.join(p) for p in missing)} (use the vmap(grad) twin)")
     z = z.astype(jnp.float32) / temperature
-    picked = jnp.take_along_axis(z, tokens[:, 1:, None], axis=-1)[..., 0]
+    picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(z, axis=-1)
+
+
+def loss_window(mask: Array, width: int) -> tuple[Array, Array, Array, Array]:
+    """The `width` logit positions from each row's first loss token: (logits_at [B, K]
+    int, in_window [B, K] bool: inside the row, mask_at [B, K] bool: the loss mask there,
+    covered [B] bool: every loss position of the row is in the window). mask [B, T-1] is
+    the loss mask of the logit positions (mask[:, 1:] of a token-aligned mask)."""
+    t1 = mask.shape[1]
+    k = min(width, t1)
+    start = jnp.argmax(mask, axis=1)  # 0 for a row without loss tokens
+    idx = start[:, None] + jnp.arange(k)
+    in_window = idx < t1
+    logits_at = jnp.minimum(idx, t1 - 1).astype(jnp.int32)
+    mask_at = jnp.take_along_axis(mask, logits_at, axis=1) & in_window
+    covered = jnp.sum(mask_at, axis=1) == jnp.sum(mask, axis=1)
+    return logits_at, in_window, mask_at, covered
 
 
 def ghost_logprob_grads(params: Any, config: ModelConfig, tokens: Array, positions: Array,
                         mask: Array, temperature: float = 1.0, chunk: int = 8,
-                        attn_impl: str | None = None) -> tuple[Array, Array]:
+                        attn_impl: str | None = None,
+                        window: int | None = None) -> tuple[Array, Array]:
     """(logp [B, T-1], ‖∇_θ Σ_t mask[b, t+1] log π(token t+1)‖² [B]): the same values as
     the vmap(grad) twin rl.learner.vcpo.per_trajectory_logprob_grads, `chunk` rows per
     batched pass (lax.map over chunks; rows padded to a multiple of chunk).
 
     tokens, positions [B, T] int; mask [B, T] bool aligned with tokens (column 0 ignored).
+    window (static, optional): run the vocabulary head only at the `window` logit
+    positions from each row's first loss token (e.g. the response width R of a packed
+    batch, whose loss tokens all lie in its response segment); logp is then 0 outside
+    the window, and a row with a loss token beyond it gets a NaN norm rather than a
+    wrong one.
     """
     b, t = tokens.shape
     chunk = min(chunk, b)
@@ -331,12 +359,21 @@ def ghost_logprob_grads(params: Any, config: ModelConfig, tokens: Array, positio
 
     def one_chunk(xs):
         tok, pos, msk = xs
+        msk = msk[:, 1:]
+        if window is None:
+            at, keep, covered = None, msk, None
+        else:
+            at, inside, keep, covered = loss_window(msk, window)
 
         def total(probe):
-            lp = ghost_token_logprobs(params, config, tok, pos, probe, temperature, attn_impl)
-            return jnp.sum(jnp.where(msk[:, 1:], lp, 0.0)), lp
+            lp = ghost_token_logprobs(params, config, tok, pos, probe, temperature, attn_impl, at)
+            return jnp.sum(jnp.where(keep, lp, 0.0)), lp
 
         (_, lp), sq = jax.value_and_grad(total, has_aux=True)(jnp.zeros((tok.shape[0],), pdt))
+        if window is not None:  # back to [rows, T-1]: the window's log-probs, 0 elsewhere
+            rows = jnp.arange(tok.shape[0])[:, None]
+            lp = jnp.zeros(msk.shape, lp.dtype).at[rows, at].add(jnp.where(inside, lp, 0.0))
+            sq = jnp.where(covered, sq, jnp.nan)
         return lp, sq
 
     def prep(x):

@@ -62,9 +62,15 @@ def vcpo_terms(config: TrainConfig, model_config: ModelConfig, params: Any, batc
     mask = loss_mask[:, 1:]
     norms = None
     if not monitor and vc.baseline == "opob" and vc.grad_norms != "none":
-        norms_of = ghost_logprob_grads if vc.grad_norms == "ghost" else per_trajectory_logprob_grads
-        logp, norms = norms_of(params, model_config, tokens, positions, token_mask(loss_mask),
-                               config.temperature, vc.chunk, config.attn_impl)
+        args = (params, model_config, tokens, positions, token_mask(loss_mask),
+                config.temperature, vc.chunk, config.attn_impl)
+        if vc.grad_norms == "ghost":
+            # a packed batch's loss tokens lie in its response segments (width R): the
+            # vocabulary head runs on R positions a row instead of the whole row
+            window = None if batch.packed is None else batch.packed.response_tokens.shape[-1]
+            logp, norms = ghost_logprob_grads(*args, window=window)
+        else:
+            logp, norms = per_trajectory_logprob_grads(*args)
     else:  # one forward, micro-batch by micro-batch (the activations of one at a time)
         m = config.micro_batches
 

@@ -125,3 +125,34 @@ def test_ghost_norms_lower_for_accelerators(platform):
         platforms=[platform])(params, tokens, positions, mask)
     assert exported.platforms == (platform,)
     assert exported.out_avals[1].shape == (B,)
+
+
+def test_the_head_window_gives_the_same_norms_or_nan():
+    """window=K runs the head only at the K logit positions from each row's first loss
+    token: rows whose loss tokens all lie there get the full pass's norms and log-probs (on
+    the loss tokens); a row with a loss token beyond the window gets NaN, not a wrong norm."""
+    cfg = get_config("tiny", vocab_size=16, max_position_embeddings=32)
+    params = init_params(cfg, 1)
+    tokens, positions, _ = _inputs()
+    mask = np.zeros((B, T), bool)  # response-like loss spans [from, to) of token indices
+    for row, (lo, hi) in enumerate([(4, 9), (6, 12), (2, 4), (0, 0), (1, 12)]):
+        mask[row, lo:hi] = True
+    mask[0, 6] = False  # a gap inside a span (a tool's output in a multi-turn response)
+    m = mask[:, 1:]
+    first = np.where(m.any(1), m.argmax(1), 0)
+    last = np.where(m.any(1), T - 2 - m[:, ::-1].argmax(1), 0)
+    span = last - first + 1
+    width = 6
+    assert list(span <= width) == [True, True, True, True, False]
+    assert (first > 0).sum() == 3  # windows that start inside the row
+    run = jax.jit(lambda p, w: ghost_logprob_grads(p, cfg, tokens, positions, mask, TEMP, 2,
+                                                   window=w), static_argnums=1)
+    lp_full, n_full = run(params, None)
+    lp_win, n_win = run(params, width)
+    covered = (span <= width) | ~m.any(1)
+    np.testing.assert_allclose(np.asarray(n_win)[covered], np.asarray(n_full)[covered], rtol=1e-5)
+    assert np.isnan(np.asarray(n_win)[~covered]).all()
+    np.testing.assert_allclose(np.where(m, lp_win, 0)[covered], np.where(m, lp_full, 0)[covered],
+                               atol=1e-6)
+    _, n_all = run(params, T)  # a window as wide as the row: every row covered
+    np.testing.assert_allclose(n_all, n_full, rtol=1e-5)

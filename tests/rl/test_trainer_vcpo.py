@@ -20,6 +20,7 @@ from test_trainer import (
     PG_CONFIG,
     REPO,
     TEMP,
+    B,
     _np_logprobs,
     _seq_logprob_grad,
     fresh_state,
@@ -119,6 +120,36 @@ def test_vcpo_step_matches_float64_reference(params, one_device_step):
                                rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(m["vcpo_logw_max"], log_w[valid].max(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(m["vcpo_capped_frac"], 1 / n_seq, rtol=1e-6)
+
+
+def test_packed_vcpo_step_equals_the_unpacked_twin_step(params):
+    """A packed batch takes the ghost norms' head window (the response width R): its VCPO
+    step equals the unpacked step with the vmap(grad) twin's norms on the same batch
+    (groups sharing their prompts), metrics included (a loss token outside the window
+    would make the norms NaN)."""
+    import dataclasses
+
+    traj = make_traj(55, empty_row=6)  # two responses fill the width R = 4: the window's edge
+    assert np.asarray(traj.response_mask).sum(1).max() == np.asarray(traj.response_mask).shape[1]
+    first = np.repeat(np.arange(0, B, GROUP), GROUP)  # every row takes its group's prompt
+    traj = traj.replace(prompt_ids=np.asarray(traj.prompt_ids)[first],
+                        prompt_lengths=np.asarray(traj.prompt_lengths)[first])
+    plain = batch_from_trajectory(traj, group_size=GROUP, model_config=CFG)
+    mask = np.asarray(plain.loss_mask)[:, 1:]
+    noise = np.random.default_rng(5).uniform(-0.8, 0.8, mask.shape)
+    mu = np.where(mask, _np_logprobs(params, plain.tokens) + noise, 0.0)
+    plain, _ = _with_behaviour(plain, mu)
+    packed = batch_from_trajectory(traj, group_size=GROUP, model_config=CFG, packed=True)
+    assert packed.packed is not None
+    packed = packed.replace(behaviour_logprobs=plain.behaviour_logprobs)
+    ghost = dataclasses.replace(EXACT, packed=True)
+    twin = dataclasses.replace(EXACT, vcpo=dataclasses.replace(EXACT.vcpo, grad_norms="exact"))
+    a, ma = make_train_step(ghost, CFG, compiler_options=FAST)(fresh_state(params, ghost), packed)
+    b, mb = make_train_step(twin, CFG, compiler_options=FAST)(fresh_state(params, twin), plain)
+    assert np.isfinite(float(ma["vcpo_grad_sq_norm_mean"]))
+    for key in ("vcpo_grad_sq_norm_mean", "vcpo_baseline_minus_mean", "vcpo_ess"):
+        np.testing.assert_allclose(ma[key], mb[key], rtol=1e-4, atol=1e-6)
+    _assert_same_update(_deltas(a.params, params), _deltas(b.params, params))
 
 
 def test_equal_weights_and_norms_give_the_grpo_step(params):
