@@ -11,7 +11,7 @@ def test_bench_vcpo_norms_tiny(tmp_path):
                      "--ghost-chunk", "4", "--repeats", "1", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["headline"]["value"] > 0 and result["headline"]["target"] == 1.5
-    assert [row["side"] for row in result["table"]] == ["ghost", "vmap"]
+    assert [row["side"] for row in result["table"]] == ["ghost", "ghost_full_head", "vmap"]
     assert all(len(row["times_s"]) == 1 for row in result["table"])
     assert result["max_relative_norm_difference"] < 1e-5
     assert result["max_logp_difference"] < 1e-5
