@@ -104,9 +104,14 @@ class RMSNorm(nn.Module):
             (x.shape[-1],),
             self.param_dtype,
         )
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return y.astype(self.dtype) * scale.astype(self.dtype)
+        return rms_normalize(x, self.eps, self.dtype) * scale.astype(self.dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float, dtype: Any) -> jax.Array:
+    """x / rms(x) over the last axis, computed in float32, returned in dtype (RMSNorm
+    without its scale)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(dtype)
 
 
 class Linear(nn.Module):

@@ -231,7 +231,7 @@ class _Trace:
         self.used.add(tuple(module.path) + names)
 
 
-def _plain(module: nn.Module, name: str) -> None:
+def _plain(module: nn.Module) -> None:
     if module.has_variable("params", "qkernel") or module.has_variable("params", "lora_a"):
         raise ValueError(f"ghost gradient norms cover plain params only; {'/'.join(module.path)} "
                          f"is quantized or carries a LoRA adapter (use the vmap(grad) twin)")
@@ -243,7 +243,7 @@ def _interceptor(trace: _Trace):
         if name != "__call__":
             return next_fun(*args, **kwargs)
         if isinstance(m, decoder.Linear):
-            _plain(m, "kernel")
+            _plain(m)
             x = args[0].astype(m.dtype)
             kernel = m.get_variable("params", "kernel").astype(m.dtype)
             y = ghost_einsum(m.spec, x, kernel, trace.probe)
@@ -264,9 +264,7 @@ def _interceptor(trace: _Trace):
                 trace.use(m, sub, "kernel")
             return ghost_swiglu(args[0].astype(dt), *ws, trace.probe)
         if isinstance(m, decoder.RMSNorm):
-            x = args[0]
-            xf = x.astype(jnp.float32)
-            n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + m.eps)).astype(m.dtype)
+            n = decoder.rms_normalize(args[0], m.eps, m.dtype)
             trace.use(m, "scale")
             return ghost_scale(n, m.get_variable("params", "scale").astype(m.dtype), trace.probe)
         if isinstance(m, nn.Embed):
