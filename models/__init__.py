@@ -6,6 +6,7 @@ Import the submodule you need (nothing heavy is imported here):
                     prefill_segments
   models.kv_cache   KVCache, init_cache (dense); SegmentedKVCache, init_segmented_cache
                     (a group's prompt once + per-sample response segments), cache_bytes
+  models.rope       rope_inv_freq, apply_rope (rotary embeddings, rope scaling)
   models.attention  attention (the one dense attention entry point), chunk_attention
   models.chunked_prefill  chunked_prefill (prefill C tokens at a time, bounded memory),
                     prefill_chunks (its lax.scan twin), DEFAULT_CHUNK
