@@ -40,6 +40,7 @@ from models import decoder
 from models.config import ModelConfig
 from models.swiglu import _backward as swiglu_backward
 from models.swiglu import _forward as swiglu_forward
+from models.swiglu import hidden_grads
 
 Array = jax.Array
 
@@ -144,15 +145,10 @@ def _ghost_swiglu_fwd(x, w_gate, w_up, w_down, probe):
 
 def _ghost_swiglu_bwd(saved, dy):
     res, probe = saved
-    x, g, u, _, _, w_down = res
+    x = res[0]
     dx, d_gate, d_up, d_down = swiglu_backward(res, dy)
-    s = jax.nn.sigmoid(g)
-    silu = g * s
-    dh = jnp.einsum("...e,fe->...f", dy, w_down)
-    dg = dh * u * s * (1 + g * (1 - s))
-    du = dh * silu
-    norm = (outer_sum_sq_norms(x, dg) + outer_sum_sq_norms(x, du)
-            + outer_sum_sq_norms(silu * u, dy))
+    h, dg, du = hidden_grads(res, dy)  # XLA shares them with the backward's own
+    norm = outer_sum_sq_norms(x, dg) + outer_sum_sq_norms(x, du) + outer_sum_sq_norms(h, dy)
     return dx, d_gate, d_up, d_down, _probe_ct(norm, probe)
 
 

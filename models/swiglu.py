@@ -44,14 +44,19 @@ def _forward(x, w_gate, w_up, w_down):
     return y, (x, g, u, w_gate, w_up, w_down)
 
 
-def _backward(res, dy):
-    x, g, u, w_gate, w_up, w_down = res
+def hidden_grads(res, dy):
+    """(h, dg, du): the hidden activation silu(g) * u and the gradients at the gate and up
+    projections' outputs, from _forward's residuals and the output gradient dy."""
+    _, g, u, _, _, w_down = res
     s = jax.nn.sigmoid(g)
     silu = g * s
-    h = silu * u
     dh = jnp.einsum("...e,fe->...f", dy, w_down)
-    dg = _constrain(dh * u * s * (1 + g * (1 - s)))
-    du = _constrain(dh * silu)
+    return silu * u, _constrain(dh * u * s * (1 + g * (1 - s))), _constrain(dh * silu)
+
+
+def _backward(res, dy):
+    x, _, _, w_gate, w_up, w_down = res
+    h, dg, du = hidden_grads(res, dy)
     lead = "abcdefgh"[:x.ndim - 1]  # the leading (token) axes, contracted in dW
     d_down = jnp.einsum(f"{lead}e,{lead}f->ef", dy, h).T.astype(w_down.dtype)
     d_gate = jnp.einsum(f"{lead}f,{lead}e->fe", dg, x).T.astype(w_gate.dtype)
