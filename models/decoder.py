@@ -35,6 +35,7 @@ from models.inputs import _check_positions, _check_shape, _is_concrete, validate
 from models.kv_cache import KVCache, SegmentedKVCache
 from models.packed_layout import packed_tokens_and_positions
 from models.rope import apply_rope, rope_inv_freq
+from models.weight_grads import PROJECTION_NAME, project
 from models.swiglu import swiglu
 
 Params = dict[str, Any]
@@ -43,7 +44,10 @@ _init = nn.initializers.normal(stddev=0.02)
 # or "unrolled" (same params and arithmetic as straight-line code; no loop at run time).
 LAYER_LOOPS = ("scan", "unrolled")
 # remat "dots": keep the layer's matmul outputs (projections, MLP), recompute the rest
-SAVE_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+# (projections are custom_vjp calls, models.weight_grads.project: saved by name)
+SAVE_DOTS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(PROJECTION_NAME))
 
 
 def remat_policy(remat: bool | str) -> str:
@@ -100,7 +104,7 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = lora.base_kernel(self, _init, self.axes, self.shape, self.param_dtype)
         x = x.astype(self.dtype)
-        y = lora.add_lowrank(self, x, jnp.einsum(self.spec, x, kernel.astype(self.dtype)),
+        y = lora.add_lowrank(self, x, project(self.spec, x, kernel.astype(self.dtype)),
                              self.shape[-self.n_out:])  # + (x A) B with an adapter (models.lora)
         if self.use_bias:
             out_shape, out_axes = self.shape[-self.n_out:], self.axes[-self.n_out:]

@@ -15,7 +15,7 @@ Two paths with the same results (to float rounding; tests/models/test_logprobs.p
     in the backward instead of storing them, so at most [C, V] logits exist at once.
     Per token: logp = z[y] - logsumexp(z), H = logsumexp(z) - Σ_v softmax(z)_v z_v, with
     z = h @ W / T. With a bf16 compute dtype the head's backward matmuls run in bf16 as its
-    forward does (`low_precision_logits`; fp32 accumulation, fp32 logits and softmax).
+    forward does (`head_logits`; fp32 accumulation, fp32 logits and softmax).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.decoder import Decoder, Params, forward, segment_mask
 from models.inputs import validate_tokens
+from models.weight_grads import contract_tokens
 
 DEFAULT_CHUNK = 1024  # tokens per head chunk: [1024, 49152] fp32 logits = 200 MB
 
@@ -74,39 +75,36 @@ def token_logprobs(params: Params, model_config: ModelConfig, tokens: jax.Array,
 
 
 @jax.custom_vjp
-def low_precision_logits(h: jax.Array, head: jax.Array) -> jax.Array:
-    """fp32 logits [C, V] = h [C, E] @ head [E, V] for low-precision (bf16) h and head,
-    whose backward also multiplies in that precision: the fp32 cotangent of the logits is
-    rounded to h's dtype before both backward matmuls (fp32 accumulation, results in the
-    operands' dtypes), where plain autodiff would run them in fp32. The vocabulary head is
-    the largest matmul of a small model's step; only the logits and their softmax need
-    fp32. (fp32 h and head do not come here: `chunked_logprobs` keeps plain autodiff.)"""
+def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
+    """fp32 logits [C, V] = h [C, E] @ head [E, V]. The backward multiplies in h's dtype:
+    for low-precision (bf16) h and head the fp32 cotangent of the logits is rounded to
+    bf16 before both backward matmuls (fp32 accumulation, results in the operands'
+    dtypes), where plain autodiff would run them in fp32 (the vocabulary head is the
+    largest matmul of a small model's step; only the logits and their softmax need fp32).
+    For fp32 it is plain autodiff's math. The head's gradient hᵀ g comes from
+    models.weight_grads.contract_tokens (a canonical dot on CPU)."""
     return jnp.einsum("ce,ev->cv", h, head, preferred_element_type=jnp.float32)
 
 
-def _low_precision_logits_fwd(h, head):
-    return low_precision_logits(h, head), (h, head)
+def _head_logits_fwd(h, head):
+    return head_logits(h, head), (h, head)
 
 
-def _low_precision_logits_bwd(res, g):
+def _head_logits_bwd(res, g):
     h, head = res
     g = g.astype(h.dtype)
     dh = jnp.einsum("cv,ev->ce", g, head, preferred_element_type=jnp.float32)
-    dhead = jnp.einsum("ce,cv->ev", h, g, preferred_element_type=jnp.float32)
+    dhead = contract_tokens(h, g, 1, preferred_element_type=jnp.float32)
     return dh.astype(h.dtype), dhead.astype(head.dtype)
 
 
-low_precision_logits.defvjp(_low_precision_logits_fwd, _low_precision_logits_bwd)
+head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
 
 
 def _chunk_stats(h: jax.Array, head: jax.Array, targets: jax.Array, temperature: jax.Array,
                  entropy: bool) -> tuple[jax.Array, jax.Array]:
     """(logp [C], entropy [C] or zeros) of one chunk: h [C, E], head [E, V], targets [C]."""
-    if h.dtype == jnp.float32 and head.dtype == jnp.float32:
-        z = jnp.einsum("ce,ev->cv", h, head, preferred_element_type=jnp.float32)
-    else:  # bf16 compute: the backward's matmuls in bf16 too
-        z = low_precision_logits(h, head)
-    z = z / temperature
+    z = head_logits(h, head) / temperature  # bf16 compute: the backward in bf16 too
     lse = jax.nn.logsumexp(z, axis=-1)
     picked = jnp.take_along_axis(z, targets[:, None], axis=-1)[:, 0]
     if not entropy:

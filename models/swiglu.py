@@ -13,12 +13,15 @@ equal to float rounding (tests/models/test_swiglu.py). With s = sigmoid(g):
   y = (silu(g) ⊙ u) W_down,  g = x W_gate,  u = x W_up,  silu(g) = g s,
   dh = dy W_downᵀ,  dg = dh ⊙ u ⊙ s (1 + g (1 - s)),  du = dh ⊙ silu(g),
   dW_down = hᵀ dy,  dW_gate = xᵀ dg,  dW_up = xᵀ du,  dx = dg W_gateᵀ + du W_upᵀ.
+The weight gradients come from models.weight_grads.contract_tokens (CPU: canonical dots).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+
+from models.weight_grads import contract_tokens, contract_tokens_many
 
 _HIDDEN_AXES = ("batch", "seq", "mlp")
 
@@ -57,10 +60,10 @@ def hidden_grads(res, dy):
 def _backward(res, dy):
     x, _, _, w_gate, w_up, w_down = res
     h, dg, du = hidden_grads(res, dy)
-    lead = "abcdefgh"[:x.ndim - 1]  # the leading (token) axes, contracted in dW
-    d_down = jnp.einsum(f"{lead}e,{lead}f->ef", dy, h).T.astype(w_down.dtype)
-    d_gate = jnp.einsum(f"{lead}f,{lead}e->fe", dg, x).T.astype(w_gate.dtype)
-    d_up = jnp.einsum(f"{lead}f,{lead}e->fe", du, x).T.astype(w_up.dtype)
+    n_lead = x.ndim - 1  # the leading (token) axes, contracted in dW
+    d_down = contract_tokens(h, dy.astype(h.dtype), n_lead).astype(w_down.dtype)
+    d_gate, d_up = contract_tokens_many(x, (dg.astype(x.dtype), du.astype(x.dtype)), n_lead)
+    d_gate, d_up = d_gate.astype(w_gate.dtype), d_up.astype(w_up.dtype)
     dx = jnp.einsum("...f,ef->...e", dg, w_gate) + jnp.einsum("...f,ef->...e", du, w_up)
     return dx.astype(x.dtype), d_gate, d_up, d_down
 

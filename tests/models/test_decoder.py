@@ -163,9 +163,26 @@ def test_remat_checkpoints_each_layer():
     assert "remat" not in grad_jaxpr(TINY.replace(remat="none"))
     full, dots = grad_jaxpr(TINY.replace(remat="full")), grad_jaxpr(TINY.replace(remat="dots"))
     assert "remat" in full and "policy=None" in full
-    assert "DotsSaveable(only_if_no_batch_dims=True)" in dots  # the policy rides along
+    assert "policy=<function" in dots  # the "dots" policy rides along
     with pytest.raises(ValueError, match="ModelConfig.remat must be"):
         TINY.replace(remat="some")
+
+
+def test_remat_dots_saves_the_projection_outputs():
+    # The projections are custom_vjp calls (models.weight_grads.project), which the plain
+    # dots policy would recompute: "dots" must keep q and k per layer,
+    # "full" must not. The residuals a vjp closes over are the saved values.
+    tokens = jnp.zeros((1, 5), jnp.int32)
+    L, H, K, D = TINY.num_layers, TINY.num_heads, TINY.num_kv_heads, TINY.head_dim
+
+    def residual_shapes(cfg):
+        params = init_params(cfg, jax.random.PRNGKey(0))
+        _, vjp = jax.vjp(lambda p: forward(p, cfg, tokens).sum(), params)
+        return {tuple(x.shape) for x in jax.tree.leaves(vjp)}
+
+    dots, full = residual_shapes(TINY.replace(remat="dots")), residual_shapes(TINY.replace(remat="full"))
+    for projected in [(L, 1, 5, H, D), (L, 1, 5, K, D)]:
+        assert projected in dots and projected not in full
 
 
 # ----------------------------------------------------------------------------- sharding

@@ -167,17 +167,17 @@ def test_packed_token_logprobs_fused_equals_slow_twin():
 
 
 def test_bf16_head_backward_multiplies_in_bf16_against_float64():
-    """low_precision_logits (the bf16 head): fp32 logits; its backward rounds the fp32
+    """head_logits (the bf16 head): fp32 logits; its backward rounds the fp32
     cotangent to bf16 and multiplies in bf16 with fp32 accumulation -- checked against the
     float64 products of exactly those bf16 values; and chunked_logprobs on bf16 inputs
     takes that path (its gradient wrt the head equals the float64 one to bf16 rounding)."""
-    from models.logprobs import low_precision_logits
+    from models.logprobs import head_logits
 
     rng = np.random.default_rng(0)
     h = jnp.asarray(rng.standard_normal((6, 16)), jnp.bfloat16)
     head = jnp.asarray(0.2 * rng.standard_normal((16, 40)), jnp.bfloat16)
     g = jnp.asarray(rng.standard_normal((6, 40)), jnp.float32)
-    z, vjp = jax.vjp(low_precision_logits, h, head)
+    z, vjp = jax.vjp(head_logits, h, head)
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
     assert z.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(z), f64(h) @ f64(head), rtol=1e-5, atol=1e-5)
