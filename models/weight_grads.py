@@ -53,9 +53,10 @@ def _contract_cpu(a: jax.Array, bs: tuple[jax.Array, ...], n_lead: int, out) -> 
             if a_t is None:
                 a_t = jax.lax.optimization_barrier(a2.T)
             c = jnp.matmul(a_t, b2, preferred_element_type=out)
-        else:  # transpose b, then the small [B, A] result
-            c = jnp.matmul(jax.lax.optimization_barrier(b2.T), a2,
-                           preferred_element_type=out).T
+        else:  # transpose b, then the small [B, A] result (barred: XLA would fold that
+            # transpose into the dot, making it contract a's axis 0 again)
+            c = jax.lax.optimization_barrier(jnp.matmul(
+                jax.lax.optimization_barrier(b2.T), a2, preferred_element_type=out)).T
         outs.append(c.reshape(a.shape[n_lead:] + b.shape[n_lead:]))
     return tuple(outs)
 
