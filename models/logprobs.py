@@ -23,6 +23,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
 from models.decoder import Decoder, Params, forward, segment_mask
@@ -30,6 +31,7 @@ from models.inputs import validate_tokens
 from models.weight_grads import contract_tokens
 
 DEFAULT_CHUNK = 1024  # tokens per head chunk: [1024, 49152] fp32 logits = 200 MB
+LOGITS_NAME = "head_logits"  # the chunk logits' name for keep_logits's remat policy
 
 
 def head_chunk_for_memory(vocab_size: int, memory_bytes: int | None, *, share: float = 1 / 16,
@@ -104,7 +106,8 @@ head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
 def _chunk_stats(h: jax.Array, head: jax.Array, targets: jax.Array, temperature: jax.Array,
                  entropy: bool) -> tuple[jax.Array, jax.Array]:
     """(logp [C], entropy [C] or zeros) of one chunk: h [C, E], head [E, V], targets [C]."""
-    z = head_logits(h, head) / temperature  # bf16 compute: the backward in bf16 too
+    # bf16 compute: the backward in bf16 too; named so that keep_logits can save it
+    z = checkpoint_name(head_logits(h, head), LOGITS_NAME) / temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     picked = jnp.take_along_axis(z, targets[:, None], axis=-1)[:, 0]
     if not entropy:
@@ -115,16 +118,20 @@ def _chunk_stats(h: jax.Array, head: jax.Array, targets: jax.Array, temperature:
 
 def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
                      temperature: float | jax.Array, *, chunk: int = DEFAULT_CHUNK,
-                     entropy: bool = True) -> tuple[jax.Array, jax.Array]:
+                     entropy: bool = True, keep_logits: bool = False
+                     ) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies of softmax(hidden @ head / temperature), C tokens at a time.
 
     Args:
       hidden: [..., E] final-normed hidden states; head: [E, V]; targets: [...] int token
         ids (the ones whose log-prob is wanted); chunk: C, tokens per head application.
       entropy: compute the entropy too (else zeros; saves a pass over each chunk's logits).
+      keep_logits: keep every chunk's fp32 logits for the backward (tokens x V x 4 bytes in
+        all) instead of recomputing them there (one more head matmul, the largest of a
+        small model). Same values either way.
     Returns:
-      (logp [...], entropy [...]) float32. Differentiable in hidden and head; each chunk's
-      [C, V] logits are recomputed in the backward, never stored.
+      (logp [...], entropy [...]) float32. Differentiable in hidden and head; without
+      keep_logits each chunk's [C, V] logits are recomputed in the backward, never stored.
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1 (tokens per head chunk), got {chunk!r}")
@@ -140,7 +147,8 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
     h = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, c, e)
     t = jnp.pad(t, (0, pad)).reshape(-1, c)
     temperature = jnp.asarray(temperature, jnp.float32)
-    one = jax.checkpoint(partial(_chunk_stats, entropy=entropy))
+    policy = jax.checkpoint_policies.save_only_these_names(LOGITS_NAME) if keep_logits else None
+    one = jax.checkpoint(partial(_chunk_stats, entropy=entropy), policy=policy)
     logp, ent = jax.lax.map(lambda xs: one(xs[0], head, xs[1], temperature), (h, t))
     return logp.reshape(-1)[:n].reshape(lead), ent.reshape(-1)[:n].reshape(lead)
 
@@ -156,12 +164,14 @@ def _hidden_jit(params, tokens, positions, *, config, attn_impl):
 def token_logprobs_fused(params: Params, model_config: ModelConfig, tokens: jax.Array,
                          positions: jax.Array, temperature: float,
                          attn_impl: str | None = None, *, chunk: int = DEFAULT_CHUNK,
-                         entropy: bool = True) -> tuple[jax.Array, jax.Array]:
+                         entropy: bool = True, keep_logits: bool = False
+                         ) -> tuple[jax.Array, jax.Array]:
     """(logp [B, T-1], entropy [B, T-1]) of the same rows as `token_logprobs`, through the
-    chunked head: never more than [chunk, V] logits at once (see the module docstring).
-    entropy=False skips the entropy (zeros)."""
+    chunked head: never more than [chunk, V] logits at once in the forward (see the module
+    docstring; keep_logits: chunked_logprobs's). entropy=False skips the entropy (zeros)."""
     validate_tokens(tokens, model_config)
     hidden = _hidden_jit(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
                          config=model_config, attn_impl=attn_impl)
     return chunked_logprobs(hidden[:, :-1], head_matrix(params, model_config), tokens[:, 1:],
-                            temperature, chunk=chunk, entropy=entropy)
+                            temperature, chunk=chunk, entropy=entropy,
+                            keep_logits=keep_logits)

@@ -256,14 +256,16 @@ def _token_logprobs_jit(params, packed, temperature, *, config, attn_impl, width
     return to_rows(logp, packed, width), to_rows(z, packed, width)
 
 
-@partial(jax.jit, static_argnames=("config", "attn_impl", "width", "chunk", "entropy"))
+@partial(jax.jit, static_argnames=("config", "attn_impl", "width", "chunk", "entropy",
+                                   "keep_logits"))
 def _token_logprobs_fused_jit(params, packed, temperature, *, config, attn_impl, width, chunk,
-                              entropy):
+                              entropy, keep_logits):
     hidden = _target_logits(params, config, attn_impl, packed.prompt_tokens,
                             packed.prompt_lengths, packed.response_tokens,
                             packed.response_lengths, return_hidden=True)
     logp, ent = chunked_logprobs(hidden, head_matrix(params, config), packed.response_tokens,
-                                 temperature, chunk=chunk, entropy=entropy)
+                                 temperature, chunk=chunk, entropy=entropy,
+                                 keep_logits=keep_logits)
     valid = jnp.arange(packed.response_tokens.shape[2]) < packed.response_lengths[..., None]
     logp, ent = jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
     return to_rows(logp, packed, width), to_rows(ent, packed, width)
@@ -288,15 +290,17 @@ def packed_token_logprobs_fused(
     attn_impl: str | None = None,
     chunk: int = DEFAULT_CHUNK,
     entropy: bool = True,
+    keep_logits: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(logp [B, T-1], entropy [B, T-1]) in the naive row layout, like
     `packed_token_logprobs`, but through the chunked head (models.logprobs.chunked_logprobs):
-    the logits exist only per chunk of `chunk` response tokens, never as [B, T-1, V].
+    the forward's logits exist only per chunk of `chunk` response tokens, never as
+    [B, T-1, V] (keep_logits: chunked_logprobs's, kept for the backward).
     Entries at columns that predict no response token are 0; entropy=False gives zeros."""
     width = _check_rows_call(params, config, packed, width, attn_impl)
     return _token_logprobs_fused_jit(params, packed, _check_temperature(temperature),
                                      config=config, attn_impl=attn_impl, width=width,
-                                     chunk=chunk, entropy=entropy)
+                                     chunk=chunk, entropy=entropy, keep_logits=keep_logits)
 
 
 def packed_token_logprobs(

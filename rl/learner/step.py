@@ -201,20 +201,23 @@ def row_logprobs(config: TrainConfig, model_config: ModelConfig, params: Params,
     Entries off the loss mask are meaningless (the caller masks them).
 
     TrainConfig.logprob_chunk > 0 runs the vocabulary head chunk by chunk
-    (models.logprobs.chunked_logprobs: no [b, T-1, V] logits in memory); 0 is the slow
+    (models.logprobs.chunked_logprobs: no [b, T-1, V] logits in the forward; kept for the
+    backward unless TrainConfig.head_remat); 0 is the slow
     twin that materialises every logit. entropy=False: zeros instead (the reference)."""
     chunk, temp, impl = config.logprob_chunk, config.temperature, config.attn_impl
     if mb.packed is None:
         if chunk:
             return token_logprobs_fused(params, model_config, mb.tokens, mb.positions, temp,
-                                        impl, chunk=chunk, entropy=entropy)
+                                        impl, chunk=chunk, entropy=entropy,
+                                        keep_logits=not config.head_remat)
         logp, z = token_logprobs(params, model_config, mb.tokens, mb.positions, temp, impl)
     else:
         width = mb.tokens.shape[1]
         if chunk:
             return packed_token_logprobs_fused(params, model_config, mb.packed, width=width,
                                                temperature=temp, attn_impl=impl, chunk=chunk,
-                                               entropy=entropy)
+                                               entropy=entropy,
+                                               keep_logits=not config.head_remat)
         logp, z = packed_token_logprobs(params, model_config, mb.packed, width=width,
                                         temperature=temp, attn_impl=impl)
     return logp, (token_entropy(z) if entropy else jnp.zeros_like(logp))

@@ -40,7 +40,9 @@ FREE_ON_RESUME = frozenset({"loop.steps", "loop.time_limit_s", "loop.save_every_
                             "loop.host_malloc", "loop.eval_max_rows",
                             # how VCPO's exact gradient norms are computed (ghost or vmap,
                             # rows per pass): the same values, so free as well
-                            "train.vcpo.grad_norms", "train.vcpo.chunk"})
+                            "train.vcpo.grad_norms", "train.vcpo.chunk",
+                            # the head's logits kept or recomputed: the same values
+                            "train.head_remat"})
 # Fields that change what is measured or saved, not what is learned: allowed on resume
 # when named explicitly (rl.loops.run(..., resume=Resume(allow_changes=...)),
 # --allow-config-change).

@@ -25,7 +25,8 @@ the param dtype):
               compute dtype; packed groups count their prompt once (prompts_per_step x
               (prompt + group_size x response))
   head        the chunked vocabulary head: logprob_chunk x vocab floats, x 3 (forward,
-              backward, softmax)
+              backward, softmax), plus the other chunks' logits kept for the backward
+              (tokens x vocab floats in all) unless train.head_remat
   runtime     a fixed 1 GiB for the JAX / XLA process (compiled programs, buffers)
 
 `total` is the training step's sum. The evals hold params, optimizer state, reference and
@@ -150,6 +151,8 @@ def estimate_memory(model_config: ModelConfig, cfg: Any, task: Any) -> MemoryEst
     eval_kv = eval_rows * length * c.num_layers * 2 * c.num_kv_heads * c.head_dim * act
     chunk = train.logprob_chunk or tokens
     head = 3 * min(chunk, tokens) * c.vocab_size * 4
+    if train.logprob_chunk and not train.head_remat:  # every chunk's logits kept
+        head += (tokens - min(chunk, tokens)) * c.vocab_size * 4
     adam = train.optimizer.name == "adamw"
     reference = total * b if (train.lora is None and train.loss.kl_coef > 0) else 0
     snapshots = 0 if cfg.asynchronous is None else cfg.asynchronous.resident_snapshots * trained * b

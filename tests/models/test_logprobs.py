@@ -64,14 +64,36 @@ def test_chunked_logprobs_gradients_match_full_logits():
         lp = jnp.take_along_axis(logq, targets[..., None], -1)[..., 0]
         return jnp.sum(w1 * lp) + jnp.sum(w2 * -(jnp.exp(logq) * logq).sum(-1))
 
-    def fused(h, w):
-        lp, ent = chunked_logprobs(h, w, targets, 1.3, chunk=4)
-        return jnp.sum(w1 * lp) + jnp.sum(w2 * ent)
-
     want = jax.grad(naive, argnums=(0, 1))(hidden, head)
-    got = jax.grad(fused, argnums=(0, 1))(hidden, head)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    for keep in [False, True]:  # recomputed or kept logits: the same gradients
+        fused = lambda h, w, keep=keep: _weighted(chunked_logprobs(  # noqa: E731
+            h, w, targets, 1.3, chunk=4, keep_logits=keep), w1, w2)
+        got = jax.grad(fused, argnums=(0, 1))(hidden, head)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+def _weighted(stats, w1, w2):
+    lp, ent = stats
+    return jnp.sum(w1 * lp) + jnp.sum(w2 * ent)
+
+
+def test_keep_logits_holds_every_chunks_logits_for_the_backward():
+    """keep_logits: the backward closes over the [chunks, C, V] logits (and recomputes no
+    head matmul); without it no residual has V columns per token."""
+    rng = np.random.default_rng(2)
+    hidden = jnp.asarray(rng.normal(size=(2, 9, 16)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(16, 40)) / 4, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 40, (2, 9)))
+
+    def residual_shapes(keep):
+        f = lambda h, w: jnp.sum(chunked_logprobs(h, w, targets, 1.0, chunk=4,  # noqa: E731
+                                                  keep_logits=keep)[0])
+        _, vjp = jax.vjp(f, hidden, head)
+        return {tuple(x.shape) for x in jax.tree.leaves(vjp)}
+
+    assert (5, 4, 40) in residual_shapes(True)  # 18 tokens -> 5 chunks of 4, all logits
+    assert not any(s[-1:] == (40,) and len(s) == 3 for s in residual_shapes(False))
 
 
 def test_chunked_logprobs_rejects_bad_inputs():

@@ -341,6 +341,8 @@ def test_step_needs_reference_exactly_with_kl(params, pg_step):
         TrainConfig(old_logp="stale")
     with pytest.raises(ValueError, match="logprob_chunk must be an int >= 0"):
         TrainConfig(logprob_chunk=-1)
+    with pytest.raises(ValueError, match="head_remat must be True or False"):
+        TrainConfig(head_remat="yes")
 
 
 # ----------------------------------------------------------------------------- optimizer

@@ -145,6 +145,8 @@ def test_chunked_head_step_equals_full_logits_twin(params, ref_params, naive_res
     slow = run(replace(config, logprob_chunk=0), params, ref_params, batch)
     assert_same_step(run(replace(config, logprob_chunk=3), params, ref_params, batch), slow,
                      params)
+    assert_same_step(run(replace(config, logprob_chunk=3, head_remat=True), params, ref_params,
+                         batch), slow, params)
     assert_same_step(slow, naive_result, params)
 
 
