@@ -15,4 +15,6 @@ Import the submodule you need (nothing heavy is imported here):
   models.hf_loader  load_hf_checkpoint, save_hf_checkpoint
   models.ghost_norms  ghost_logprob_grads (each row's exact ‖∇_θ Σ log π‖² from one
                     batched backward; VCPO's baseline weighs them)
+  models.weight_grads  project (the projections' einsum with a CPU-friendly backward),
+                    contract_tokens (weight gradients xᵀ dy as canonical dots on CPU)
 """
