@@ -35,7 +35,8 @@ loop.eval_max_rows rows at a time) instead of the learner's parts; `peak` is the
 the two. The eval side counts the KV cache only: the prefill's temporaries come on top.
 
 Against measurements (the peak resident memory of the run's step profile, CPU): the
-smollm2-rg preset estimates 9.9 GB and measured 10.3 GB (docs/results/real-model-step.md);
+smollm2-rg preset estimates 10.5 GB and measured 10.5 GB (docs/results/real-model-step.md;
+9.9 vs 10.3 GB when the head's logits were recomputed, train.head_remat);
 a run of the tiny HF model (models.tiny_hf; 2 prompts x 4 samples, 160 + 8 tokens)
 estimates 1.09 GB and measured 1.05 GB, nearly all of it the runtime; smollm2-rg with
 `--remat full` estimates 4.82 GB a step and measured 5.19-5.31 GB, with `--low-memory`
