@@ -35,8 +35,8 @@ from models.inputs import _check_positions, _check_shape, _is_concrete, validate
 from models.kv_cache import KVCache, SegmentedKVCache
 from models.packed_layout import packed_tokens_and_positions
 from models.rope import apply_rope, rope_inv_freq
-from models.weight_grads import PROJECTION_NAME, project
 from models.swiglu import swiglu
+from models.weight_grads import PROJECTION_NAME, project
 
 Params = dict[str, Any]
 _init = nn.initializers.normal(stddev=0.02)

@@ -66,7 +66,7 @@ def test_chunked_logprobs_gradients_match_full_logits():
 
     want = jax.grad(naive, argnums=(0, 1))(hidden, head)
     for keep in [False, True]:  # recomputed or kept logits: the same gradients
-        fused = lambda h, w, keep=keep: _weighted(chunked_logprobs(  # noqa: E731
+        fused = lambda h, w, keep=keep: _weighted(chunked_logprobs(
             h, w, targets, 1.3, chunk=4, keep_logits=keep), w1, w2)
         got = jax.grad(fused, argnums=(0, 1))(hidden, head)
         for g, w in zip(got, want):
@@ -87,7 +87,7 @@ def test_keep_logits_holds_every_chunks_logits_for_the_backward():
     targets = jnp.asarray(rng.integers(0, 40, (2, 9)))
 
     def residual_shapes(keep):
-        f = lambda h, w: jnp.sum(chunked_logprobs(h, w, targets, 1.0, chunk=4,  # noqa: E731
+        f = lambda h, w: jnp.sum(chunked_logprobs(h, w, targets, 1.0, chunk=4,
                                                   keep_logits=keep)[0])
         _, vjp = jax.vjp(f, hidden, head)
         return {tuple(x.shape) for x in jax.tree.leaves(vjp)}
@@ -200,7 +200,7 @@ def test_bf16_head_backward_multiplies_in_bf16_against_float64():
     head = jnp.asarray(0.2 * rng.standard_normal((16, 40)), jnp.bfloat16)
     g = jnp.asarray(rng.standard_normal((6, 40)), jnp.float32)
     z, vjp = jax.vjp(head_logits, h, head)
-    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    f64 = lambda x: np.asarray(x, np.float64)
     assert z.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(z), f64(h) @ f64(head), rtol=1e-5, atol=1e-5)
     dh, dhead = vjp(g)

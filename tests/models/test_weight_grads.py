@@ -81,15 +81,20 @@ def test_cpu_learner_step_has_only_canonical_dots():
     v weight gradients had that form; the plain contraction inside these backwards still
     leaves the head's. Compile only (~7 s), nothing runs."""
     from models.config import get_config
-    from rl.learner import (OptimizerConfig, TrainBatch, TrainConfig, abstract_train_state,
-                            make_train_step)
+    from rl.learner import (
+        OptimizerConfig,
+        TrainBatch,
+        TrainConfig,
+        abstract_train_state,
+        make_train_step,
+    )
     from rl.objectives.losses import LossConfig
 
     model = get_config("smollm2-135m", num_layers=2)
     config = TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
                          optimizer=OptimizerConfig(name="adamw", learning_rate=1e-6))
     b, t = 16, 128
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
     batch = TrainBatch(tokens=spec((b, t), jnp.int32), positions=spec((b, t), jnp.int32),
                        loss_mask=spec((b, t), jnp.bool_),
                        behaviour_logprobs=spec((b, t), jnp.float32),
