@@ -119,6 +119,9 @@ def scales_lr(vcpo: VCPOConfig | None) -> bool:
 OFFPOLICY_CORRECTIONS = ("none", "truncated_is", "behaviour", "m2po")
 
 
+KEEP_HEAD_LOGITS_BYTES = 2**30  # TrainConfig.head_remat=None keeps the head's logits up to this
+
+
 @dataclasses.dataclass(frozen=True)
 class OffPolicyConfig:
     """Optional correction for the train/inference mismatch between the learner's π_prox
@@ -187,9 +190,11 @@ class TrainConfig:
         time in the forward); 0 = the slow twin, full logits at once.
     head_remat: recompute each head chunk's logits in the backward (True: at most one
         chunk's [chunk, vocab] fp32 logits exist at a time, for one more vocabulary-head
-        matmul) instead of keeping them from the forward (False, the default: tokens x
-        vocab x 4 bytes held until the backward; SmolLM2's smollm2-rg step +0.6 GB, ~5 %
-        faster). Same values either way; --low-memory sets it.
+        matmul) or keep them from the forward (False: tokens x vocab x 4 bytes per
+        micro-batch held until the backward). None (the default): keep them when that is
+        at most KEEP_HEAD_LOGITS_BYTES (1 GiB; SmolLM2's smollm2-rg step: 0.6 GB, kept,
+        ~5 % faster), else recompute (e.g. 16k tokens of Qwen's 152k vocabulary: 10 GB).
+        Same values either way; --low-memory sets True.
     vcpo: VCPO (rl.objectives.vcpo.VCPOConfig; default disabled, and then the step is unchanged).
         Enabled, the step computes each row's log w = Σ_t (log π_θ - log μ) with the
         step's starting params before the micro-batches (plus exact per-row gradient norms
@@ -223,9 +228,16 @@ class TrainConfig:
     packed: bool = False
     vcpo: VCPOConfig = VCPOConfig()
     logprob_chunk: int = DEFAULT_CHUNK
-    head_remat: bool = False
+    head_remat: bool | None = None
     lora: LoraConfig | None = None
     remat: str | None = None
+
+    def keeps_head_logits(self, head_tokens: int, vocab_size: int) -> bool:
+        """Whether the chunked head keeps its logits for the backward (head_remat), for a
+        micro-batch whose head runs on head_tokens tokens."""
+        if self.head_remat is not None:
+            return not self.head_remat
+        return head_tokens * vocab_size * 4 <= KEEP_HEAD_LOGITS_BYTES
 
     def __post_init__(self):
         if self.remat is not None and self.remat not in REMAT_POLICIES:
@@ -235,8 +247,9 @@ class TrainConfig:
                 or self.logprob_chunk < 0:
             raise ValueError("TrainConfig.logprob_chunk must be an int >= 0 (tokens per head "
                              f"chunk; 0 = full logits), got {self.logprob_chunk!r}")
-        if not isinstance(self.head_remat, bool):
-            raise ValueError(f"TrainConfig.head_remat must be True or False, got {self.head_remat!r}")
+        if self.head_remat is not None and not isinstance(self.head_remat, bool):
+            raise ValueError("TrainConfig.head_remat must be None (auto), True or False, got "
+                             f"{self.head_remat!r}")
         if not isinstance(self.packed, bool):
             raise ValueError(f"TrainConfig.packed must be True or False, got {self.packed!r}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):

@@ -207,9 +207,11 @@ def row_logprobs(config: TrainConfig, model_config: ModelConfig, params: Params,
     chunk, temp, impl = config.logprob_chunk, config.temperature, config.attn_impl
     if mb.packed is None:
         if chunk:
-            return token_logprobs_fused(params, model_config, mb.tokens, mb.positions, temp,
-                                        impl, chunk=chunk, entropy=entropy,
-                                        keep_logits=not config.head_remat)
+            b, t = mb.tokens.shape
+            return token_logprobs_fused(
+                params, model_config, mb.tokens, mb.positions, temp, impl, chunk=chunk,
+                entropy=entropy,
+                keep_logits=config.keeps_head_logits(b * (t - 1), model_config.vocab_size))
         logp, z = token_logprobs(params, model_config, mb.tokens, mb.positions, temp, impl)
     else:
         width = mb.tokens.shape[1]
@@ -217,7 +219,9 @@ def row_logprobs(config: TrainConfig, model_config: ModelConfig, params: Params,
             return packed_token_logprobs_fused(params, model_config, mb.packed, width=width,
                                                temperature=temp, attn_impl=impl, chunk=chunk,
                                                entropy=entropy,
-                                               keep_logits=not config.head_remat)
+                                               keep_logits=config.keeps_head_logits(
+                                                   mb.packed.response_tokens.size,
+                                                   model_config.vocab_size))
         logp, z = packed_token_logprobs(params, model_config, mb.packed, width=width,
                                         temperature=temp, attn_impl=impl)
     return logp, (token_entropy(z) if entropy else jnp.zeros_like(logp))

@@ -26,7 +26,7 @@ the param dtype):
               (prompt + group_size x response))
   head        the chunked vocabulary head: logprob_chunk x vocab floats, x 3 (forward,
               backward, softmax), plus the other chunks' logits kept for the backward
-              (tokens x vocab floats in all) unless train.head_remat
+              (tokens x vocab floats in all) when train.keeps_head_logits
   runtime     a fixed 1 GiB for the JAX / XLA process (compiled programs, buffers)
 
 `total` is the training step's sum. The evals hold params, optimizer state, reference and
@@ -152,7 +152,7 @@ def estimate_memory(model_config: ModelConfig, cfg: Any, task: Any) -> MemoryEst
     eval_kv = eval_rows * length * c.num_layers * 2 * c.num_kv_heads * c.head_dim * act
     chunk = train.logprob_chunk or tokens
     head = 3 * min(chunk, tokens) * c.vocab_size * 4
-    if train.logprob_chunk and not train.head_remat:  # every chunk's logits kept
+    if train.logprob_chunk and train.keeps_head_logits(tokens, c.vocab_size):  # all kept
         head += (tokens - min(chunk, tokens)) * c.vocab_size * 4
     adam = train.optimizer.name == "adamw"
     reference = total * b if (train.lora is None and train.loss.kl_coef > 0) else 0

@@ -84,7 +84,7 @@ def test_config_round_trip_and_low_memory_flag():
     low, _ = config_from_argv(["--preset", "smollm2-rg", "--low-memory"])
     assert (low.train.remat, low.train.logprob_chunk, low.train.head_remat,
             low.loop.host_malloc) == ("full", 256, True, "lean")
-    assert RunConfig().train.head_remat is False
+    assert RunConfig().train.head_remat is None  # auto: kept up to 1 GiB
     assert low.loop.eval_max_rows == 8 * 8  # one train batch of rows
     # everything else is the preset's
     plain, _ = config_from_argv(["--preset", "smollm2-rg"])

@@ -341,8 +341,13 @@ def test_step_needs_reference_exactly_with_kl(params, pg_step):
         TrainConfig(old_logp="stale")
     with pytest.raises(ValueError, match="logprob_chunk must be an int >= 0"):
         TrainConfig(logprob_chunk=-1)
-    with pytest.raises(ValueError, match="head_remat must be True or False"):
+    with pytest.raises(ValueError, match="head_remat must be None"):
         TrainConfig(head_remat="yes")
+    from rl.learner.config import KEEP_HEAD_LOGITS_BYTES
+    auto, keep, remat = TrainConfig(), TrainConfig(head_remat=False), TrainConfig(head_remat=True)
+    limit = KEEP_HEAD_LOGITS_BYTES // (4 * 1000)  # tokens of a 1000-word vocabulary
+    assert auto.keeps_head_logits(limit, 1000) and not auto.keeps_head_logits(limit + 1, 1000)
+    assert keep.keeps_head_logits(10**9, 1000) and not remat.keeps_head_logits(1, 1000)
 
 
 # ----------------------------------------------------------------------------- optimizer
