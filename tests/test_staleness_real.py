@@ -61,7 +61,9 @@ def test_the_discrepancy_term_comes_from_the_batches_zero_versions_old():
                 "train": [[None] * len(others) + [lag, m] for lag, m in zip(lags, mismatch)]}
 
     recs = [record("naive", 0, [0, 0], [None, None]),  # naive: no π_prox, nothing logged
-            record("decoupled", 8, [0, 0, 1, 8, 8, 8], [1e-6, 3e-6, 0.05, 0.2, 0.3, 0.4])]
+            record("decoupled", 8, [0, 0, 1, 8, 8, 8], [1e-6, 3e-6, 0.05, 0.2, 0.3, 0.4]),
+            # naive PPO at a larger staleness: π_prox = μ, so it logs 0 and must not count
+            record("naive", 32, [0, 32, 32], [0.0, 0.0, 0.0])]
     rows = table(recs)
     got = verdicts(rows)["missing_old_logits"]
     assert got["verdict"] == "partly"
@@ -79,6 +81,9 @@ def test_stability_verdict_needs_the_baseline_and_no_fall_from_the_best_eval(fin
                                                                               expected):
     rows = [_row(0, "naive", 0.176, 0.176), _row(8, "m2po", final, peak)]
     assert verdicts(rows)["m2po"]["verdict"] == expected
+    # a larger staleness run by another method only: the verdict stays at M2PO's own k
+    wider = verdicts(rows + [_row(32, "naive", 0.2, 0.2)])["m2po"]
+    assert wider["verdict"] == expected and "M2PO at k=8" in wider["numbers"]
     vcpo = verdicts([rows[0], _row(8, "vcpo", final, peak)])["vcpo"]["verdict"]
     assert vcpo == ("partly" if expected == "reproduced" else "not")
 

@@ -96,6 +96,11 @@ def _reject(rs: list[dict]) -> float | None:
     return None if kept is None else round(1.0 - kept, 5)
 
 
+def _largest_k(rows: list[dict], method: str) -> int | None:
+    """The largest staleness k > 0 at which `method` has a finished cell."""
+    return max((r["k"] for r in rows if r["method"] == method and r["k"] > 0), default=None)
+
+
 def _cell(rows: list[dict], k: int, method: str) -> dict | None:
     return next((r for r in rows if r["k"] == k and r["method"] == method), None)
 
@@ -131,18 +136,18 @@ def _acc(row: dict | None) -> str:
 def verdicts(rows: list[dict]) -> dict[str, dict]:
     """A verdict per claim of the issue: reproduced / partly / not / not run, with numbers."""
     ks = sorted({r["k"] for r in rows})
-    kmax = max(ks) if ks else None
     base = _cell(rows, 0, METHODS[0]) or next((r for r in rows if r["k"] == 0), None)
     base_s = f"synchronous baseline (k=0) {_acc(base)}"
     out = {}
 
-    v = _cell(rows, kmax, "vcpo") if kmax else None
+    kv = _largest_k(rows, "vcpo")  # a method's verdict at the largest staleness it ran
+    v = _cell(rows, kv, "vcpo") if kv else None
     held = _holds(v, base)
     out["vcpo"] = {
         "claim": "VCPO: stable asynchronous training even in highly off-policy regimes (128 "
                  "steps off-policy); on a long-horizon tool-use task it matches synchronous accuracy",
         "verdict": "not run" if held is None else ("partly" if held and _stable(v) else "not"),
-        "numbers": f"VCPO at k={kmax}: {_with_peak(v)}; {base_s}",
+        "numbers": f"VCPO at k={kv}: {_with_peak(v)}; {base_s}",
         "note": "the reasoning-gym half only: k up to 32, not 128; the calculator tool-use "
                 "half (smollm2-calc at k 0 / 8) is not in these results"}
     a_k = min((k for k in ks if k >= 4), default=None)
@@ -160,21 +165,26 @@ def verdicts(rows: list[dict]) -> dict[str, dict]:
         "verdict": verdict,
         "numbers": f"k={a_k}: decoupled {_acc(d)}, naive {_acc(n)}; {base_s}",
         "note": "tested at the smallest staleness >= 4 in the grid"}
-    m = _cell(rows, kmax, "m2po") if kmax else None
+    km = _largest_k(rows, "m2po")
+    m = _cell(rows, km, "m2po") if km else None
     held, stable = _holds(m, base), _stable(m)
     out["m2po"] = {
         "claim": "M2PO: training stays stable with very stale data by masking tokens with "
                  "outlying second-moment importance weights",
         "verdict": "not run" if held is None else
         ("reproduced" if held and stable else "partly" if held or stable else "not"),
-        "numbers": f"M2PO at k={kmax}: {_with_peak(m)}, masked tokens "
+        "numbers": f"M2PO at k={km}: {_with_peak(m)}, masked tokens "
                    f"{None if m is None else m['m2po_masked_frac_median']} (median); {base_s}"}
-    # the discrepancy term from every step of any cell whose batch was 0 versions old (a
-    # k > 0 cell's first step included), the staleness term from the steps exactly kmax old
-    lag0 = [r["mismatch_abs_median_at_lag_0"] for r in rows
+    # only cells whose proximal policy is not μ itself (naive PPO's π_prox = μ logs 0):
+    # the discrepancy term from every step whose batch was 0 versions old (a k > 0 cell's
+    # first step included), the staleness term from the steps exactly kp old, kp the
+    # largest staleness such a cell ran
+    prox = [r for r in rows if r["method"] != "naive"]
+    kp = max((r["k"] for r in prox if r["k"] > 0), default=None)
+    lag0 = [r["mismatch_abs_median_at_lag_0"] for r in prox
             if r["mismatch_abs_median_at_lag_0"] is not None]
     disc = float(np.median(lag0)) if lag0 else None
-    lagk = [r["mismatch_abs_median_at_lag_k"] for r in rows if kmax and r["k"] == kmax
+    lagk = [r["mismatch_abs_median_at_lag_k"] for r in prox if kp and r["k"] == kp
             and r["mismatch_abs_median_at_lag_k"] is not None]
     stale = float(np.median(lagk)) if lagk else None
     out["missing_old_logits"] = {
@@ -183,7 +193,7 @@ def verdicts(rows: list[dict]) -> dict[str, dict]:
         "verdict": "not run" if disc is None else "partly",
         "numbers": f"|log π_prox/μ| per token, median: {_g(disc)} on batches 0 versions old "
                    f"(the pure train/inference discrepancy: the learner's π_v vs the "
-                   f"sampler's μ_v) vs {_g(stale)} on batches exactly {kmax} versions old "
+                   f"sampler's μ_v) vs {_g(stale)} on batches exactly {kp} versions old "
                    f"(discrepancy + staleness)",
         "note": "on CPU the sampler and the learner run the same fp32 model code, so the "
                 "discrepancy term is near zero and there is nothing for version-tracked "
