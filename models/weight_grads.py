@@ -85,13 +85,19 @@ def contract_tokens(a: jax.Array, b: jax.Array, n_lead: int,
     return contract_tokens_many(a, (b,), n_lead, preferred_element_type)[0]
 
 
-def parse_projection(spec: str) -> tuple[int, int]:
-    """(n_lead, n_in) of a spec "<lead><in>,<in><out>-><lead><out>", or ValueError."""
+def _split_spec(spec: str) -> tuple[str, str, str]:
+    """(x, kernel, y) subscripts of an einsum spec "x,kernel->y", or ValueError."""
     try:
         inputs, y = spec.replace(" ", "").split("->")
         x, k = inputs.split(",")
     except ValueError:
         raise ValueError(f"projection spec {spec!r}: expected 'x,kernel->y'") from None
+    return x, k, y
+
+
+def parse_projection(spec: str) -> tuple[int, int]:
+    """(n_lead, n_in) of a spec "<lead><in>,<in><out>-><lead><out>", or ValueError."""
+    x, k, y = _split_spec(spec)
     n_in = next((i for i in range(1, len(x) + 1) if k.startswith(x[-i:]) and
                  y == x[:-i] + k[i:]), None)
     if n_in is None or len(set(x + k)) != len(x) + len(k) - n_in:
@@ -125,9 +131,8 @@ def _project_fwd(spec, x, kernel):
 def _project_bwd(spec, res, dy):
     x, kernel = res
     n_lead, _ = parse_projection(spec)
-    inputs, y = spec.replace(" ", "").split("->")
-    xs, ks = inputs.split(",")
-    dx = jnp.einsum(f"{y},{ks}->{xs}", dy, kernel)
+    xs, ks, ys = _split_spec(spec)
+    dx = jnp.einsum(f"{ys},{ks}->{xs}", dy, kernel)
     dw = contract_tokens(x, dy.astype(x.dtype), n_lead)
     return dx.astype(x.dtype), dw.astype(kernel.dtype)
 
