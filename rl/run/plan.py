@@ -26,7 +26,9 @@ the param dtype):
               (prompt + group_size x response))
   head        the chunked vocabulary head: logprob_chunk x vocab floats, x 3 (forward,
               backward, softmax), plus the other chunks' logits kept for the backward
-              (tokens x vocab floats in all) when train.keeps_head_logits
+              (head tokens x vocab floats in all) when train.keeps_head_logits; the head
+              runs on the scored positions only: a packed micro-batch's response tokens,
+              an unpacked one's rows x (length - 1)
   runtime     a fixed 1 GiB for the JAX / XLA process (compiled programs, buffers)
 
 `total` is the training step's sum. The evals hold params, optimizer state, reference and
@@ -35,8 +37,8 @@ loop.eval_max_rows rows at a time) instead of the learner's parts; `peak` is the
 the two. The eval side counts the KV cache only: the prefill's temporaries come on top.
 
 Against measurements (the peak resident memory of the run's step profile, CPU): the
-smollm2-rg preset estimates 10.5 GB and measured 10.5 GB (docs/results/real-model-step.md;
-9.9 vs 10.3 GB when the head's logits were recomputed, train.head_remat);
+smollm2-rg preset estimates 10.3 GB and measured 10.5 GB (docs/results/real-model-step.md;
+the head's kept logits counted over the 3,072 response tokens);
 a run of the tiny HF model (models.tiny_hf; 2 prompts x 4 samples, 160 + 8 tokens)
 estimates 1.09 GB and measured 1.05 GB, nearly all of it the runtime; smollm2-rg with
 `--remat full` estimates 4.82 GB a step and measured 5.19-5.31 GB, with `--low-memory`
@@ -150,10 +152,17 @@ def estimate_memory(model_config: ModelConfig, cfg: Any, task: Any) -> MemoryEst
     eval_rows = loop.eval_prompts if not loop.eval_max_rows else min(loop.eval_max_rows,
                                                                      loop.eval_prompts)
     eval_kv = eval_rows * length * c.num_layers * 2 * c.num_kv_heads * c.head_dim * act
-    chunk = train.logprob_chunk or tokens
-    head = 3 * min(chunk, tokens) * c.vocab_size * 4
-    if train.logprob_chunk and train.keeps_head_logits(tokens, c.vocab_size):  # all kept
-        head += (tokens - min(chunk, tokens)) * c.vocab_size * 4
+    # the head runs on the positions that are scored: a packed micro-batch's response
+    # tokens, an unpacked one's rows x (length - 1) (rl.learner.step: the same count decides
+    # whether the logits are kept)
+    if train.packed:
+        head_tokens = -(-rows * response // train.micro_batches)
+    else:
+        head_tokens = -(-rows // train.micro_batches) * (length - 1)
+    chunk = min(train.logprob_chunk or head_tokens, head_tokens)
+    head = 3 * chunk * c.vocab_size * 4
+    if train.logprob_chunk and train.keeps_head_logits(head_tokens, c.vocab_size):  # all kept
+        head += (head_tokens - chunk) * c.vocab_size * 4
     adam = train.optimizer.name == "adamw"
     reference = total * b if (train.lora is None and train.loss.kl_coef > 0) else 0
     snapshots = 0 if cfg.asynchronous is None else cfg.asynchronous.resident_snapshots * trained * b

@@ -274,10 +274,14 @@ def test_memory_estimate_follows_remat_and_the_eval_rows():
     capped = estimate_memory(c, base.override("loop.eval_max_rows", 4), task)
     assert capped.eval_kv_cache == 4 * kv_row and capped.total == e.total
     assert "a step" in e.format() and "evals ~" in e.format()
-    # the head: 3 chunks' logits, plus the other chunks' kept for the backward by default
-    tokens, chunk = rows * length, 32
-    kept = estimate_memory(c, base.override("train.logprob_chunk", chunk), task)
-    remat = estimate_memory(c, base.overrides({"train.logprob_chunk": chunk,
-                                               "train.head_remat": True}), task)
-    assert remat.head == 3 * chunk * c.vocab_size * 4
-    assert kept.head == remat.head + (tokens - chunk) * c.vocab_size * 4
+    # the head: 3 chunks' logits, plus the other chunks' kept for the backward by default,
+    # over the scored positions only: rows x (length - 1) unpacked, the responses packed
+    for packed, head_tokens in ((False, rows * (length - 1)), (True, rows * 8)):
+        chunk = 32
+        cfg = base.overrides({"train.logprob_chunk": chunk, "train.packed": packed})
+        kept = estimate_memory(c, cfg, task)
+        remat = estimate_memory(c, cfg.override("train.head_remat", True), task)
+        assert remat.head == 3 * chunk * c.vocab_size * 4
+        assert kept.head == remat.head + (head_tokens - chunk) * c.vocab_size * 4, packed
+        whole = estimate_memory(c, cfg.override("train.logprob_chunk", 0), task)
+        assert whole.head == 3 * head_tokens * c.vocab_size * 4, packed
