@@ -59,10 +59,11 @@ SIMPLE_FLAGS = {
     "host_malloc": "loop.host_malloc",
 }
 # --low-memory: the learner and host options that bring the smollm2-rg step under 4 GB
-# resident on CPU (docs/results/learner-memory.md), at a learner time cost; it also caps
-# the evals' rows at one train batch (loop.eval_max_rows = prompts_per_step x group_size)
+# resident on CPU (docs/results/learner-memory.md), at a learner time cost (and a recompile
+# after each eval: loop.eval_clear_programs); it also caps the evals' rows at one train
+# batch (loop.eval_max_rows = prompts_per_step x group_size)
 LOW_MEMORY = {"train.remat": "full", "train.logprob_chunk": 256, "train.head_remat": True,
-              "loop.host_malloc": "lean"}
+              "loop.host_malloc": "lean", "loop.eval_clear_programs": True}
 # store_true flag dest -> (path, value it sets)
 SWITCHES = {
     "packed": ("train.packed", True), "dynamic_sampling": ("loop.dynamic_sampling", True),
@@ -152,10 +153,10 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
                         "the resident set at once: a lower CPU peak, more system time)")
     p.add_argument("--low-memory", action="store_true",
                    help="= --remat full --host-malloc lean --set train.logprob_chunk=256 "
-                        "--set train.head_remat=true "
+                        "--set train.head_remat=true --set loop.eval_clear_programs=true "
                         "--set loop.eval_max_rows=<rows of a train batch>: the lowest resident "
-                        "peak on CPU (slower learner); --remat, --host-malloc and --set "
-                        "override it")
+                        "peak on CPU (slower learner, a recompile after each eval); --remat, "
+                        "--host-malloc and --set override it")
     p.add_argument("--packed", action="store_true",
                    help="learner runs each group's shared prompt once (DualKV P+NR packing)")
     p.add_argument("--eval-every", type=int, help="steps between evals (0: start and end only)")

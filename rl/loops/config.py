@@ -84,7 +84,10 @@ class LoopConfig:
     freed memory (rl.runtime.host_memory: "default", or "lean" for a lower resident peak on
     CPU at some system time); it changes no computed value. eval_max_rows: rows an eval
     samples at once (0 = all its prompts in one batch); fewer bound the eval's KV cache
-    (the same samples, rl.loops.evaluator)."""
+    (the same samples, rl.loops.evaluator). eval_clear_programs: drop every compiled program
+    (jax.clear_caches) when an eval starts and when it ends, so the eval's sampler programs
+    and the train step's are never resident together (a lower resident peak on CPU; the
+    train step and its sampler compile again after each eval; no computed value changes)."""
 
     steps: int = 100
     prompts_per_step: int = 8
@@ -108,6 +111,7 @@ class LoopConfig:
     episode_timeout_s: float = 0.0
     host_malloc: str = "default"
     eval_max_rows: int = 0
+    eval_clear_programs: bool = False
 
     def __post_init__(self):
         if self.host_malloc not in MALLOC_POLICIES:
@@ -129,8 +133,10 @@ class LoopConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {v!r}")
-        if not isinstance(self.checked, bool):
-            raise ValueError(f"LoopConfig.checked must be True or False, got {self.checked!r}")
+        for name in ("checked", "eval_clear_programs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LoopConfig.{name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"LoopConfig.layer_loop must be one of {LAYER_LOOPS}, got "
                              f"{self.layer_loop!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -150,6 +151,8 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
     clock = run_clock(logger)
 
     def do_eval(step: int, params: Any, version: int) -> dict:
+        if loop.eval_clear_programs:  # the train step's programs: not resident beside the eval's
+            jax.clear_caches()
         rec = {}
         modes = [("", SamplingConfig(temperature=config.temperature))]
         if loop.eval_greedy:
@@ -164,6 +167,8 @@ def make_evaluator(model_config: ModelConfig, task: Task, config: TrainConfig, l
                            max_slots=loop.eval_max_rows or None)
             res.update(episodes.take_episode_metrics(task))  # an environment: its episodes
             rec.update({f"{prefix}{k}": v for k, v in res.items()})
+        if loop.eval_clear_programs:  # and the eval's programs not beside the next steps'
+            jax.clear_caches()
         release_cycles()  # an eval compiles its own sampler programs (rl.runtime.host_memory)
         rec["time_s"] = clock()
         record = logger.log(step, rec, kind="eval")

@@ -37,7 +37,7 @@ MIN_TRAIN_TEMPERATURE = 0.05
 # limits): the resume itself says it may change.
 FREE_ON_RESUME = frozenset({"loop.steps", "loop.time_limit_s", "loop.save_every_minutes",
                             "loop.env_step_timeout_s", "loop.episode_timeout_s",
-                            "loop.host_malloc", "loop.eval_max_rows",
+                            "loop.host_malloc", "loop.eval_max_rows", "loop.eval_clear_programs",
                             # how VCPO's exact gradient norms are computed (ghost or vmap,
                             # rows per pass): the same values, so free as well
                             "train.vcpo.grad_norms", "train.vcpo.chunk",

@@ -268,3 +268,41 @@ def test_eval_in_chunks_of_rows_draws_the_same_samples(tmp_path, monkeypatch):
     assert [e["response"] for e in chunked["examples"]] == [e["response"] for e in one["examples"]]
     with pytest.raises(ValueError, match="eval_max_rows"):
         LoopConfig(eval_max_rows=-1)
+
+
+def test_eval_clear_programs_drops_the_compiled_programs_and_changes_no_number(tmp_path):
+    """loop.eval_clear_programs: the programs compiled before an eval (a jitted function
+    standing in for the train step) and the eval's own sampler programs are dropped by the
+    time it returns, and the record equals the one of an eval without it."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.config import get_config
+    from models.decoder import init_params
+    from rl.learner import TrainConfig
+    from rl.loops.config import LoopConfig
+    from rl.loops.evaluator import make_evaluator
+    from rl.rollout import sampler_core
+    from rl.runtime.logging import MetricsLogger
+
+    task = make_task("synthetic", seed=0, kind="reverse", length=4, alphabet=4)
+    cfg = get_config("tiny", vocab_size=task.vocab_size)
+    params = init_params(cfg, 0)
+    step_like = jax.jit(lambda x: x * 2.0 + 1.0)
+
+    def record(clear, name):
+        step_like(jnp.ones(3))  # "the train step", compiled before the eval
+        assert step_like._cache_size() == 1
+        loop = LoopConfig(eval_prompts=5, eval_greedy=True, segment_len=3,
+                          eval_clear_programs=clear)
+        logger = MetricsLogger(tmp_path / name, wandb_mode="disabled")
+        rec = make_evaluator(cfg, task, TrainConfig(temperature=1.0), loop, logger)(3, params, 0)
+        return {k: v for k, v in rec.items() if k != "time_s"}
+
+    kept = record(False, "kept")
+    assert step_like._cache_size() == 1 and sampler_core.fill_jit._cache_size() > 0
+    cleared = record(True, "cleared")
+    assert step_like._cache_size() == 0 and sampler_core.fill_jit._cache_size() == 0
+    assert cleared == kept
+    with pytest.raises(ValueError, match="eval_clear_programs"):
+        LoopConfig(eval_clear_programs=1)

@@ -83,13 +83,14 @@ def test_config_round_trip_and_low_memory_flag():
     assert RunConfig().loop.host_malloc == "default"
     low, _ = config_from_argv(["--preset", "smollm2-rg", "--low-memory"])
     assert (low.train.remat, low.train.logprob_chunk, low.train.head_remat,
-            low.loop.host_malloc) == ("full", 256, True, "lean")
+            low.loop.host_malloc, low.loop.eval_clear_programs) == ("full", 256, True, "lean", True)
     assert RunConfig().train.head_remat is None  # auto: kept up to 1 GiB
     assert low.loop.eval_max_rows == 8 * 8  # one train batch of rows
     # everything else is the preset's
     plain, _ = config_from_argv(["--preset", "smollm2-rg"])
     assert dataclasses.replace(low, train=plain.train, loop=plain.loop) == plain
-    assert dataclasses.replace(low.loop, host_malloc="default", eval_max_rows=0) == plain.loop
+    assert dataclasses.replace(low.loop, host_malloc="default", eval_max_rows=0,
+                               eval_clear_programs=False) == plain.loop
     # the eval cap follows the batch the config ends with, --set included; an explicit
     # --set of the cap wins
     wide, _ = config_from_argv(["--preset", "smollm2-rg", "--low-memory", "--group-size", "4",
@@ -111,7 +112,8 @@ def test_config_round_trip_and_low_memory_flag():
 def test_host_malloc_may_change_on_resume():
     cfg = RunConfig()
     saved = config_record(cfg.train, cfg.loop)
-    lean = cfg.override("loop.host_malloc", "lean").override("loop.eval_max_rows", 16)
+    lean = cfg.overrides({"loop.host_malloc": "lean", "loop.eval_max_rows": 16,
+                          "loop.eval_clear_programs": True})
     check_resume_config(saved, config_record(lean.train, lean.loop))  # no error
     other = cfg.override("loop.group_size", 4)  # what is learned may not change
     with pytest.raises(ConfigError, match="group_size"):
