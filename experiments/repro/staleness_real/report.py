@@ -220,8 +220,8 @@ def time_projection(records: list[dict], param_bytes: float) -> dict:
             "t_sync_s": round(t_sync, 3), "t_async_s": round(t_async, 3),
             "projected_speedup": round(t_sync / t_async, 3),
             "note": "CPU phase times (2 cores doing both); the GPU ratio of rollout to train "
-                    "time differs, so the GPU gain differs too (measured threaded async on a "
-                    "GPU: not yet, no GPU lent to this issue)"}
+                    "time differs, so the GPU gain differs too (the threaded async loop on one "
+                    "H100 shares the chip: docs/results/gpu-h100.md)"}
 
 
 def headline(rows: list[dict], machine: str) -> dict:
