@@ -21,7 +21,8 @@ learner, π_prox the PPO "old" policy:
              (exact per-row gradient norms, ghost: one batched pass), the update scaled by
              √ESS (VCPOConfig(enabled)).
 
-Every method logs the batch's ESS ratio ρ (VCPOConfig(monitor=True): one extra forward),
+Every method logs the batch's ESS ratio ρ (VCPOConfig(monitor=True): from the rows' log w
+that the learner's own forward returns, no extra pass),
 and the learner logs both factors of π_θ/μ (mismatch_* = π_prox/μ, staleness_* = π_θ/π_prox).
 """
 from __future__ import annotations
