@@ -152,11 +152,11 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
                    help="the host allocator: default, or lean (freed blocks of >= 64 KiB leave "
                         "the resident set at once: a lower CPU peak, more system time)")
     p.add_argument("--low-memory", action="store_true",
-                   help="= --remat full --host-malloc lean --set train.logprob_chunk=256 "
-                        "--set train.head_remat=true --set loop.eval_clear_programs=true "
-                        "--set loop.eval_max_rows=<rows of a train batch>: the lowest resident "
-                        "peak on CPU (slower learner, a recompile after each eval); --remat, "
-                        "--host-malloc and --set override it")
+                   help="= " + " ".join(f"--set {k}={str(v).lower()}"
+                                        for k, v in LOW_MEMORY.items())
+                        + " --set loop.eval_max_rows=<rows of a train batch>: the lowest "
+                        "resident peak on CPU (slower learner, a recompile after each eval); "
+                        "--remat, --host-malloc and --set override it")
     p.add_argument("--packed", action="store_true",
                    help="learner runs each group's shared prompt once (DualKV P+NR packing)")
     p.add_argument("--eval-every", type=int, help="steps between evals (0: start and end only)")
