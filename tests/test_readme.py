@@ -107,7 +107,7 @@ def test_ci_runs_the_readme_test_command():
     assert len(commands) == 2, f"the README's first bash block should hold the two commands: {commands}"
     install_and_run, test = commands
     assert install_and_run.endswith("python -m experiments.train"), install_and_run
-    assert test.endswith("python -m pytest -q -n 2 tests"), test
+    assert test.endswith("python -m pytest -q -n 2 --dist worksteal tests"), test
     ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()
           if ln.strip() and not ln.lstrip().startswith("#")]
     assert ci[-1] == test, f".ci/run runs {ci[-1]!r}, the README's test command is {test!r}"
