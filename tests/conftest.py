@@ -22,11 +22,11 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # The controller makes the directory before xdist starts its workers, which (and every
 # subprocess test) inherit it; pytest_unconfigure of the same process removes it. A
 # JAX_COMPILATION_CACHE_DIR already set is used as it is and kept.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+_MADE_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # True in that process only
+if _MADE_CACHE_DIR:
     import tempfile
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tandem-tests-xla-")
-    os.environ["TANDEM_TESTS_CACHE_OWNER"] = str(os.getpid())
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -78,7 +78,7 @@ def _bounded_compiled_code():
 
 
 def pytest_unconfigure(config):
-    if os.environ.get("TANDEM_TESTS_CACHE_OWNER") == str(os.getpid()):
+    if _MADE_CACHE_DIR:
         import shutil
 
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
