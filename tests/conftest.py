@@ -3,16 +3,23 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
-# The suite's time is mostly XLA:CPU compiling thousands of small programs; at backend
-# optimisation level 0 (the level tests/rl/test_trainer.py and test_sharded_sampling.py
-# already use) they compile far faster (tests/rl/test_multiturn.py: 71 s -> 40 s), and
-# results differ from the default level's by float rounding only (the LoRA mesh step's
-# outputs: at most 1 ulp).
-# Set before jax creates its CPU client; an XLA_FLAGS that names a level is respected, and
-# a subprocess test passes its own XLA_FLAGS or inherits this one.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_backend_optimization_level=0").strip()
+# The suite's time is mostly XLA:CPU compiling thousands of small programs, so tests
+# compile with two flags that make compiling faster and change results by float rounding
+# only:
+#  * backend optimisation level 0 (tests/rl/test_multiturn.py: 71 s -> 40 s; the LoRA mesh
+#    step's outputs move by at most 1 ulp);
+#  * the older LLVM IR fusion emitters instead of the MLIR fusion emitters XLA:CPU uses by
+#    default in jax 0.10, which compile fusions several times slower
+#    (tests/rl/test_trainer_packed.py: 50 -> 24 CPU seconds; the suite: see
+#    docs/development.md). Both are XLA's own code generators for the same HLO.
+# Set before jax creates its CPU client; a flag already named in XLA_FLAGS is respected.
+# Subprocess tests append their device count to this XLA_FLAGS, so they compile the way
+# the process that checks their results does.
+FAST_COMPILE_FLAGS = {"xla_backend_optimization_level": "0",
+                      "xla_cpu_use_fusion_emitters": "false"}
+for _name, _value in FAST_COMPILE_FLAGS.items():
+    if _name not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_name}={_value}".strip()
 
 # Many tests compile the same programs (the tiny presets' train step and sampler) in new
 # closures, other xdist workers or subprocesses, where jax's in-memory caches miss. A

@@ -229,7 +229,8 @@ def test_forward_on_8_device_mesh_matches_single_device(tmp_path):
     single = np.asarray(forward(params, TINY, tokens, segment_ids=segs))
     np.savez(tmp_path / "case.npz", params=np.array(params, dtype=object), tokens=tokens,
              segs=segs, single=single)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**os.environ,
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, str(tmp_path / "case.npz")],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

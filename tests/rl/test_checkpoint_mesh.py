@@ -92,8 +92,9 @@ def test_checkpoint_restores_onto_other_meshes(tmp_path):
     # XLA:CPU's concurrency-optimized scheduler can deadlock data x fsdp programs on
     # forced devices (seen at the default optimisation level): keep the plain schedule.
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-               "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
+               " --xla_force_host_platform_device_count=8"
+               " --xla_cpu_enable_concurrency_optimized_scheduler=false")
     out = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path / "ck"),
                           str(tmp_path / "out.npz")], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)

@@ -253,10 +253,10 @@ _MESH = textwrap.dedent("""
 
 
 def test_mesh_step_equals_one_device(tmp_path):
-    # Optimisation level 0 only shortens compilation (-40 %), for the one-device reference
+    # The suite's compile flags (tests/conftest.py), for the one-device reference
     # and the mesh alike (as in test_sharded_sampling).
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-               "--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
+               " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _MESH, str(tmp_path / "o.npz")], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -33,7 +33,8 @@ def free_port() -> int:
 
 def launch(out, devices, *flags):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
+               f" --xla_force_host_platform_device_count={devices}")
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(var, None)
     return subprocess.Popen([sys.executable, WORKER, str(out), *map(str, flags)], cwd=REPO,

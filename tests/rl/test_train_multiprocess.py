@@ -22,10 +22,9 @@ ARGS = ["--steps", "2", "--mesh", "dp", "--prompts-per-step", "2", "--group-size
 
 
 def launch(run_dir, devices, *flags):
-    # Optimisation level 0 only shortens compilation, for both sides of the comparison.
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-               "--xla_backend_optimization_level=0")
+    # the suite's compile flags (tests/conftest.py), for both sides of the comparison
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
+               f" --xla_force_host_platform_device_count={devices}")
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(var, None)
     return subprocess.Popen([sys.executable, "-m", "experiments.train", *ARGS, "--run-dir",

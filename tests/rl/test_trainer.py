@@ -189,9 +189,9 @@ def test_sharded_step_matches_single_device(params, tmp_path):
                                                           "behaviour_logprobs", "versions", "rewards")}
     leaves = {f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))}
     np.savez(tmp_path / "in.npz", **fields, **leaves)
-    # Optimisation level 0 only shortens compilation (the 1-device step used it too).
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-               "--xla_backend_optimization_level=0")
+    # The suite's compile flags (tests/conftest.py), as the 1-device step has them.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
+               " --xla_force_host_platform_device_count=8")
     out = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, str(tmp_path / "in.npz"),
                           str(tmp_path / "out.npz")], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)

@@ -246,7 +246,8 @@ def test_sharded_vcpo_step_matches_single_device(tmp_path, one_device_step):
     b = one_device_step["batch"]
     np.savez(tmp_path / "in.npz", **{k: np.asarray(getattr(b, k)) for k in (
         "tokens", "positions", "loss_mask", "behaviour_logprobs", "versions", "rewards")})
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
+               " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _SHARDED, str(tmp_path / "in.npz"),
                            str(tmp_path / "out.npz")], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
