@@ -13,13 +13,31 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 #    (tests/rl/test_trainer_packed.py: 50 -> 24 CPU seconds; the suite: see
 #    docs/development.md). Both are XLA's own code generators for the same HLO.
 # Set before jax creates its CPU client; a flag already named in XLA_FLAGS is respected.
-# Subprocess tests append their device count to this XLA_FLAGS, so they compile the way
-# the process that checks their results does.
+# XLA aborts the process on a flag it does not know, so a flag newer than the oldest jaxlib
+# we accept is added only once a child process has started jax with it (~1 s, in the
+# process that starts the suite; the xdist workers inherit the result). Subprocess tests
+# append their device count to this XLA_FLAGS, so they compile the way the process that
+# checks their results does.
 FAST_COMPILE_FLAGS = {"xla_backend_optimization_level": "0",
                       "xla_cpu_use_fusion_emitters": "false"}
+_CHECKED_FLAGS = ("xla_cpu_use_fusion_emitters",)
+
+
+def _xla_accepts(flags: str) -> bool:
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+                           env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"},
+                           capture_output=True, timeout=120)
+    return probe.returncode == 0
+
+
 for _name, _value in FAST_COMPILE_FLAGS.items():
     if _name not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_name}={_value}".strip()
+        _flags = f"{os.environ.get('XLA_FLAGS', '')} --{_name}={_value}".strip()
+        if _name not in _CHECKED_FLAGS or _xla_accepts(_flags):
+            os.environ["XLA_FLAGS"] = _flags
 
 # Many tests compile the same programs (the tiny presets' train step and sampler) in new
 # closures, other xdist workers or subprocesses, where jax's in-memory caches miss. A
