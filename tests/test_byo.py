@@ -77,6 +77,33 @@ def test_cli_run_records_model_task_and_reward(trained):
     assert {"reward_correct", "reward_format"} <= set(train[0])
 
 
+def test_resume_with_another_reward_is_refused_before_a_step(trained, tmp_path, capsys):
+    """The reward (function, verifier) is part of the checkpoint's config record: a resume
+    that changes it stops with the fields named, and nothing is written to the run."""
+    _, model, run, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    before = (copy / "metrics.jsonl").read_text()
+    args = ["--model", str(model), *TASK, "--steps", "3", "--prompts-per-step", "2",
+            "--group-size", "4", "--segment-len", "8", "--eval-every", "0", "--eval-prompts",
+            "4", "--save-every", "1", "--wandb", "disabled", "--run-dir", str(copy), "--resume"]
+    sys.path.insert(0, str(DATA))
+    try:
+        with pytest.raises(SystemExit) as exc:
+            train_main([*args[:-1], "--verifier", "numeric", "--reward", "rewards:exact_digits",
+                        "--resume"])
+    finally:
+        sys.path.remove(str(DATA))
+        sys.modules.pop("rewards", None)
+    msg = str(exc.value.code)
+    assert msg.startswith("error: the resumed run's config differs"), msg
+    assert "reward.verifier: checkpoint 'exact' -> now 'numeric'" in msg
+    with pytest.raises(SystemExit) as exc:  # no reward function this time
+        train_main(args)
+    assert "reward.function: checkpoint 'rewards:exact_digits' -> now None" in str(exc.value.code)
+    assert (copy / "metrics.jsonl").read_text() == before
+
+
 @pytest.mark.slow
 def test_evaluate_a_run_uses_its_reward(trained, tmp_path):
     _, _, run, _ = trained

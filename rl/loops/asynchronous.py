@@ -167,7 +167,7 @@ def run_async(model_config: ModelConfig, params: Any, task: Task, config: RunCon
                    resume=resume_opts, wandb_mode=config.logging.wandb,
                    run_config=config.to_dict(), mesh=mesh,
                    compiler_options=hooks.compiler_options,
-                   extra_config={"async": acfg, "task": task.name,
+                   extra_config={"async": acfg, "task": task.name, "reward": config.reward,
                                  **episodes.episode_config(task)})
     run = prepare(ctx, model_config, task, train, loop, acfg, run_dir,
                   rollout_device=rollout_device, mesh=mesh, resume=resume,

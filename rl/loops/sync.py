@@ -278,7 +278,8 @@ def run(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *
     ctx = open_run(model_config, params, train, loop, run_dir, resume=resume_opts,
                    wandb_mode=config.logging.wandb, run_config=config.to_dict(), mesh=mesh,
                    compiler_options=hooks.compiler_options,
-                   extra_config={"task": task.name, **episodes.episode_config(task), **(
+                   extra_config={"task": task.name, "reward": config.reward,
+                                 **episodes.episode_config(task), **(
                        {} if scheduler.is_default else {"scheduler": scheduler}),
                        **({} if prune is None else {"prune": prune})})
     state, ref, ckpt, logger, step_fn = ctx.state, ctx.ref, ctx.ckpt, ctx.logger, ctx.step_fn

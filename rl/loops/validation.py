@@ -42,7 +42,13 @@ FREE_ON_RESUME = frozenset({"loop.steps", "loop.time_limit_s", "loop.save_every_
                             # rows per pass): the same values, so free as well
                             "train.vcpo.grad_norms", "train.vcpo.chunk",
                             # the head's logits kept or recomputed: the same values
-                            "train.head_remat"})
+                            "train.head_remat",
+                            # how long one call of a reward function may take
+                            "reward.timeout_s"})
+# Sections the record gained after runs had been checkpointed without them: a saved record
+# with no field of such a section cannot say what that run used, so the section is not
+# compared (rather than taken to have held its defaults, as a single field added later is).
+LATE_SECTIONS = frozenset({"reward"})
 # Fields that change what is measured or saved, not what is learned: allowed on resume
 # when named explicitly (rl.loops.run(..., resume=Resume(allow_changes=...)),
 # --allow-config-change).
@@ -137,13 +143,16 @@ def check_resume_config(saved: Mapping[str, Any] | None, current: Mapping[str, A
     `saved` record, except FREE_ON_RESUME and the `allow`ed names (loop field names from
     CHANGEABLE_ON_RESUME, e.g. "eval_every"). A checkpoint without a record (written
     before records existed) is not checked. defaults (record_defaults): a field the saved
-    record lacks (added to the configs later) matches when `current` holds its default."""
+    record lacks (added to the configs later) matches when `current` holds its default;
+    a LATE_SECTIONS section the saved record has no field of is not compared."""
     allow = check_allowed_changes(allow)
     if saved is None:
         return
     free = FREE_ON_RESUME | {f"loop.{name}" for name in allow}
+    saved_sections = {k.split(".", 1)[0] for k in saved}
+    unrecorded = {k for k in current if k.split(".", 1)[0] in LATE_SECTIONS - saved_sections}
     added = {k for k in set(current) - set(saved)
-             if defaults is not None and k in defaults and defaults[k] == current[k]}
+             if defaults is not None and k in defaults and defaults[k] == current[k]} | unrecorded
     keys = sorted((set(saved) | set(current)) - added)
     diffs = [(k, saved.get(k, "<absent>"), current.get(k, "<absent>")) for k in keys
              if k not in free and saved.get(k, "<absent>") != current.get(k, "<absent>")]

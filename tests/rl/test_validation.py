@@ -158,3 +158,36 @@ def test_run_resume_checks_the_checkpoint_config(tmp_path):
     res = run(config, params, task, cfg(tmp_path, more),
               resume=Resume(allow_changes=("eval_every",)))
     assert int(res.state.step) == 3
+
+
+def test_the_reward_is_part_of_the_record_and_older_records_leave_it_unchecked():
+    from rl.loops.config import RewardConfig
+    from rl.loops.validation import record_defaults
+
+    train, loop = PRESET.train, LOOP
+    strict = {"task": "rg", "reward": RewardConfig(verifier="strict", function="m:f")}
+    saved = config_record(train, loop, strict)
+    assert saved["reward.function"] == "m:f" and saved["reward.verifier"] == "strict"
+    defaults = record_defaults(train, loop, strict)
+    check_resume_config(saved, saved, defaults=defaults)
+    # another function or verifier changes what is learned; a call's time limit does not
+    for change, line in (({"function": "m:g"}, "reward.function: checkpoint 'm:f' -> now 'm:g'"),
+                         ({"verifier": "dataset"}, "reward.verifier: checkpoint 'strict'")):
+        now = config_record(train, loop, {**strict, "reward": dataclasses.replace(
+            strict["reward"], **change)})
+        with pytest.raises(ConfigError, match="1 field") as err:
+            check_resume_config(saved, now, defaults=defaults)
+        assert line in str(err.value)
+    check_resume_config(saved, config_record(train, loop, {**strict, "reward": dataclasses.replace(
+        strict["reward"], timeout_s=60.0)}), defaults=defaults)
+    # a record written before it held the reward cannot say which one that run used: not
+    # compared, even where the run's reward is not the default (unlike a single new field)
+    old = {k: v for k, v in saved.items() if not k.startswith("reward.")}
+    check_resume_config(old, saved, defaults=defaults)
+    with pytest.raises(ConfigError, match="loop.seed"):  # the rest is compared as before
+        check_resume_config(old, config_record(train, dataclasses.replace(loop, seed=3), strict),
+                            defaults=defaults)
+    # a record that has the section compares all of it (a field absent there is a change)
+    partial = {k: v for k, v in saved.items() if k != "reward.function"}
+    with pytest.raises(ConfigError, match="reward.function: checkpoint '<absent>'"):
+        check_resume_config(partial, saved)
