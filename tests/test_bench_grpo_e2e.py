@@ -1,4 +1,5 @@
-"""experiments.bench.grpo_e2e: the whole GRPO step end to end. --smoke (tiny, 3 steps) in
+"""experiments.bench.grpo_e2e: the whole GRPO step end to end. --smoke (tiny, 4 steps, the
+third traced: the host's program launches counted) in
 a process where wandb, gguf, reasoning-gym and math-verify cannot be imported (as on the
 stock GPU image) writes its JSON: steps/hour from the step profile, phases that sum to
 each step, decode tokens/s, memory; the task's verifier on known responses; the
@@ -65,16 +66,27 @@ def test_steady_state_skips_the_batches_sampled_ahead():
 def test_smoke_runs_the_whole_step_without_optional_packages(tmp_path):
     out = tmp_path / "e2e.json"
     proc = subprocess.run([sys.executable, "-m", "experiments.bench.grpo_e2e", "--smoke",
+                           "--steps", "4", "--trace-steps", "1",
                            "--out", str(out), "--run-dir", str(tmp_path / "run")],
                           env=_blocked_env(tmp_path), cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["platform"] == "cpu" and len(res["steps"]) == 3 and res["steps_timed"] == 2
+    assert res["platform"] == "cpu" and len(res["steps"]) == 4 and res["steps_timed"] == 2
     for step in res["steps"]:
         assert sum(step[k] for k in PHASES) == pytest.approx(step["step_s"], rel=1e-6)
         assert 0.0 <= step["reward_mean"] <= 1.0
-    mean = sum(s["step_s"] for s in res["steps"][1:]) / 2
+    # step 3 ran under the profiler: left out of the timing, its launches counted
+    mean = (res["steps"][1]["step_s"] + res["steps"][3]["step_s"]) / 2
+    trace = res["trace"]
+    assert trace["steps"] == [3] and trace["device"]["events_per_step"] > 0
+    launched = {d["name"]: d["count"] for d in trace["host_launches"]["by_name"]}
+    assert launched["decode_segment_impl"] >= 1 and launched["_empty_arrays"] == 1
+    # the step's host code launches whole programs, not eager jnp ops one by one (each a
+    # device launch and a host round trip on an accelerator; 60 per harvest before)
+    eager = {"gather", "broadcast_in_dim", "convert_element_type", "select_n", "add"}
+    assert not eager & set(launched), launched
+    assert trace["host_launches"]["per_step"] <= 12, launched
     assert res["steps_per_hour"] == pytest.approx(3600 / mean)
     assert res["headline"]["value"] == pytest.approx(res["steps_per_hour"], abs=0.1)
     assert res["tokens_per_step"] == 2 * 2 * 6 and res["decode_tokens_per_s"] > 0

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments.bench.accelerator.trace import (device_events, merged_intervals, summarize,
-                                                 traced)
+from experiments.bench.accelerator.trace import (device_events, host_launches,
+                                                 merged_intervals, summarize, traced)
 
 
 def meta(pid, tid, process, thread):
@@ -67,3 +67,21 @@ def test_a_real_trace_of_a_jitted_function():
     s = traced(lambda: [f(a).block_until_ready() for _ in range(3)], steps=3)
     assert s["events"] >= 3 and 0 < s["busy_us"] <= s["window_us"]
     assert s["steps"] == 3 and s["top"][0]["total_us"] > 0
+
+
+def test_host_launches_count_each_call_once():
+    """jax writes one call as two nested events of one name; calls of the same name one
+    after another, on another thread, or another name nested inside, all count."""
+    events = [*meta(1, 1, "/host:CPU", "python"), *meta(1, 2, "/host:CPU", "worker"),
+              x(1, 1, "PjitFunction(step)", 0, 100), x(1, 1, "PjitFunction(step)", 1, 98),
+              x(1, 1, "PjitFunction(inner)", 10, 5),        # another name inside: counted
+              x(1, 1, "PjitFunction(step)", 200, 50), x(1, 1, "PjitFunction(step)", 201, 48),
+              x(1, 2, "PjitFunction(step)", 20, 10),         # another thread, overlapping
+              x(1, 1, "$api.py:1 device_get", 300, 10),      # not a launch
+              x(2, 7, "fusion_1", 0, 10)]
+    got = host_launches({"traceEvents": events}, steps=2)
+    assert got["launches"] == 4 and got["per_step"] == 2.0
+    assert got["by_name"] == [{"name": "step", "count": 3, "per_step": 1.5},
+                              {"name": "inner", "count": 1, "per_step": 0.5}]
+    with pytest.raises(ValueError, match="steps"):
+        host_launches(events, steps=0)

@@ -11,7 +11,8 @@
 # under its own timeout, most important first, every file in $OUT as it is written:
 #   accelerator (issue 32: DualKV vs cuDNN on copies first, correctness, ...)  budget 140 s
 #   accelerator --speed (issue 33: decode step, train step + torch peer, ...)  budget 130 s
-#   grpo_e2e sync, 10 steps of smollm2-135m (issue 33's whole step)            <= 80 s
+#   grpo_e2e sync, 12 steps of smollm2-135m, 2 of them traced (issue 33's
+#   whole step; the host's program launches per step)                          <= 80 s
 #   grpo_e2e --async-staleness 1 and 4, 8 + K steps (issue 35's time)          <= 90 s each
 #   tune (issue 32's tuned table -> $OUT/tuned/; 40 s tunes one launch: a
 #   full table needs its own call, `--parts tune --budget 500`)                budget 40 s
@@ -25,8 +26,9 @@
 #      bandwidth and roofline share; packed train step (MFU, peak memory per row) beside
 #      the HF + torch step on the same samples; generate() beside HF generate; then 256
 #      rows, remat dots / full, the head chunk sized for the device, command buffers
-#   2. grpo_e2e: 8 GRPO steps of smollm2-135m (random weights, 8 x 8 samples, P = R = 256)
-#      through rl.loops.run: steps/hour, the step profile, peak device memory -> 170 s
+#   2. grpo_e2e: 10 GRPO steps of smollm2-135m (random weights, 8 x 8 samples, P = R = 256)
+#      through rl.loops.run: steps/hour, the step profile, peak device memory; steps 8-9
+#      traced (the host's program launches per step, the device's busy share) -> 170 s
 #
 # Without an argument, issue 32's check:
 # Two commands, each under `timeout`, each running every part and baseline in its own
@@ -94,8 +96,8 @@ if [ "${1:-}" = "once" ]; then
     --out "$OUT/accelerator.json" --jsonl "$LOGS/accelerator.jsonl"
   step speed 140 python3 -m experiments.bench.accelerator --speed --budget 130 \
     --out "$OUT/speed.json" --jsonl "$LOGS/speed.jsonl"
-  step grpo_e2e 80 python3 -m experiments.bench.grpo_e2e --model smollm2-135m --steps 10 \
-    --out "$OUT/grpo_e2e.json"
+  step grpo_e2e 80 python3 -m experiments.bench.grpo_e2e --model smollm2-135m --steps 12 \
+    --trace-steps 2 --out "$OUT/grpo_e2e.json"
   for k in 1 4; do   # 8 + K steps: the steady state skips 2 + K of them
     step "grpo_e2e_async$k" 90 python3 -m experiments.bench.grpo_e2e --model smollm2-135m \
       --steps $((8 + k)) --async-staleness "$k" --out "$OUT/grpo_e2e_async$k.json"
@@ -111,8 +113,8 @@ if [ "${1:-}" = "speed" ]; then
   timeout -k 10 280 python3 -m experiments.bench.accelerator --speed --budget 240 \
     --out "$OUT/speed.json" --jsonl "$OUT/speed.jsonl" 2>&1 | tee -a "$OUT/speed.log"
   echo "== accelerator --speed exit ${PIPESTATUS[0]}" | tee -a "$OUT/speed.log"
-  timeout -k 10 170 python3 -m experiments.bench.grpo_e2e --model smollm2-135m --steps 8 \
-    --out "$OUT/grpo_e2e.json" 2>&1 | tee "$OUT/grpo_e2e.log"
+  timeout -k 10 170 python3 -m experiments.bench.grpo_e2e --model smollm2-135m --steps 10 \
+    --trace-steps 2 --out "$OUT/grpo_e2e.json" 2>&1 | tee "$OUT/grpo_e2e.log"
   echo "== grpo_e2e exit ${PIPESTATUS[0]}" | tee -a "$OUT/grpo_e2e.log"
   ls -la "$OUT"
   exit 0

@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-staleness", type=int, default=None, metavar="K",
                    help="run the threaded async loop (rl.loops.run_async) at max staleness K "
                         "instead of the synchronous loop")
+    p.add_argument("--trace-steps", type=int, default=0, metavar="K",
+                   help="run the K steps before the last under the jax profiler and report "
+                        "the host's program launches per step (by name) and the device "
+                        "lanes' busy share; those steps are left out of the timing")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, 3 steps, 2 x 2 samples of 12 + 6 tokens (CPU test)")
     p.add_argument("--run-dir", help="the run's directory (default: a temp dir, removed)")
@@ -185,9 +189,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.model, args.prompts_per_step, args.group_size = "tiny", 2, 2
         args.prompt_len, args.response_len, args.segment_len = 12, 6, 4
-        args.steps = min(args.steps, 3)
+        args.steps = min(args.steps, 3 + args.trace_steps)
     if args.steps < 2:
         build_parser().error("--steps must be >= 2 (the first step compiles and is not timed)")
+    if args.trace_steps < 0 or (args.trace_steps and args.steps < args.trace_steps + 3):
+        build_parser().error(f"--trace-steps {args.trace_steps} needs --steps >= "
+                             f"{args.trace_steps + 3} (two untraced steps before the traced "
+                             "ones and one after) and must be >= 0")
     import jax
 
     from models.config import get_config
@@ -195,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     from models.logprobs import DEFAULT_CHUNK, head_chunk_for_memory
     from rl.learner.config import OptimizerConfig, TrainConfig
     from rl.loops import run, run_async
-    from rl.loops.config import LoggingConfig, LoopConfig, ModelSpec, RunConfig
+    from rl.loops.config import LoggingConfig, LoopConfig, ModelSpec, RunConfig, RunHooks
     from rl.objectives import AdvantageConfig, LossConfig
 
     cfg = get_config(args.model, dtype=args.dtype, param_dtype="float32")
@@ -228,14 +236,19 @@ def main(argv: list[str] | None = None) -> dict:
                                    "async.mode": "threaded"})
         loop_fn = run_async
     load_before = load_average()
+    tracer = StepTracer(args.steps - 1 - args.trace_steps, args.steps - 1) \
+        if args.trace_steps else None
     with tempfile.TemporaryDirectory(prefix="grpo-e2e-") as tmp:
         run_dir = Path(args.run_dir or tmp)
         t0 = time.perf_counter()
         params = init_params(cfg, 0)
-        result = loop_fn(cfg, params, task, config.override("run_dir", str(run_dir)))
+        result = loop_fn(cfg, params, task, config.override("run_dir", str(run_dir)),
+                         hooks=RunHooks(on_step=tracer))
         wall = time.perf_counter() - t0
     tokens = args.prompts_per_step * args.group_size * args.response_len
-    summary = summarize(result.train, tokens, args.async_staleness or 0)
+    records = result.train if tracer is None else [
+        r for r in result.train if not tracer.first < r["step"] <= tracer.last]
+    summary = summarize(records, tokens, args.async_staleness or 0)
     peak = device_peak_bytes()
     rss = peak_rss_mb()
     device = re.sub(r"[^a-z0-9]+", "_", f"{dev.platform} {dev.device_kind}".lower()).strip("_")
@@ -258,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
         "host_transfer_other_target": HOST_SHARE_TARGET,
         "load_average_1_5_15min": {"before": load_before, "after": load_average()},
         **summary,
+        "trace": None if tracer is None else tracer.summary(),
         "steps": [{k: r.get(k) for k in ("step", "step_s", *PHASES, "wait_s", "other_s",
                                          "version_lag_mean", "peak_rss_mb",
                                          "reward_mean", "tokens_per_s")} for r in result.train],
@@ -266,6 +280,38 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_summary(payload))
     print(f"wrote {out}")
     return payload
+
+
+class StepTracer:
+    """A RunHooks.on_step that runs the jax profiler from the end of step `first` to the
+    end of step `last` (the steps first+1..last) and summarizes that trace: the host's
+    program launches per step and the device lanes (experiments.bench.accelerator.trace)."""
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last = first, last
+        self._dir = tempfile.TemporaryDirectory(prefix="grpo-e2e-trace-")
+        self._result: dict | None = None
+
+    def __call__(self, record: dict) -> None:
+        import jax
+        if record["step"] == self.first:
+            jax.profiler.start_trace(self._dir.name, create_perfetto_trace=True)
+        elif record["step"] == self.last:
+            jax.profiler.stop_trace()
+            from experiments.bench.accelerator.trace import (device_events, host_launches,
+                                                             read_perfetto)
+            from experiments.bench.accelerator.trace import summarize as device_summary
+            trace, k = read_perfetto(Path(self._dir.name)), self.last - self.first
+            device = device_summary(device_events(trace), k)
+            self._result = {"steps": list(range(self.first + 1, self.last + 1)),
+                            "host_launches": host_launches(trace, k),
+                            "device": {key: device[key] for key in (
+                                "events_per_step", "window_us_per_step", "busy_us_per_step",
+                                "busy_share", "gaps")}}
+            self._dir.cleanup()
+
+    def summary(self) -> dict | None:
+        return self._result
 
 
 def format_summary(p: dict) -> str:
@@ -279,6 +325,11 @@ def format_summary(p: dict) -> str:
                  f"(target < {100 * HOST_SHARE_TARGET:.0f} % on a GPU)")
     if p["decode_tokens_per_s"]:
         lines.append(f"  decode {p['decode_tokens_per_s']:.0f} tokens/s")
+    if p.get("trace"):
+        hl = p["trace"]["host_launches"]
+        top = ", ".join(f"{d['name']} {d['per_step']:.1f}" for d in hl["by_name"][:6])
+        lines.append(f"  traced steps {p['trace']['steps']}: {hl['per_step']:.1f} program "
+                     f"launches per step from the host ({top})")
     mem = p["peak_device_bytes"]
     lines.append(f"  peak device memory {'n/a' if mem is None else f'{mem / 1e9:.2f} GB'}; "
                  f"process peak resident {(p['process_peak_rss_mb'] or 0) / 1e3:.2f} GB")

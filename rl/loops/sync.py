@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -74,8 +73,14 @@ class RunResult:
 # ----------------------------------------------------------------------------- the loop
 def rollout_seed(rng: jax.Array) -> tuple[int, jax.Array]:
     """Split a raw key [2] uint32: (seed for one rollout, the key to keep)."""
-    key, sub = jax.random.split(jnp.asarray(rng))
-    return int(jax.random.randint(sub, (), 0, np.iinfo(np.int32).max)), key
+    seed, key = _split_seed(rng)
+    return int(seed), key
+
+
+@jax.jit
+def _split_seed(rng: jax.Array) -> tuple[jax.Array, jax.Array]:  # one launch, not three
+    key, sub = jax.random.split(rng)
+    return jax.random.randint(sub, (), 0, np.iinfo(np.int32).max), key
 
 
 def _rollout_seed(state: TrainState) -> tuple[int, TrainState]:

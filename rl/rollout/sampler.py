@@ -288,13 +288,24 @@ class PartialSample:
         return int(self.response_ids.size)
 
 
+_SLOT_FIELDS = ("prompt_ids", "prompt_lengths", "response_ids", "logprobs", "versions",
+                "num_generated", "budget", "done", "stopped", "keys")
+
+
+@jax.jit
+def _gather_slots(fields: dict, idx: jax.Array) -> dict:
+    return {f: x[idx] for f, x in fields.items()}
+
+
 def read_slots(state: SamplerState, slots: Sequence[int]) -> list[PartialSample]:
     """Copy the given slots to the host (one transfer)."""
     idx = np.asarray(slots, np.int32).reshape(-1)
     _check_slots(idx, state.num_slots)
-    fields = ("prompt_ids", "prompt_lengths", "response_ids", "logprobs", "versions",
-              "num_generated", "budget", "done", "stopped", "keys")
-    host = jax.device_get({f: getattr(state, f)[idx] for f in fields})
+    # One compiled gather for every field (one dispatch, not one per field and index op),
+    # the index padded to a power of two so that few sizes compile.
+    padded = np.zeros((bucket(idx.size, max(state.num_slots, 1), floor=1),), np.int32)
+    padded[:idx.size] = idx
+    host = jax.device_get(_gather_slots({f: getattr(state, f) for f in _SLOT_FIELDS}, padded))
     out = []
     for i in range(idx.size):
         n, p = int(host["num_generated"][i]), int(host["prompt_lengths"][i])
@@ -406,9 +417,11 @@ def decode_segment(params: Params, state: SamplerState, num_tokens: int, version
     num_tokens = positive_int("num_tokens", num_tokens)
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
         raise ValueError(f"version must be an int >= 0, got {version!r}")
-    version = jnp.int32(version)
+    # numpy scalars go in as arguments; jnp.int32(...) would be an eager op (a device
+    # launch) of its own per call
+    version = np.int32(version)
     if not bounded:
-        return decode_segment_jit(params, state, jnp.int32(num_tokens), version)
+        return decode_segment_jit(params, state, np.int32(num_tokens), version)
     cache = state.cache
     if state.kv_layout == "segmented":
         lengths, limit = cache.resp_lengths, cache.resp_len
@@ -421,7 +434,7 @@ def decode_segment(params: Params, state: SamplerState, num_tokens: int, version
     for i, (steps, bound) in enumerate(plan_bounded_decode(int(live.max()), num_tokens, limit)):
         # The first chunk keeps the caller's state intact; later ones consume our own.
         fn = decode_segment_jit if i == 0 else decode_segment_donated_jit
-        state = fn(params, state, jnp.int32(steps), version, kv_bound=bound)
+        state = fn(params, state, np.int32(steps), version, kv_bound=bound)
     return state
 
 

@@ -6,6 +6,7 @@ See `rl.rollout.sampler` for how a slot runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Sequence
 
@@ -266,12 +267,27 @@ def new_state(config, *, num_slots, max_prompt_len, max_new_tokens, sampling, st
         raise ValueError(
             f"max_prompt_len + max_new_tokens = {max_len} exceeds the model's "
             f"max_position_embeddings={config.max_position_embeddings}; shorten one of them")
-    s, p, r = num_slots, max_prompt_len, max_new_tokens
-    if kv_layout == "segmented":
+    arrays = _empty_arrays(config, num_slots, max_prompt_len, max_new_tokens,
+                           group_size if kv_layout == "segmented" else None,
+                           None if cache_dtype is None else str(jnp.dtype(cache_dtype)), stop_ids)
+    return SamplerState(
+        **arrays,
+        config=config, sampling=sampling, attn_impl=attn_impl,
+        prefill_chunk=check_chunk_size(prefill_chunk),
+        layer_loop=check_layer_loop(layer_loop),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _empty_arrays(config, s, p, r, group_size, cache_dtype, stop_ids) -> dict:
+    """Every array of an empty state in one compiled program: one dispatch instead of one
+    per leaf (on an accelerator each eager op costs a launch and a host round trip, and an
+    engine builds a state per rollout batch). group_size None: the replicated cache."""
+    if group_size is not None:
         cache = init_segmented_cache(config, s // group_size, group_size, p, r, cache_dtype)
     else:
-        cache = init_cache(config, s, max_len, cache_dtype)
-    return SamplerState(
+        cache = init_cache(config, s, p + r, cache_dtype)
+    return dict(
         cache=cache,
         pending=jnp.zeros((s,), jnp.int32),
         prompt_ids=jnp.zeros((s, p), jnp.int32),
@@ -284,11 +300,7 @@ def new_state(config, *, num_slots, max_prompt_len, max_new_tokens, sampling, st
         done=jnp.ones((s,), bool),
         stopped=jnp.zeros((s,), bool),
         keys=jnp.zeros((s, 2), jnp.uint32),
-        stop_ids=jnp.asarray(_pad_stop_ids(stop_ids)),
-        config=config, sampling=sampling, attn_impl=attn_impl,
-        prefill_chunk=check_chunk_size(prefill_chunk),
-        layer_loop=check_layer_loop(layer_loop),
-    )
+        stop_ids=jnp.asarray(_pad_stop_ids(stop_ids)))
 
 
 def bucket(n: int, limit: int, floor: int = 8) -> int:

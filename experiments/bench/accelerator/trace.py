@@ -18,6 +18,12 @@ into a temporary folder and returns `summarize(events, steps)` of its perfetto t
   top            the 15 names with the largest summed duration: name, count, total_us,
                  share of busy_us (summed durations may exceed busy_us where lanes overlap)
 
+`host_launches(trace, steps)` counts the other side: the compiled programs the host
+launched ("PjitFunction(name)" events: every jitted call and every eager jnp op, each a
+launch and, on an accelerator, tens to hundreds of microseconds of host work), per step
+and by name. jax records each call as two nested events of one name: an event inside a
+counted one of the same name on the same thread is not counted again.
+
 Pure stdlib on the trace file: no tensorboard or profiler plugin needed.
 """
 from __future__ import annotations
@@ -91,6 +97,29 @@ def summarize(events: Sequence[dict], steps: int = 1) -> dict[str, Any]:
         "top": [{"name": name[:120], "count": len(d), "total_us": sum(d),
                  "share_of_busy": sum(d) / busy if busy else 0.0} for name, d in top],
     }
+
+
+def host_launches(trace: dict | list, steps: int = 1) -> dict[str, Any]:
+    """Compiled programs launched from the host in a trace (module doc): {"steps",
+    "launches", "per_step", "by_name": [{"name", "count", "per_step"}] most frequent first}."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    calls = sorted((e for e in events if e.get("ph") == "X"
+                    and str(e.get("name", "")).startswith("PjitFunction(")),
+                   key=lambda e: (e["pid"], e.get("tid"), float(e["ts"]), -float(e.get("dur", 0))))
+    counts: collections.Counter = collections.Counter()
+    open_until: dict[tuple, float] = {}  # (pid, tid, name) -> end of the counted call
+    for e in calls:  # jax records one call as two nested events of the same name
+        lane, start = (e["pid"], e.get("tid"), e["name"]), float(e["ts"])
+        if start < open_until.get(lane, float("-inf")):
+            continue
+        open_until[lane] = start + float(e.get("dur", 0))
+        counts[e["name"][len("PjitFunction("):-1]] += 1
+    total = sum(counts.values())
+    return {"steps": steps, "launches": total, "per_step": total / steps,
+            "by_name": [{"name": n[:120], "count": c, "per_step": c / steps}
+                        for n, c in counts.most_common()]}
 
 
 def read_perfetto(folder: Path) -> dict:
