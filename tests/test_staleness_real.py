@@ -88,6 +88,21 @@ def test_stability_verdict_needs_the_baseline_and_no_fall_from_the_best_eval(fin
     assert vcpo == ("partly" if expected == "reproduced" else "not")
 
 
+def test_areal_verdict_is_read_above_staleness_4_and_the_cells_below_are_reported():
+    base = _row(0, "naive", 0.176, 0.176)
+    rows = [base, _row(2, "naive", 0.148, 0.2), _row(2, "decoupled", 0.203, 0.203),
+            _row(8, "naive", 0.234, 0.246), _row(8, "decoupled", 0.109, 0.215)]
+    got = verdicts(rows)["areal"]
+    assert got["verdict"] == "not"  # at k = 8: decoupled fell, naive held
+    assert got["numbers"].startswith("k=8: decoupled 0.109 (1 seed), naive 0.234 (1 seed)")
+    assert "below 4, k=2: decoupled 0.203 (1 seed), naive 0.148 (1 seed)" in got["numbers"]
+    # k = 8 alone: the same verdict, nothing below to report
+    alone = verdicts([base, *rows[3:]])["areal"]
+    assert alone["verdict"] == "not" and "below 4" not in alone["numbers"]
+    # only the cells below 4: no verdict
+    assert verdicts(rows[:3])["areal"]["verdict"] == "not run"
+
+
 @pytest.mark.slow
 def test_smoke_sweep_resumes_and_reports(tmp_path):
     runs, out, work = tmp_path / "runs", tmp_path / "sr.json", tmp_path / "work"
