@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
 class StepTracer:
     """A RunHooks.on_step that runs the jax profiler from the end of step `first` to the
     end of step `last` (the steps first+1..last) and summarizes that trace: the host's
-    program launches per step and the device lanes (experiments.bench.accelerator.trace)."""
+    program launches per step and the device lanes (experiments.common.trace)."""
 
     def __init__(self, first: int, last: int):
         self.first, self.last = first, last
@@ -298,9 +298,9 @@ class StepTracer:
             jax.profiler.start_trace(self._dir.name, create_perfetto_trace=True)
         elif record["step"] == self.last:
             jax.profiler.stop_trace()
-            from experiments.bench.accelerator.trace import (device_events, host_launches,
+            from experiments.common.trace import (device_events, host_launches,
                                                              read_perfetto)
-            from experiments.bench.accelerator.trace import summarize as device_summary
+            from experiments.common.trace import summarize as device_summary
             trace, k = read_perfetto(Path(self._dir.name)), self.last - self.first
             device = device_summary(device_events(trace), k)
             self._result = {"steps": list(range(self.first + 1, self.last + 1)),

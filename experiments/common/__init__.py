@@ -1,3 +1,4 @@
-"""Helpers the experiment scripts share (benchmarking, plots, seeds, flags: the train
+"""Helpers the experiment scripts share (benchmarking, plots, seeds, trace: a jax profiler
+trace summarized as device busy share and host launches, flags: the train
 command line as a RunConfig view, train_cli: that command as a function); they import the
 library only, never a script."""

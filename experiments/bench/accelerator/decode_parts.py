@@ -67,7 +67,7 @@ def decode_step(emit, *, model: str, rows: list, group_size: int, prompt: int, s
     """One row per (rows, layer_loop): ms per decode step, tokens/s, bytes per step and
     the roofline share, compile time apart; a first row with the copy bandwidth. trace:
     after each timing, one segment under the jax profiler, summarized in a "decode trace"
-    row (experiments.bench.accelerator.trace: device busy share, gaps, kernels per step
+    row (experiments.common.trace: device busy share, gaps, kernels per step
     and per layer-step, the top kernels)."""
     from models.config import get_config
     from models.decoder import init_params
@@ -119,7 +119,7 @@ def decode_step(emit, *, model: str, rows: list, group_size: int, prompt: int, s
                   "roofline_ms": round(roofline_ms, 4),
                   "roofline_share": round(roofline_ms / ms, 4)})
             if trace:
-                from experiments.bench.accelerator.trace import traced
+                from experiments.common.trace import traced
                 summary = traced(lambda: jax.block_until_ready(  # noqa: B023 - called now
                     compiled(*args).response_ids), steps)
                 emit({"status": "ok", "kind": "decode trace", "model": model, "rows": n_rows,

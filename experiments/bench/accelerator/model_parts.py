@@ -103,7 +103,7 @@ def train(emit, *, model: str, groups: int, group_size: int, prompt: int, respon
     (TrainConfig.remat); head_chunk "device": the vocabulary head's chunk sized for the
     device's memory (models.logprobs.head_chunk_for_memory), "default": DEFAULT_CHUNK;
     peak device memory in all and per row. trace: one more step under the jax profiler,
-    summarized in a "train trace" row (experiments.bench.accelerator.trace)."""
+    summarized in a "train trace" row (experiments.common.trace)."""
     from models.logprobs import DEFAULT_CHUNK, head_chunk_for_memory
     from rl.learner import TrainConfig, batch_from_trajectory, init_train_state, make_train_step
     from rl.trajectory import Trajectory
@@ -147,7 +147,7 @@ def train(emit, *, model: str, groups: int, group_size: int, prompt: int, respon
           "tflops_per_s": round(flops / sec / 1e12, 3),
           "mfu": None if mfu is None else round(mfu, 4)})
     if trace:
-        from experiments.bench.accelerator.trace import traced
+        from experiments.common.trace import traced
         holder = [state]
 
         def one_step():  # the state is donated: carry the new one

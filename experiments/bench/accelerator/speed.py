@@ -11,7 +11,7 @@ with the head chunk sized for the device, and the decode step under XLA flags th
 while loops into command buffers (CUDA graphs). The first model's decode-step and packed
 train tasks also trace one call under the jax profiler ("decode trace" / "train trace"
 rows: device busy share, gaps, kernels per step and per layer-step, the top kernels;
-experiments.bench.accelerator.trace). A task the budget cannot start becomes a "skipped"
+experiments.common.trace). A task the budget cannot start becomes a "skipped"
 row.
 
 `peer_ratios` gives every Tandem row of the JSON its ratio to the torch row of the same

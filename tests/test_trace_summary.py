@@ -1,4 +1,4 @@
-"""experiments.bench.accelerator.trace: the summary of a profiler trace's device events
+"""experiments.common.trace: the summary of a profiler trace's device events
 against hand-counted synthetic traces (lanes, overlaps, gaps, per-step figures), and one
 real trace of a jitted function on this CPU."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments.bench.accelerator.trace import (device_events, host_launches,
+from experiments.common.trace import (device_events, host_launches,
                                                  merged_intervals, summarize, traced)
 
 
