@@ -45,6 +45,13 @@ from rl.runtime.logging import atomic_write_stream
 Params = Any
 
 
+@jax.jit
+def copy_params(params: Params) -> Params:
+    """A copy of every leaf in one compiled program (fresh buffers, so the learner step may
+    donate the originals): one launch per version instead of one per leaf."""
+    return jax.tree.map(jnp.copy, params)
+
+
 class ParamSnapshots(Mapping):
     """Keep the params of at most `capacity` versions; putting one more evicts the oldest.
 
@@ -85,9 +92,9 @@ class ParamSnapshots(Mapping):
         if device is not None:
             stored = jax.device_put(params, device)  # a transfer is a copy already
             if copy:
-                stored = jax.tree.map(jnp.copy, stored)
+                stored = copy_params(stored)
         elif copy:
-            stored = jax.tree.map(jnp.copy, params)
+            stored = copy_params(params)
         else:
             stored = params
         if self.directory is None:
