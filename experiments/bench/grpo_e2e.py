@@ -6,6 +6,7 @@ task, reporting steps/hour, the step profile and peak device memory.
     python -m experiments.bench.grpo_e2e --model qwen2.5-0.5b --steps 6 --layer-loop unrolled
     python -m experiments.bench.grpo_e2e --smoke                  # tiny, 3 steps, CPU (a test)
     python -m experiments.bench.grpo_e2e --async-staleness 4      # the threaded async loop
+    python -m experiments.bench.grpo_e2e --steps 10 --trace-steps 2  # + host launches per step
 
 Needs only jax, flax, optax, orbax-checkpoint, chex and numpy (no wandb, gguf,
 reasoning-gym or math-verify: none is imported). The model: `--model` preset, random
@@ -28,6 +29,9 @@ compiles): step_s and its phases prefill, decode, reward, learner, host, transfe
 steps/hour = 3600 / mean step_s; the host + transfer + other share (issue 33's target:
 < 5 % on a GPU); decode tokens/s; peak device memory (the device's peak_bytes_in_use after
 the run, where jax reports it; the process's peak resident memory beside it).
+`--trace-steps K` runs the K steps before the last under the jax profiler (left out of the
+timing) and adds `trace`: the host's compiled-program launches per step by name
+(experiments.common.trace.host_launches) and the device lanes' busy share and gaps.
 Writes experiments/results/bench_grpo_e2e_<device>.json (--out); --smoke writes
 bench_grpo_e2e_smoke_<device>.json. Headline: steps/hour.
 """
