@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.bench.grpo_e2e import FIRST_SYMBOL, LongReverseTask, summarize
+from experiments.bench.grpo_e2e import FIRST_SYMBOL, LongReverseTask, StepTracer, summarize
 from tests.test_bench_accelerator import _blocked_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,3 +92,37 @@ def test_smoke_runs_the_whole_step_without_optional_packages(tmp_path):
     assert res["tokens_per_step"] == 2 * 2 * 6 and res["decode_tokens_per_s"] > 0
     assert res["process_peak_rss_mb"] > 100 and res["peak_device_bytes"] is None  # CPU
     assert "steps/hour" in proc.stdout and "host + transfer + other" in proc.stdout
+
+
+def test_a_failing_profiler_is_an_error_entry_not_a_failed_run(monkeypatch):
+    import jax
+
+    def refuse(*a, **k):
+        raise RuntimeError("no CUPTI")
+
+    monkeypatch.setattr(jax.profiler, "start_trace", refuse)
+    tracer = StepTracer(2, 4)
+    for step in range(1, 6):
+        tracer({"step": step})  # no exception: the run goes on
+    got = tracer.summary()
+    assert got["steps"] == [3, 4] and "host_launches" not in got
+    assert got["errors"] == ["start_trace: RuntimeError: no CUPTI"]
+
+
+def test_a_trace_without_device_lanes_still_counts_the_host_launches(monkeypatch):
+    import jax
+
+    import experiments.common.trace as trace_mod
+    host_only = {"traceEvents": [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "python"}},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(step)", "ts": 0, "dur": 5},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(step)", "ts": 10, "dur": 5}]}
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: None)
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
+    monkeypatch.setattr(trace_mod, "read_perfetto", lambda folder: host_only)
+    tracer = StepTracer(1, 3)
+    for step in range(1, 4):
+        tracer({"step": step})
+    got = tracer.summary()
+    assert got["host_launches"]["launches"] == 2 and got["host_launches"]["per_step"] == 1.0
+    assert "device" not in got and got["errors"][0].startswith("device lanes: ValueError")

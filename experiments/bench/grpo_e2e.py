@@ -289,32 +289,51 @@ def main(argv: list[str] | None = None) -> dict:
 class StepTracer:
     """A RunHooks.on_step that runs the jax profiler from the end of step `first` to the
     end of step `last` (the steps first+1..last) and summarizes that trace: the host's
-    program launches per step and the device lanes (experiments.common.trace)."""
+    program launches per step and the device lanes (experiments.common.trace). A profiler
+    that fails (no CUPTI on a GPU image, no device lane in the trace) becomes an "error"
+    entry of the summary, never a failed run: the timing is what the run is for."""
 
     def __init__(self, first: int, last: int):
         self.first, self.last = first, last
         self._dir = tempfile.TemporaryDirectory(prefix="grpo-e2e-trace-")
-        self._result: dict | None = None
+        self._result: dict = {"steps": list(range(first + 1, last + 1))}
+        self._tracing = False
+
+    def _failed(self, what: str, err: Exception) -> None:
+        self._result.setdefault("errors", []).append(f"{what}: {type(err).__name__}: {err}"[:500])
 
     def __call__(self, record: dict) -> None:
         import jax
         if record["step"] == self.first:
-            jax.profiler.start_trace(self._dir.name, create_perfetto_trace=True)
-        elif record["step"] == self.last:
-            jax.profiler.stop_trace()
-            from experiments.common.trace import (device_events, host_launches,
-                                                             read_perfetto)
-            from experiments.common.trace import summarize as device_summary
-            trace, k = read_perfetto(Path(self._dir.name)), self.last - self.first
-            device = device_summary(device_events(trace), k)
-            self._result = {"steps": list(range(self.first + 1, self.last + 1)),
-                            "host_launches": host_launches(trace, k),
-                            "device": {key: device[key] for key in (
-                                "events_per_step", "window_us_per_step", "busy_us_per_step",
-                                "busy_share", "gaps")}}
-            self._dir.cleanup()
+            try:
+                jax.profiler.start_trace(self._dir.name, create_perfetto_trace=True)
+                self._tracing = True
+            except Exception as err:  # noqa: BLE001 - see the class doc
+                self._failed("start_trace", err)
+        elif record["step"] == self.last and self._tracing:
+            self._tracing = False
+            try:
+                jax.profiler.stop_trace()
+                self._summarize()
+            except Exception as err:  # noqa: BLE001 - see the class doc
+                self._failed("stop_trace", err)
+            finally:
+                self._dir.cleanup()
 
-    def summary(self) -> dict | None:
+    def _summarize(self) -> None:
+        from experiments.common.trace import device_events, host_launches, read_perfetto
+        from experiments.common.trace import summarize as device_summary
+        trace, k = read_perfetto(Path(self._dir.name)), self.last - self.first
+        self._result["host_launches"] = host_launches(trace, k)
+        try:
+            device = device_summary(device_events(trace), k)
+            self._result["device"] = {key: device[key] for key in (
+                "events_per_step", "window_us_per_step", "busy_us_per_step", "busy_share",
+                "gaps")}
+        except Exception as err:  # noqa: BLE001 - see the class doc
+            self._failed("device lanes", err)
+
+    def summary(self) -> dict:
         return self._result
 
 
@@ -329,11 +348,13 @@ def format_summary(p: dict) -> str:
                  f"(target < {100 * HOST_SHARE_TARGET:.0f} % on a GPU)")
     if p["decode_tokens_per_s"]:
         lines.append(f"  decode {p['decode_tokens_per_s']:.0f} tokens/s")
-    if p.get("trace"):
+    if p.get("trace") and "host_launches" in p["trace"]:
         hl = p["trace"]["host_launches"]
         top = ", ".join(f"{d['name']} {d['per_step']:.1f}" for d in hl["by_name"][:6])
         lines.append(f"  traced steps {p['trace']['steps']}: {hl['per_step']:.1f} program "
                      f"launches per step from the host ({top})")
+    for err in (p.get("trace") or {}).get("errors", []):
+        lines.append(f"  trace not summarized: {err}")
     mem = p["peak_device_bytes"]
     lines.append(f"  peak device memory {'n/a' if mem is None else f'{mem / 1e9:.2f} GB'}; "
                  f"process peak resident {(p['process_peak_rss_mb'] or 0) / 1e3:.2f} GB")
