@@ -316,7 +316,7 @@ class StepTracer:
                 jax.profiler.stop_trace()
                 self._summarize()
             except Exception as err:  # noqa: BLE001 - see the class doc
-                self._failed("stop_trace", err)
+                self._failed("stop_trace / reading the trace", err)
             finally:
                 self._dir.cleanup()
 

@@ -44,7 +44,7 @@ from models.sharding import make_mesh
 from rl.learner.batch import NonFiniteError, TrainBatch, TrainState
 from rl.learner.config import TrainConfig
 from rl.learner.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
-from rl.learner.snapshots import ParamSnapshots
+from rl.learner.snapshots import ParamSnapshots, copy_params
 from rl.loops import episodes
 from rl.loops.buffer import TrajectoryBuffer
 from rl.loops.config import AsyncConfig, LoopConfig
@@ -200,7 +200,7 @@ def start(run: AsyncRun, *, resume: bool, on_eval: Any) -> None:
                                 seed=rollout_seed(state.rng)[0],
                                 saved=None if saved is None else saved["april"])
     if acfg.proximal == "ewma":
-        run.ewma = jax.tree.map(jnp.copy, state.params)
+        run.ewma = copy_params(state.params)
     run.do_eval = make_evaluator(run.model_config, run.task, run.config, run.loop,
                                  ctx.logger, on_eval)
     pending = 0 if not resume else ctx.pending_eval()

@@ -303,7 +303,7 @@ def read_slots(state: SamplerState, slots: Sequence[int]) -> list[PartialSample]
     _check_slots(idx, state.num_slots)
     # One compiled gather for every field (one dispatch, not one per field and index op),
     # the index padded to a power of two so that few sizes compile.
-    padded = np.zeros((bucket(idx.size, max(state.num_slots, 1), floor=1),), np.int32)
+    padded = np.zeros((bucket(idx.size, state.num_slots, floor=1),), np.int32)
     padded[:idx.size] = idx
     host = jax.device_get(_gather_slots({f: getattr(state, f) for f in _SLOT_FIELDS}, padded))
     out = []
