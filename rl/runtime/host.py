@@ -7,15 +7,36 @@ import os
 import platform
 
 
+def cpu_name(cpuinfo: str) -> str | None:
+    """The first processor's name in /proc/cpuinfo text: its "model name" with its family
+    and model numbers ("AMD EPYC 7B13 (family 25 model 1)"). A VM may report only "AMD
+    EPYC" or "Intel(R) Xeon(R) CPU @ 2.20GHz", and two such machines can differ 2x in
+    speed; the numbers tell them apart. None when the text names no processor."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block only
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name")
+    if not name:
+        return None
+    if "cpu family" in fields:
+        name += f" (family {fields['cpu family']} model {fields.get('model', '?')})"
+    return name
+
+
 def machine() -> str:
-    """E.g. 'AMD EPYC 7B13, 2 cores; jax 0.10.2 on cpu' (the GPU's kind on a GPU)."""
+    """E.g. 'AMD EPYC 7B13 (family 25 model 1), 2 cores; jax 0.10.2 on cpu' (the GPU's
+    kind on a GPU)."""
     import jax  # here, not at the top: a script may set up its environment (XLA_FLAGS) first
 
     cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):  # Linux: the model name ("AMD EPYC 7B13")
+    if os.path.exists("/proc/cpuinfo"):  # Linux
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+            cpu = cpu_name(f.read()) or cpu
     dev = jax.devices()[0]
     where = f"{cpu}, {os.cpu_count()} cores" if dev.platform == "cpu" else dev.device_kind
     return f"{where}; jax {jax.__version__} on {dev.platform}"
