@@ -301,6 +301,8 @@ def read_slots(state: SamplerState, slots: Sequence[int]) -> list[PartialSample]
     """Copy the given slots to the host (one transfer)."""
     idx = np.asarray(slots, np.int32).reshape(-1)
     _check_slots(idx, state.num_slots)
+    if not idx.size:
+        return []  # no launch, no transfer
     # One compiled gather for every field (one dispatch, not one per field and index op),
     # the index padded to a power of two so that few sizes compile.
     padded = np.zeros((bucket(idx.size, state.num_slots, floor=1),), np.int32)

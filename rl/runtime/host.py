@@ -12,14 +12,9 @@ def cpu_name(cpuinfo: str) -> str | None:
     and model numbers ("AMD EPYC 7B13 (family 25 model 1)"). A VM may report only "AMD
     EPYC" or "Intel(R) Xeon(R) CPU @ 2.20GHz", and two such machines can differ 2x in
     speed; the numbers tell them apart. None when the text names no processor."""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            if fields:
-                break  # the first processor's block only
-            continue
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
+    first = cpuinfo.strip().split("\n\n", 1)[0]  # processors are blank-line separated
+    fields = {key.strip(): value.strip() for key, _, value in
+              (line.partition(":") for line in first.splitlines())}
     name = fields.get("model name")
     if not name:
         return None

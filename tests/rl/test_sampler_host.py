@@ -69,7 +69,7 @@ def decoded():
     return decode_segment(params, st, 7, 4)
 
 
-@pytest.mark.parametrize("slots", [[0], [4, 1], [5, 0, 3], [2, 3, 4, 5, 0],
+@pytest.mark.parametrize("slots", [[], [0], [4, 1], [5, 0, 3], [2, 3, 4, 5, 0],
                                    list(range(SLOTS)), [5, 4, 3, 2, 1, 0]])
 def test_read_slots_equals_numpy_indexing_of_the_host_state(decoded, slots):
     host = {f: np.asarray(getattr(decoded, f)) for f in PER_SLOT}
