@@ -71,6 +71,32 @@ def test_the_discrepancy_term_comes_from_the_batches_zero_versions_old():
     assert "0.3 on batches exactly 8 versions old" in got["numbers"]
 
 
+def _mm_row(k, method, final, lag0=None):
+    return {**_row(k, method, final, final), "clip_frac_median": 0.01,
+            "mismatch_abs_median_at_lag_0": lag0}
+
+
+@pytest.mark.parametrize("naive, decoupled, bf_disc, expected", [
+    (0.10, 0.18, 0.03, "reproduced"),  # naive on the bf16 μ falls, decoupled holds and is above
+    (0.17, 0.18, 0.03, "partly"),      # a real discrepancy, but naive PPO does not suffer from it
+    (0.10, 0.12, 0.03, "partly"),      # naive falls, decoupled does not repair it
+    (0.10, 0.18, 2e-5, "partly"),      # no discrepancy beyond the fp32 engine's: nothing shown
+])
+def test_missing_old_logits_repair_needs_a_real_discrepancy_a_fall_and_a_repair(
+        naive, decoupled, bf_disc, expected):
+    fp32 = [_row(0, "naive", 0.176, 0.176), _mm_row(8, "decoupled", 0.15, lag0=5e-6)]
+    bf16 = [_mm_row(0, "naive", naive), _mm_row(0, "decoupled", decoupled, lag0=bf_disc),
+            _mm_row(8, "naive", 0.2)]
+    got = verdicts(fp32, bf16)["missing_old_logits"]
+    assert got["verdict"] == expected
+    assert f"bf16 rollouts beside the fp32 learner: {bf_disc:.3g} on batches 0" in got["numbers"]
+    assert f"decoupled PPO (old = exact π_prox) {decoupled:.3f} (1 seed)" in got["numbers"]
+    assert "bf16 at k=8: naive 0.200 (1 seed), decoupled not run" in got["numbers"]
+    # without the bf16 suite the fp32 decomposition alone: partly, and the note says why
+    alone = verdicts(fp32)["missing_old_logits"]
+    assert alone["verdict"] == "partly" and "has not run" in alone["note"]
+
+
 @pytest.mark.parametrize("final, peak, expected", [
     (0.20, 0.21, "reproduced"),   # as good as the baseline and no fall from its best eval
     (0.117, 0.203, "partly"),     # within the baseline's tolerance but fell 0.086 from its best
@@ -135,3 +161,17 @@ def test_smoke_sweep_resumes_and_reports(tmp_path):
     assert summary["headline"]["value"] == 0.0 and "not measured" in summary["headline"]["metric"]
     for png in summary["plots"]:
         assert (tmp_path / png).stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_smoke_mismatch_suite_samples_in_bf16(tmp_path):
+    """--suite mismatch: the cells' rollouts run at bf16 beside the fp32 learner, so decoupled
+    PPO's |log π_prox/μ| at lag 0 is the engine's dtype gap (~0 with fp32 rollouts: the
+    sweep's other smoke test)."""
+    runs, work = tmp_path / "runs", tmp_path / "work"
+    main(["sweep", "--smoke", "--suite", "mismatch", "--methods", "decoupled", "--ks", "0",
+          "--seeds", "0", "--steps", "2", "--runs-dir", str(runs), "--out",
+          str(tmp_path / "mm.json"), "--work-dir", str(work)])
+    rec = json.loads((runs / "decoupled_k0_s0.json").read_text())
+    assert rec["run_config"]["loop"]["rollout_dtype"] == "bfloat16"
+    assert np.all(column(rec, "mismatch_log_ratio_abs_mean") > 1e-4)

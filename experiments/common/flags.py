@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from models.config import REMAT_POLICIES
+from models.config import DTYPES, REMAT_POLICIES
 from models.lora import LoraConfig
 from rl.envs import ENVS
 from rl.loops.config import MODES, PROXIMAL, ROLLOUTS, Resume, RunConfig
@@ -56,7 +56,7 @@ SIMPLE_FLAGS = {
     "reward_timeout": "reward.timeout_s",
     "save_every_minutes": "loop.save_every_minutes",
     "env_step_timeout": "loop.env_step_timeout_s", "episode_timeout": "loop.episode_timeout_s",
-    "host_malloc": "loop.host_malloc",
+    "host_malloc": "loop.host_malloc", "rollout_dtype": "loop.rollout_dtype",
 }
 # --low-memory: the learner and host options that bring the smollm2-rg step under 4 GB
 # resident on CPU (docs/results/learner-memory.md), at a learner time cost (and a recompile
@@ -151,6 +151,10 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
     p.add_argument("--host-malloc", choices=MALLOC_POLICIES,
                    help="the host allocator: default, or lean (freed blocks of >= 64 KiB leave "
                         "the resident set at once: a lower CPU peak, more system time)")
+    p.add_argument("--rollout-dtype", choices=DTYPES,
+                   help="the train rollouts' compute dtype (default: the model's); bfloat16 "
+                        "with a float32 model samples like a bf16 inference engine beside an "
+                        "fp32 learner (a real train/inference mismatch, logged as mismatch_*)")
     p.add_argument("--low-memory", action="store_true",
                    help="= " + " ".join(f"--set {k}={str(v).lower()}"
                                         for k, v in LOW_MEMORY.items())

@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 
+from models.config import DTYPES
 from models.decoder import LAYER_LOOPS
 from rl.learner.config import TrainConfig
 from rl.loops.buffer import STALE_POLICIES
@@ -87,7 +88,14 @@ class LoopConfig:
     (the same samples, rl.loops.evaluator). eval_clear_programs: drop every compiled program
     (jax.clear_caches) when an eval starts and when it ends, so the eval's sampler programs
     and the train step's are never resident together (a lower resident peak on CPU; the
-    train step and its sampler compile again after each eval; no computed value changes)."""
+    train step and its sampler compile again after each eval; no computed value changes).
+    rollout_dtype: the train rollouts' compute dtype (None: the model's, ModelConfig.dtype;
+    "bfloat16" with a float32 model samples like a bf16 inference engine beside an fp32
+    learner: the params stay float32 and are cast as each layer uses them, activations and
+    the KV cache are bf16). The recorded behaviour log-probs μ are then the bf16 engine's,
+    so π_prox/μ carries a real train/inference discrepancy (logged as mismatch_*, corrected
+    by train.offpolicy or old_logp="proximal"). Evals sample at the model's dtype (they
+    measure the learner's policy)."""
 
     steps: int = 100
     prompts_per_step: int = 8
@@ -112,8 +120,12 @@ class LoopConfig:
     host_malloc: str = "default"
     eval_max_rows: int = 0
     eval_clear_programs: bool = False
+    rollout_dtype: str | None = None
 
     def __post_init__(self):
+        if self.rollout_dtype is not None and self.rollout_dtype not in DTYPES:
+            raise ValueError(f"LoopConfig.rollout_dtype must be None (the model's dtype) or one "
+                             f"of {DTYPES}, got {self.rollout_dtype!r}")
         if self.host_malloc not in MALLOC_POLICIES:
             raise ValueError(f"LoopConfig.host_malloc must be one of {MALLOC_POLICIES}, got "
                              f"{self.host_malloc!r}")

@@ -18,7 +18,7 @@ from rl.learner.batch import TrainBatch
 from rl.learner.config import TrainConfig
 from rl.loops.buffer import ScoredGroup, TrajectoryBuffer
 from rl.loops.config import LoopConfig
-from rl.loops.rollouts import take_rows
+from rl.loops.rollouts import rollout_model_config, take_rows
 from rl.loops.scoring import score, total_reward
 from rl.loops.sync import rollout_seed
 from rl.objectives.offpolicy import kept_group_indices
@@ -77,8 +77,8 @@ class AprilSource:
                            stop_ids=tuple(task.stop_ids), seed=int(seed),
                            layer_loop=loop.layer_loop, bucket_slots=loop.bucket_slots)
         submitted = 0 if saved is None else int(saved["counts"]["submitted"])
-        self.rollout = AprilRollout(model_config, rc, self._prompts(self.base + submitted),
-                                    april)
+        self.rollout = AprilRollout(rollout_model_config(model_config, loop.rollout_dtype), rc,
+                                    self._prompts(self.base + submitted), april)
         if saved is not None:
             self.rollout.load_state_dict(saved)
 
@@ -141,7 +141,8 @@ class RolloutProducer:
                  loop: LoopConfig, rollout: str, buffer: TrajectoryBuffer,
                  latest: Callable[[], tuple[Any, int]], data_position: int, rng: np.ndarray,
                  device: jax.Device | None, april: AprilSource | None = None):
-        self.model_config, self.task, self.config, self.loop = model_config, task, config, loop
+        self.task, self.config, self.loop = task, config, loop
+        self.model_config = rollout_model_config(model_config, loop.rollout_dtype)  # the sampler's
         self.april = april
         # APRIL: (state between rounds, data position) of the last round, for checkpoints
         self.april_snapshot = None if april is None else (april.state(), april.position)

@@ -1,11 +1,13 @@
 """Sampling groups of responses in the loops: `sample_groups` (a batch of prompts, N
 samples each, through the rollout engine or, for an environment, multi-turn episodes),
-`take_rows` (rows of a Trajectory on the host) and `loop_time_limits` (an environment's
-time limits from the LoopConfig). Used by the synchronous loop (rl.loops.sync), the
-evaluation pass (rl.loops.evaluator) and the asynchronous producer (rl.loops.producer).
+`take_rows` (rows of a Trajectory on the host), `loop_time_limits` (an environment's
+time limits from the LoopConfig) and `rollout_model_config` (the sampler's compute
+dtype). Used by the synchronous loop (rl.loops.sync), the evaluation pass
+(rl.loops.evaluator) and the asynchronous producer (rl.loops.producer).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,12 +33,22 @@ def take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
     return jax.tree.map(lambda x: np.asarray(x)[idx], traj)
 
 
+def rollout_model_config(model_config: ModelConfig, compute_dtype: str | None) -> ModelConfig:
+    """The sampler's model config: `model_config` with its compute dtype replaced by
+    `compute_dtype` (LoopConfig.rollout_dtype; None: unchanged). The params are not cast:
+    each layer casts its weights to the compute dtype as it uses them."""
+    if compute_dtype is None or compute_dtype == model_config.dtype:
+        return model_config
+    return dataclasses.replace(model_config, dtype=compute_dtype)
+
+
 def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Task,
                   prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
                   segment_len: int, seed: int, first_group_id: int = 0,
                   max_new_tokens: int | None = None, profile=NULL_PROFILE,
                   pruner: Pruner | None = None, time_limits: TimeLimits | None = None,
-                  layer_loop: str = "scan", bucket_slots: bool = False) -> Trajectory:
+                  layer_loop: str = "scan", bucket_slots: bool = False,
+                  compute_dtype: str | None = None) -> Trajectory:
     """Sample `group_size` responses for each prompt with the rollout engine (all groups
     decode together). Rows come back grouped in prompt order: group g = prompts[g].
     first_group_id: the global index of prompts[0] (a process's shard of a batch): the
@@ -47,7 +59,9 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
     environment's step / episode time limits (rl.rollout.multiturn.TimeLimits). A stop
     request inside an abandonable phase (rl.runtime.preemption) ends it between segments.
     layer_loop, bucket_slots: the engine's decode options (rl.rollout.RolloutConfig; same
-    tokens)."""
+    tokens). compute_dtype: the sampler's compute dtype (`rollout_model_config`; None: the
+    model's)."""
+    model_config = rollout_model_config(model_config, compute_dtype)
     if episodes.is_episodic(task):  # an environment: multi-turn episodes (rl.loops.episodes)
         return episodes.sample_episodes(
             params, version, model_config, task, prompts, group_size=group_size,

@@ -123,7 +123,8 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
         traj = sample_groups(params, int(state.version), model_config, task, prompts,
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
                              seed=seed, profile=profile, time_limits=limits,
-                             layer_loop=loop.layer_loop, bucket_slots=loop.bucket_slots)
+                             layer_loop=loop.layer_loop, bucket_slots=loop.bucket_slots,
+                             compute_dtype=loop.rollout_dtype)
         with profile.phase("reward_s"):
             r = score(task, prompts, traj)
         acc = accuracy_name(task.reward_names)
@@ -151,7 +152,7 @@ def sample_batch_groups(state: TrainState, model_config: ModelConfig, task: Task
                              group_size=n, sampling=sampling, segment_len=loop.segment_len,
                              seed=seed, first_group_id=offset, profile=profile, pruner=pruner,
                              time_limits=limits, layer_loop=loop.layer_loop,
-                             bucket_slots=loop.bucket_slots)
+                             bucket_slots=loop.bucket_slots, compute_dtype=loop.rollout_dtype)
         sampled_tokens += traj.num_tokens()
         with profile.phase("reward_s"):
             rewards = score(task, prompts, traj)

@@ -149,7 +149,7 @@ FLAG_VALUES = {"steps": "7", "group_size": "4", "prompts_per_step": "2", "segmen
                "run_dir": "runs/x", "wandb": "disabled", "model": "smollm2-135m",
                "reward": "my_rewards:score", "verifier": "exact", "reward_timeout": "3.5",
                "save_every_minutes": "10", "env_step_timeout": "5", "episode_timeout": "60",
-               "remat": "full", "host_malloc": "lean"}
+               "remat": "full", "host_malloc": "lean", "rollout_dtype": "bfloat16"}
 
 
 @pytest.mark.parametrize("dest", sorted(SIMPLE_FLAGS))

@@ -49,34 +49,59 @@ CALC_SETUP = SweepSetup(task=None, task_options={}, steps=16, prompts_per_step=4
                         preset="smollm2-calc")
 
 
+# the train/inference half of "missing old logits": the rg task with the rollouts sampled
+# by a bf16 engine beside the fp32 learner (LoopConfig.rollout_dtype), naive vs decoupled
+# at staleness {0, 8}: naive PPO's old policy is then the bf16 engine's μ, decoupled PPO's
+# is the learner's exact π_prox
+MISMATCH_RUNS_DIR = RESULTS_DIR / f"{NAME}_mismatch"
+MISMATCH_RESULT = RESULTS_DIR / f"{NAME}_mismatch.json"
+MISMATCH_DTYPE = "bfloat16"
+# suite -> (runs dir, summary JSON, work-dir suffix, default methods, default ks)
+SUITES = {"rg": (RUNS_DIR, RESULT, "", list(METHODS), [0, 8, 32, 2]),
+          "calc": (CALC_RUNS_DIR, CALC_RESULT, "_calc", ["naive", "vcpo"], [0, 8]),
+          "mismatch": (MISMATCH_RUNS_DIR, MISMATCH_RESULT, "_mismatch", ["naive", "decoupled"],
+                       [0, 8])}
+
+
 def setup_for(args) -> SweepSetup:
-    """The cells' shared setup: --suite rg (the reasoning-gym task), calc, or --smoke."""
+    """The cells' shared setup: --suite rg (the reasoning-gym task), calc, mismatch (rg
+    with bf16 rollouts), or --smoke."""
+    rollout_dtype = MISMATCH_DTYPE if args.suite == "mismatch" else None
     if args.smoke:
         return SweepSetup(task="synthetic", task_options={}, steps=args.steps,
                           prompts_per_step=2, group_size=4, eval_every=0, eval_prompts=8,
-                          eval_sampled_prompts=4, save_every=1, preset="tiny-synthetic")
+                          eval_sampled_prompts=4, save_every=1, preset="tiny-synthetic",
+                          rollout_dtype=rollout_dtype)
     if args.suite == "calc":
         return dataclasses.replace(CALC_SETUP, steps=args.steps or CALC_SETUP.steps,
                                    eval_every=args.eval_every or CALC_SETUP.eval_every)
     spec, options = CANDIDATES[args.task]
     return SweepSetup(task=spec, task_options=options, steps=args.steps or 40,
-                      eval_every=args.eval_every or 10)
+                      eval_every=args.eval_every or 10,
+                      rollout_dtype=rollout_dtype)
 
 
-def summarize(runs_dir: Path, out: Path, command: str) -> dict:
-    """The summary JSON (+ PNGs beside it) from the records in runs_dir."""
+def summarize(runs_dir: Path, out: Path, command: str, suite: str = "rg",
+              partner_dir: Path | None = None) -> dict:
+    """The summary JSON (+ PNGs beside it) from the records in runs_dir. partner_dir: the
+    other half of the "missing old logits" verdict (suite rg: the mismatch suite's records;
+    suite mismatch: the rg suite's, whose k = 0 cell is the fp32-rollout baseline), so both
+    summaries carry the same verdicts; None: this suite's records alone."""
     from experiments.repro.staleness_real import report
 
     records = report.load_records(runs_dir)
     if not records:
         raise SystemExit(f"no finished cells under {runs_dir}; run the sweep first")
     rows = report.table(records)
+    partner = report.table(report.load_records(partner_dir)) if partner_dir else []
     head = report.headline(rows, machine())
     if head["value"] is None:  # incomplete grid: say so in the metric, not with a fake number
         head = {**head, "metric": head["metric"] + " [not measured yet: no VCPO or k=0 cell]",
                 "value": 0.0}
+    found = report.verdicts(partner, rows) if suite == "mismatch" else \
+        report.verdicts(rows, partner)
     summary = {
-        "headline": head, "verdicts": report.verdicts(rows), "table": rows,
+        "headline": head, "verdicts": found, "table": rows,
         "time_projection": report.time_projection(records, SMOLLM2_PARAM_BYTES),
         "cells_finished": sorted(run_name(r["method"], r["k"], r["seed"]) for r in records),
         "task": {"spec": records[0]["run_config"]["task"]["spec"],
@@ -138,7 +163,7 @@ def run_sweep(args, command: str) -> None:
         bar.update(1)
         bar.write(f"{name}: final greedy accuracy {rec['final_accuracy']:.3f} "
                   f"(from {rec['initial_accuracy']:.3f}; {wall / 60:.1f} min)")
-        summarize(runs_dir, Path(args.out), command)
+        summarize(runs_dir, Path(args.out), command, args.suite, args.partner_dir)
         finished += 1
         if args.max_cells and finished >= args.max_cells:
             break
@@ -152,9 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.add_parser("tasks", help="base model greedy accuracy on the candidate tasks")
     t.add_argument("names", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES))
     s = sub.add_parser("sweep", help="train the grid (resumable), then report")
-    s.add_argument("--suite", choices=("rg", "calc"), default="rg",
+    s.add_argument("--suite", choices=tuple(SUITES), default="rg",
                    help="rg: the reasoning-gym task (default grid: 4 methods x k 0 8 32 2); "
-                        "calc: the calculator tool (naive and vcpo x k 0 8, 16 steps)")
+                        "calc: the calculator tool (naive and vcpo x k 0 8, 16 steps); "
+                        "mismatch: rg with bf16 rollouts beside the fp32 learner (naive and "
+                        "decoupled x k 0 8)")
     s.add_argument("--methods", nargs="+", choices=METHODS)
     s.add_argument("--ks", nargs="+", type=int,
                    help="max staleness levels, in the order their first seed runs")
@@ -166,24 +193,30 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--smoke", action="store_true",
                    help="the tiny random model on the synthetic task (tests, a dry run)")
     r = sub.add_parser("report", help="summarise the finished cells")
-    r.add_argument("--suite", choices=("rg", "calc"), default="rg")
+    r.add_argument("--suite", choices=tuple(SUITES), default="rg")
     for q in (s, r):
         q.add_argument("--runs-dir", help="one JSON per finished cell (default: the suite's)")
         q.add_argument("--out", help="summary JSON, PNGs beside it (default: the suite's)")
-    s.add_argument("--work-dir", help="the cells' run dirs (default runs/staleness_real[_calc])")
+    s.add_argument("--work-dir", help="the cells' run dirs (default runs/staleness_real"
+                                      "[_calc|_mismatch])")
     args = p.parse_args(argv)
-    calc = args.command != "tasks" and args.suite == "calc"
     if args.command != "tasks":
-        args.runs_dir = args.runs_dir or str(CALC_RUNS_DIR if calc else RUNS_DIR)
-        args.out = args.out or str(CALC_RESULT if calc else RESULT)
+        runs_dir, out, suffix, methods, ks = SUITES[args.suite]
+        partner = {"rg": MISMATCH_RUNS_DIR, "mismatch": RUNS_DIR}.get(args.suite)
+        # the other suite's records join the verdicts only when both are the defaults
+        args.partner_dir = partner if args.runs_dir is None and partner is not None \
+            and partner.is_dir() else None
+        args.runs_dir = args.runs_dir or str(runs_dir)
+        args.out = args.out or str(out)
     if args.command == "sweep":
-        args.work_dir = args.work_dir or f"runs/{NAME}" + ("_calc" if calc else "")
-        args.methods = args.methods or (["naive", "vcpo"] if calc else list(METHODS))
-        args.ks = args.ks or ([0, 8] if calc else [0, 8, 32, 2])
+        args.work_dir = args.work_dir or f"runs/{NAME}{suffix}"
+        args.methods = args.methods or methods
+        args.ks = args.ks or ks
     command = f"python -m experiments.repro.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.command == "tasks":
         measure_candidates(args.names or list(CANDIDATES))
         return
     if args.command == "sweep":
         run_sweep(args, command.strip())
-    print_summary(summarize(Path(args.runs_dir), Path(args.out), command.strip()))
+    print_summary(summarize(Path(args.runs_dir), Path(args.out), command.strip(), args.suite,
+                            args.partner_dir))

@@ -46,7 +46,9 @@ BASE_PRESET = "smollm2-rg"
 @dataclasses.dataclass(frozen=True)
 class SweepSetup:
     """What every cell of a sweep shares: the task (spec, options; its split is fixed by
-    task_seed), the schedule and the batch. Recorded in every run's JSON."""
+    task_seed), the schedule, the batch and the sampler's compute dtype (rollout_dtype
+    "bfloat16": a bf16 inference engine beside the fp32 learner, a real train/inference
+    mismatch). Recorded in every run's JSON."""
 
     task: str | None  # None: the preset's own task (an environment such as the calculator)
     task_options: dict
@@ -59,6 +61,7 @@ class SweepSetup:
     save_every: int = 5
     task_seed: int = 0
     preset: str = BASE_PRESET  # the learner, loop and model every method starts from
+    rollout_dtype: str | None = None  # the sampler's compute dtype (None: the model's, fp32)
 
 
 def method_train(method: str, base: TrainConfig) -> TrainConfig:
@@ -90,10 +93,11 @@ def cell_config(setup: SweepSetup, method: str, k: int, seed: int, run_dir: str)
         group_size=setup.group_size, eval_every=setup.eval_every,
         eval_prompts=setup.eval_prompts, eval_greedy=True,
         eval_sampled_prompts=setup.eval_sampled_prompts, save_every=setup.save_every,
-        keep_checkpoints=1, seed=seed, time_limit_s=0.0)
+        keep_checkpoints=1, seed=seed, time_limit_s=0.0, rollout_dtype=setup.rollout_dtype)
     return dataclasses.replace(
         preset, name=f"staleness-real-{method}-k{k}", run_dir=run_dir,
-        description=f"issue 35 sweep cell: {LABELS[method]}, max staleness {k}, seed {seed}",
+        description=f"issue 35 sweep cell: {LABELS[method]}, max staleness {k}, seed {seed}"
+                    + (f", {setup.rollout_dtype} rollouts" if setup.rollout_dtype else ""),
         task=preset.task if setup.task is None else
         TaskSpec(setup.task, dict(setup.task_options), seed=setup.task_seed),
         # the strict verifier: full credit only, not reasoning-gym's partial credit

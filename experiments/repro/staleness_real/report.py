@@ -133,8 +133,10 @@ def _acc(row: dict | None) -> str:
                                   if f["n"] > 1 else " (1 seed)"))
 
 
-def verdicts(rows: list[dict]) -> dict[str, dict]:
-    """A verdict per claim of the issue: reproduced / partly / not / not run, with numbers."""
+def verdicts(rows: list[dict], mismatch_rows: list[dict] | tuple = ()) -> dict[str, dict]:
+    """A verdict per claim of the issue: reproduced / partly / not / not run, with numbers.
+    rows: the fp32-rollout table; mismatch_rows: the bf16-rollout suite's table (the
+    train/inference half of "missing old logits"; empty: not run)."""
     ks = sorted({r["k"] for r in rows})
     base = _cell(rows, 0, METHODS[0]) or next((r for r in rows if r["k"] == 0), None)
     base_s = f"synchronous baseline (k=0) {_acc(base)}"
@@ -182,31 +184,68 @@ def verdicts(rows: list[dict]) -> dict[str, dict]:
         ("reproduced" if held and stable else "partly" if held or stable else "not"),
         "numbers": f"M2PO at k={km}: {_with_peak(m)}, masked tokens "
                    f"{None if m is None else m['m2po_masked_frac_median']} (median); {base_s}"}
-    # only cells whose proximal policy is not μ itself (naive PPO's π_prox = μ logs 0):
-    # the discrepancy term from every step whose batch was 0 versions old (a k > 0 cell's
-    # first step included), the staleness term from the steps exactly kp old, kp the
-    # largest staleness such a cell ran
+    out["missing_old_logits"] = missing_old_logits(rows, mismatch_rows, base)
+    return out
+
+
+def _discrepancy(rows: list[dict]) -> float | None:
+    """|log π_prox/μ| per token, median over the steps whose batch was 0 versions old, of
+    the cells whose π_prox is not μ itself (naive PPO's π_prox = μ logs 0): the
+    train/inference discrepancy alone (a k > 0 cell's first steps included)."""
+    lag0 = [r["mismatch_abs_median_at_lag_0"] for r in rows if r["method"] != "naive"
+            and r["mismatch_abs_median_at_lag_0"] is not None]
+    return float(np.median(lag0)) if lag0 else None
+
+
+def missing_old_logits(rows: list[dict], mismatch_rows: list[dict] | tuple,
+                       base: dict | None) -> dict:
+    """The decomposition from the fp32-rollout cells (discrepancy at lag 0 vs discrepancy +
+    staleness at the largest k a π_prox method ran) and, when the bf16-rollout suite ran,
+    the repair: at k = 0 naive PPO's old policy is the bf16 engine's μ (its PPO ratio
+    carries the discrepancy), decoupled PPO's is the learner's exact π_prox. Reproduced
+    when the bf16 engine's discrepancy is real (> 10x the fp32 engine's), naive PPO on it
+    falls below the fp32 baseline and decoupled PPO holds, above naive by > TOLERANCE;
+    partly when the decomposition shows but there is nothing to repair."""
     prox = [r for r in rows if r["method"] != "naive"]
     kp = max((r["k"] for r in prox if r["k"] > 0), default=None)
-    lag0 = [r["mismatch_abs_median_at_lag_0"] for r in prox
-            if r["mismatch_abs_median_at_lag_0"] is not None]
-    disc = float(np.median(lag0)) if lag0 else None
+    disc = _discrepancy(rows)
     lagk = [r["mismatch_abs_median_at_lag_k"] for r in prox if kp and r["k"] == kp
             and r["mismatch_abs_median_at_lag_k"] is not None]
     stale = float(np.median(lagk)) if lagk else None
-    out["missing_old_logits"] = {
-        "claim": "the ratio π_θ/μ decomposes into a train/inference discrepancy term and a "
-                 "staleness term; version-tracked proximal log-probs repair the mismatch",
-        "verdict": "not run" if disc is None else "partly",
-        "numbers": f"|log π_prox/μ| per token, median: {_g(disc)} on batches 0 versions old "
-                   f"(the pure train/inference discrepancy: the learner's π_v vs the "
-                   f"sampler's μ_v) vs {_g(stale)} on batches exactly {kp} versions old "
-                   f"(discrepancy + staleness)",
-        "note": "on CPU the sampler and the learner run the same fp32 model code, so the "
-                "discrepancy term is near zero and there is nothing for version-tracked "
-                "proximal log-probs to repair; the decomposition itself is logged "
-                "(mismatch_* / staleness_*) and tested exactly in tests/rl/test_trainer_proximal.py"}
-    return out
+    numbers = (f"|log π_prox/μ| per token, median: {_g(disc)} on batches 0 versions old "
+               f"(the pure train/inference discrepancy: the learner's π_v vs the sampler's "
+               f"μ_v) vs {_g(stale)} on batches exactly {kp} versions old (discrepancy + "
+               f"staleness)")
+    note = ("fp32 rollouts: the sampler and the learner run the same fp32 model code, so "
+            "the discrepancy term is near zero; the decomposition is logged (mismatch_* / "
+            "staleness_*) and tested exactly in tests/rl/test_trainer_proximal.py")
+    verdict = "not run" if disc is None else "partly"
+    if mismatch_rows:
+        bf_disc = _discrepancy(list(mismatch_rows))
+        n0, d0 = _cell(mismatch_rows, 0, "naive"), _cell(mismatch_rows, 0, "decoupled")
+        clip = {name: None if r is None else r.get("clip_frac_median")
+                for name, r in (("bf16", n0), ("fp32", base))}
+        numbers += (f"; bf16 rollouts beside the fp32 learner: {_g(bf_disc)} on batches 0 "
+                    f"versions old; at k=0 naive PPO (old = the bf16 engine's μ) "
+                    f"{_acc(n0)}, clipped tokens {_g(clip['bf16'])} (median; fp32 rollouts "
+                    f"{_g(clip['fp32'])}), decoupled PPO (old = exact π_prox) {_acc(d0)}; "
+                    f"fp32-rollout baseline {_acc(base)}")
+        for k in sorted({r["k"] for r in mismatch_rows if r["k"] > 0}):
+            numbers += (f"; bf16 at k={k}: naive {_acc(_cell(mismatch_rows, k, 'naive'))}, "
+                        f"decoupled {_acc(_cell(mismatch_rows, k, 'decoupled'))}")
+        present = bf_disc is not None and disc is not None and bf_disc > 10 * disc
+        hurt = n0 is not None and _holds(n0, base) is False
+        repaired = (d0 is not None and n0 is not None and _holds(d0, base) is True
+                    and d0["final_accuracy"]["mean"] - n0["final_accuracy"]["mean"] > TOLERANCE)
+        if present and n0 is not None and d0 is not None:
+            verdict = "reproduced" if hurt and repaired else "partly"
+        note = ("bf16 rollouts (LoopConfig.rollout_dtype) give the CPU a real train/inference "
+                "discrepancy; " + note)
+    else:
+        note += "; the bf16-rollout suite (sweep --suite mismatch) has not run"
+    return {"claim": "the ratio π_θ/μ decomposes into a train/inference discrepancy term and "
+                     "a staleness term; version-tracked proximal log-probs repair the mismatch",
+            "verdict": verdict, "numbers": numbers, "note": note}
 
 
 def time_projection(records: list[dict], param_bytes: float) -> dict:
