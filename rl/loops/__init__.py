@@ -16,7 +16,8 @@
     buffer        TrajectoryBuffer: scored groups between producer and learner (AReaL's
                   admission rule, staleness policies)
     rollouts      sample_groups: N samples per prompt through the rollout engine (or an
-                  environment's episodes), take_rows, an environment's time limits
+                  environment's episodes), take_rows, an environment's time limits,
+                  rollout_model_config (the sampler's compute dtype)
     evaluator     the evaluation pass: eval_report (samples and builds the report),
                   evaluate (its flat metrics), make_evaluator (the loops' periodic eval)
     evaluation    the statistics of an evaluation report (accuracy ± stderr, pass@k,
@@ -44,7 +45,7 @@ May import anything in `rl` but rl.run; only rl.run and experiments import `rl.l
 from rl.loops.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer  # noqa: I001
 from rl.loops.config import AsyncConfig, LoopConfig, Resume, RunConfig, RunHooks
 from rl.loops.evaluator import eval_report, evaluate
-from rl.loops.rollouts import sample_groups
+from rl.loops.rollouts import rollout_model_config, sample_groups
 from rl.loops.scoring import score
 from rl.loops.sync import RunResult, build_batch, collect_batch, run, sample_batch_groups
 from rl.loops.asynchronous import run_async, train_config_for
@@ -53,7 +54,7 @@ from rl.loops.scheduling import SchedulerOptions
 __all__ = [
     "STALE_POLICIES", "ScoredGroup", "TrajectoryBuffer", "LoopConfig", "Resume", "RunConfig",
     "RunHooks", "RunResult", "build_batch",
-    "collect_batch", "eval_report", "evaluate", "run", "sample_batch_groups", "sample_groups",
-    "score",
+    "collect_batch", "eval_report", "evaluate", "run", "rollout_model_config",
+    "sample_batch_groups", "sample_groups", "score",
     "AsyncConfig", "run_async", "train_config_for", "SchedulerOptions",
 ]

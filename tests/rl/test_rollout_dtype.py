@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from models.decoder import forward
-from rl.loops import AsyncConfig, LoopConfig, run, run_async, sample_groups
-from rl.loops.rollouts import rollout_model_config
+from rl.loops import AsyncConfig, LoopConfig, rollout_model_config, run, run_async, sample_groups
 from rl.rollout import SamplingConfig
 from rl.run import PRESETS, LoggingConfig, load_policy
 
