@@ -5,7 +5,8 @@
     python -m experiments.repro.calculator_tool report --run-dir runs/calc
 
 `base`: the held-out problems of rl.envs.CalculatorEnv (3-4 digit a*b, a+b+c, a*b+c; the
-first N of the eval split), greedy, through the library's multi-turn engine
+first N of the eval split; `--env-option K=V` changes the environment, e.g. the
+multi-call variant ops_per_call=1), greedy, through the library's multi-turn engine
 (rl.rollout.multiturn.MultiTurnEngine): once with tool=False (one turn, the model must
 compute the answer itself) and once with the <calc> tool (up to max_turns turns). Records
 accuracy (outcome "correct"), the share of episodes that called the tool, tool calls per
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common.benchmarking import machine, results_path
+from experiments.common.flags import parse_task_options
 from experiments.common.seeds import read_metrics
 from rl.runtime.logging import atomic_write_json
 
@@ -86,10 +88,11 @@ def cmd_base(args) -> dict:
     from rl.envs import CalculatorEnv
 
     model = load_model("smollm2-135m")
-    res = {"machine": machine(), "n": args.n, "command": "python -m experiments.repro.calculator_tool "
-           + " ".join(sys.argv[1:])}
+    options = parse_task_options(args.env_option)
+    res = {"machine": machine(), "n": args.n, "env_options": options,
+           "command": "python -m experiments.repro.calculator_tool " + " ".join(sys.argv[1:])}
     for tool in (False, True):
-        env = CalculatorEnv(tokenizer=model[2], tool=tool)
+        env = CalculatorEnv(tokenizer=model[2], tool=tool, **options)
         t0 = time.perf_counter()
         recs = run_episodes(model, env, env.eval_prompts(args.n))
         s = summarize(recs)
@@ -167,6 +170,9 @@ def main(argv: list[str] | None = None):
                                 epilog="flags after -- go to experiments.train (grpo)")
     p.add_argument("command", choices=("base", "grpo", "report"))
     p.add_argument("--n", type=int, default=64, help="held-out problems (base)")
+    p.add_argument("--env-option", action="append", default=[], metavar="K=V",
+                   help="base: a CalculatorEnv option for both runs (repeatable), e.g. "
+                        "ops_per_call=1 (the multi-call variant); write it to its own --out")
     p.add_argument("--out", default=OUT)
     p.add_argument("--run-dir", default="runs/calculator_tool")
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -34,7 +34,8 @@ Division by zero, a negative number to a fractional power and text that does not
 errors too. The result prints as an integer when it is one, else with 12 significant digits.
 
 `evaluate` returns the exact value or raises CalculatorError; `calculate` is the tool's
-view: the value as text or "error: <why>", never raising on any input.
+view: the value as text or "error: <why>", never raising on any input. `count_operations`
+and `reduction_steps` serve a calculator that takes one operation per call.
 """
 from __future__ import annotations
 
@@ -140,6 +141,44 @@ def format_number(x: Fraction) -> str:
 
 def evaluate(expression: str) -> Fraction:
     """The exact value of an allowed arithmetic expression; CalculatorError otherwise."""
+    return _eval(_parse(expression))
+
+
+def count_operations(expression: str) -> int:
+    """How many binary operations (+ - * / // % **) an allowed expression has (a sign is
+    not one: "-3 * 4" has one); CalculatorError if it is not an allowed expression."""
+    tree = _parse(expression)
+    _eval(tree)  # refuses what evaluate refuses
+    return sum(isinstance(n, ast.BinOp) for n in ast.walk(tree))
+
+
+_SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//",
+            ast.Mod: "%", ast.Pow: "**"}
+
+
+def reduction_steps(expression: str) -> list[str]:
+    """The expression as one-operation calculations in evaluation order, each with the
+    earlier results written in: "5802 + 917 + 3409" -> ["5802 + 917", "6719 + 3409"]
+    (what a calculator that takes one operation per call is asked, in turn). An expression
+    with no operation gives []; CalculatorError if it is not an allowed expression. A
+    non-integer result is written with format_number's 12 significant digits, so a chain
+    through one can end a few units in the last digit from the exact value."""
+    steps: list[str] = []
+
+    def reduce(node: ast.AST) -> str:
+        if isinstance(node, ast.BinOp):
+            step = f"{reduce(node.left)} {_SYMBOLS[type(node.op)]} {reduce(node.right)}"
+            steps.append(step)
+            return format_number(evaluate(step))
+        return format_number(_eval(node))
+
+    reduce(_parse(expression).body)
+    return steps
+
+
+def _parse(expression: str) -> ast.Expression:
+    """The checked syntax tree of an expression (the bounds of the module docstring);
+    CalculatorError for text that is too long, too large or does not parse."""
     if not isinstance(expression, str):
         raise CalculatorError(f"the expression must be text, got {type(expression).__name__}")
     text = expression.strip()
@@ -161,7 +200,7 @@ def evaluate(expression: str) -> Fraction:
                                                                   ast.expr_context)))
     if nodes > MAX_NODES + 1:  # + the Expression wrapper
         raise CalculatorError(f"expression too large ({nodes - 1} nodes, at most {MAX_NODES})")
-    return _eval(tree)
+    return tree
 
 
 def calculate(expression: str) -> str:

@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from rl.envs.arithmetic import calculate, format_number
+from rl.envs.arithmetic import (
+    CalculatorError,
+    calculate,
+    count_operations,
+    format_number,
+    reduction_steps,
+)
 from rl.envs.base import StepResult
 from rl.tasks.base import Prompt, check_count, in_eval_split
 
@@ -23,6 +29,12 @@ SYSTEM_PROMPT = (
     "You are a math assistant with a calculator. To use it, reply with only a calculator call, "
     "for example <calc>1234 * 5678</calc>, and the result comes back in the next message. "
     "When you know the result, reply with the final answer as \\boxed{NUMBER}."
+)
+CHAIN_SYSTEM_PROMPT = (
+    "You are a math assistant with a calculator that does one operation per call. To use "
+    "it, reply with only a calculator call, for example <calc>1234 * 5678</calc>, and the "
+    "result comes back in the next message; use the results in your next calls. When you "
+    "know the result, reply with the final answer as \\boxed{NUMBER}."
 )
 NO_TOOL_SYSTEM_PROMPT = ("You are a math assistant. Reply with the final answer as "
                          "\\boxed{NUMBER}.")
@@ -79,7 +91,7 @@ class CalculatorEpisode:
         body = turn_text[:-len(end)] if closed else turn_text
         calls = find_calls(body)[:self.env.max_calls_per_turn] if self.env.tool else []
         if calls:
-            results = [calculate(c) for c in calls]
+            results = [self.env.run_tool(c) for c in calls]
             errors = sum(r.startswith("error:") for r in results)
             self.tool_calls += len(calls)
             self.tool_errors += errors
@@ -117,6 +129,14 @@ class CalculatorEnv:
     baseline: NO_TOOL_SYSTEM_PROMPT, examples answered directly, and every turn is the
     final answer (calls are not run), so the episode is one turn.
 
+    ops_per_call > 0 (0: any expression) makes it a multi-call task: the calculator takes
+    at most that many operations a call and answers a longer call with an error that says
+    to split it, so "a * b + c" or a 3-term sum with ops_per_call=1 needs that many
+    dependent calls, each using the last result; the system prompt is CHAIN_SYSTEM_PROMPT,
+    and a worked example with more operations shows one call and result per step
+    (rl.envs.arithmetic.reduction_steps: "5802 + 917" = 6719, then "6719 + 3409").
+    max_turns must leave room for the calls and the answer.
+
     Protocol: a turn is one assistant message: it ends on
     `turn_end` (<|im_end|>, one token; the stop id), or at max_turn_tokens. A turn holding
     `<calc>EXPR</calc>` (up to max_calls_per_turn of them; an unclosed `<calc>EXPR` at the
@@ -149,6 +169,7 @@ class CalculatorEnv:
     max_turns: int = 3
     max_turn_tokens: int = 64
     max_calls_per_turn: int = 4
+    ops_per_call: int = 0
     max_prompt_len: int = 256
     max_episode_tokens: int = 512
     name: str = "calculator"
@@ -167,9 +188,10 @@ class CalculatorEnv:
         if self.max_digits > 12:
             raise ValueError(f"CalculatorEnv.max_digits must be <= 12, got {self.max_digits}")
         check_count("CalculatorEnv.terms", self.terms, 2)
+        check_count("CalculatorEnv.ops_per_call", self.ops_per_call)
         if self.system_prompt is None:
-            object.__setattr__(self, "system_prompt",
-                               SYSTEM_PROMPT if self.tool else NO_TOOL_SYSTEM_PROMPT)
+            object.__setattr__(self, "system_prompt", NO_TOOL_SYSTEM_PROMPT if not self.tool
+                               else CHAIN_SYSTEM_PROMPT if self.ops_per_call else SYSTEM_PROMPT)
         if not 0 <= self.shots <= len(EXAMPLES):
             raise ValueError(f"CalculatorEnv.shots must be in 0 .. {len(EXAMPLES)}, got {self.shots}")
         for f in ("seed", "max_turns", "max_turn_tokens", "max_calls_per_turn",
@@ -179,6 +201,26 @@ class CalculatorEnv:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
         self.stop_ids  # noqa: B018 -- checks turn_end and the template now, not mid-rollout
         self._wrap_parts
+
+    def run_tool(self, expression: str) -> str:
+        """The tool's reply to one call: calculate(expression), or, past ops_per_call
+        operations (when set), an error that says to split it."""
+        if self.ops_per_call:
+            try:
+                n = count_operations(expression)
+            except CalculatorError as err:
+                return f"error: {err}"
+            if n > self.ops_per_call:
+                return (f"error: {n} operations, at most {self.ops_per_call} per call; "
+                        "split the problem")
+        return calculate(expression)
+
+    def tool_steps(self, expression: str) -> list[str]:
+        """The calls a worked example shows: the whole expression, or its one-operation
+        steps (reduction_steps) when it has more operations than ops_per_call."""
+        if self.ops_per_call and count_operations(expression) > self.ops_per_call:
+            return reduction_steps(expression)
+        return [expression]
 
     # ------------------------------------------------------------------ chat plumbing
     @property
@@ -251,14 +293,14 @@ class CalculatorEnv:
 
     def messages(self, expr: str) -> list[dict[str, str]]:
         """The prompt's chat messages: system, the `shots` worked examples (question, tool
-        call, calculator result, boxed answer; without the tool: question, boxed answer),
-        then the question."""
+        call, calculator result, boxed answer; with ops_per_call, a call and a result per
+        allowed step; without the tool: question, boxed answer), then the question."""
         out = [{"role": "system", "content": self.system_prompt}]
         for ex in EXAMPLES[:self.shots]:
             out.append({"role": "user", "content": self.question(ex)})
-            if self.tool:
-                out += [{"role": "assistant", "content": f"<calc>{ex}</calc>"},
-                        {"role": self.tool_role, "content": f"Calculator: {ex} = {calculate(ex)}"}]
+            for step in self.tool_steps(ex) if self.tool else ():
+                out += [{"role": "assistant", "content": f"<calc>{step}</calc>"},
+                        {"role": self.tool_role, "content": f"Calculator: {step} = {calculate(step)}"}]
             out.append({"role": "assistant", "content": f"The answer is \\boxed{{{calculate(ex)}}}."})
         return out + [{"role": "user", "content": self.question(expr)}]
 

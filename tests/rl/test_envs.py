@@ -1,6 +1,7 @@
 """rl.envs: the calculator tool against hand arithmetic, its refusals; the guess-number game's
 feedback, rewards and exact baselines against brute force; the calculator environment's
 chat wrapping against SmolLM2's own chat template (real tokenizer); make_env specs."""
+import dataclasses
 import itertools
 import random
 import time
@@ -19,7 +20,7 @@ from rl.envs import (
     make_env,
     parse_env_spec,
 )
-from rl.envs.arithmetic import evaluate
+from rl.envs.arithmetic import count_operations, evaluate, reduction_steps
 from rl.envs.calculator import find_calls, parse_final_answer
 from rl.envs.guess_number import (
     consistent_random_expected_score,
@@ -264,6 +265,33 @@ def test_consistent_random_baseline_matches_simulation():
 # ----------------------------------------------------------------------------- calculator env
 
 
+def test_reduction_steps_chain_to_the_value_on_random_trees():
+    """Each step has one operation; fed through the calculator in order, each step's value
+    is the next one's operand and the last is the whole expression's (Python ints here)."""
+    rng = random.Random(1)
+
+    def tree(depth):  # (text, value, operations) by Python int arithmetic, written here
+        if depth == 0 or rng.random() < 0.3:
+            v = rng.randint(0, 999)
+            return str(v), v, 0
+        (ta, a, na), (tb, b, nb) = tree(depth - 1), tree(depth - 1)
+        op = rng.choice("+-*")
+        v = a + b if op == "+" else a - b if op == "-" else a * b
+        return f"({ta} {op} {tb})", v, na + nb + 1
+
+    for _ in range(200):
+        text, value, ops = tree(3)
+        steps = reduction_steps(text)
+        assert count_operations(text) == len(steps) == ops, text
+        assert all(count_operations(s) == 1 for s in steps)
+        assert (calculate(steps[-1]) if steps else text) == str(value), text
+    assert reduction_steps("5802 + 917 + 3409") == ["5802 + 917", "6719 + 3409"]
+    assert reduction_steps("12 * 34 + 5") == ["12 * 34", "408 + 5"] and reduction_steps("7") == []
+    assert count_operations("-3 * 4") == 1  # a sign is not an operation
+    with pytest.raises(ValueError, match="names are not allowed"):
+        count_operations("x + 1")
+
+
 @pytest.fixture(scope="module")
 def tok():
     from gguf import GGUFReader
@@ -390,3 +418,35 @@ def test_no_tool_baseline_is_one_turn(tok):
     ep = env.reset(prompt)
     r = ep.step(f"<calc>{prompt.text}</calc>{env.turn_end}")  # not run: the final answer
     assert r.done and r.reward == 0.0 and ep.tool_calls == 0
+
+
+def test_one_operation_per_call_needs_dependent_calls(tok):
+    env = CalculatorEnv(tokenizer=tok, kinds=("add",), terms=3, ops_per_call=1, shots=2,
+                        max_turns=4, max_prompt_len=400)
+    prompt = env.eval_prompts(1)[0]
+    a, b, c = (int(x) for x in prompt.text.split(" + "))
+    # the prompt by hand: the chained worked example shows one call per operation
+    example_2 = [{"role": "user", "content": "What is 5802 + 917 + 3409?"},
+                 {"role": "assistant", "content": "<calc>5802 + 917</calc>"},
+                 {"role": "user", "content": "Calculator: 5802 + 917 = 6719"},
+                 {"role": "assistant", "content": "<calc>6719 + 3409</calc>"},
+                 {"role": "user", "content": "Calculator: 6719 + 3409 = 10128"},
+                 {"role": "assistant", "content": "The answer is \\boxed{10128}."}]
+    want = _chat(dataclasses.replace(env, shots=1), prompt.text)
+    want = want[:-1] + example_2 + want[-1:]
+    assert "one operation per call" in want[0]["content"]
+    assert list(prompt.ids) == tok.encode(tok.apply_chat_template(want))
+    end, ep = env.turn_end, env.reset(prompt)
+    r = ep.step(f"<calc>{prompt.text}</calc>{end}")  # the whole sum: refused, not computed
+    assert "error: 2 operations, at most 1 per call" in r.observation and not r.done
+    assert str(a + b + c) not in r.observation and r.info["tool_errors"] == 1
+    r = ep.step(f"<calc>{a} + {b}</calc>{end}")
+    assert f"Calculator: {a} + {b} = {a + b}" in r.observation and r.info["tool_errors"] == 0
+    r = ep.step(f"<calc>{a + b} + {c}</calc>{end}")
+    assert f"= {a + b + c}" in r.observation
+    r = ep.step(f"The answer is \\boxed{{{a + b + c}}}.{end}")
+    assert r.done and r.reward == 1.0 and ep.tool_calls == 3 and ep.tool_errors == 1
+    # without the limit the same call is answered at once
+    free = CalculatorEnv(tokenizer=tok, kinds=("add",), terms=3)
+    assert f"= {a + b + c}" in free.reset(prompt).step(f"<calc>{prompt.text}</calc>{end}").observation
+
