@@ -38,6 +38,20 @@ def test_each_method_sets_its_correction():
         cfg.validate()
 
 
+def test_tool_suites_run_the_preset_environment_with_their_options():
+    from experiments.repro.staleness_real import CALC_SETUP, CHAIN_SETUP
+    from rl.run import PRESETS
+
+    calc = cell_config(CALC_SETUP, "vcpo", 8, 0, "runs/x")
+    assert calc.task == PRESETS["smollm2-calc"].task  # the suite's finished cells ran this
+    chain = cell_config(CHAIN_SETUP, "naive", 8, 0, "runs/x")
+    assert chain.task.spec == "env:calculator" and chain.task.seed == calc.task.seed
+    assert chain.task.kwargs == {**calc.task.kwargs, "ops_per_call": 1, "shots": 2,
+                                 "max_turns": 5, "max_prompt_len": 400,
+                                 "max_episode_tokens": 640}
+    chain.validate()
+
+
 def _row(k, method, final, peak):
     return {"k": k, "method": method, "peak_accuracy_mean": peak,
             "final_accuracy": {"mean": final, "min": final, "max": final, "n": 1},

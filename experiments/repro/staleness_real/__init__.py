@@ -49,6 +49,15 @@ CALC_SETUP = SweepSetup(task=None, task_options={}, steps=16, prompts_per_step=4
                         preset="smollm2-calc")
 
 
+# a sharper tool-use test: the calculator with one operation per call (a*b+c and 3-term
+# sums need two dependent calls; base SmolLM2 greedy 0.328, the two-call kinds 0.00-0.04,
+# docs/results/calculator-tool.md), up to 5 turns, 24 steps
+CHAIN_RUNS_DIR = RESULTS_DIR / f"{NAME}_calc_chain"
+CHAIN_RESULT = RESULTS_DIR / f"{NAME}_calc_chain.json"
+CHAIN_SETUP = dataclasses.replace(
+    CALC_SETUP, steps=24, task_options={"ops_per_call": 1, "shots": 2, "max_turns": 5,
+                                        "max_prompt_len": 400, "max_episode_tokens": 640})
+
 # the train/inference half of "missing old logits": the rg task with the rollouts sampled
 # by a bf16 engine beside the fp32 learner (LoopConfig.rollout_dtype), naive vs decoupled
 # at staleness {0, 8}: naive PPO's old policy is then the bf16 engine's μ, decoupled PPO's
@@ -59,6 +68,7 @@ MISMATCH_DTYPE = "bfloat16"
 # suite -> (runs dir, summary JSON, work-dir suffix, default methods, default ks)
 SUITES = {"rg": (RUNS_DIR, RESULT, "", list(METHODS), [0, 8, 32, 2]),
           "calc": (CALC_RUNS_DIR, CALC_RESULT, "_calc", ["naive", "vcpo"], [0, 8]),
+          "calc-chain": (CHAIN_RUNS_DIR, CHAIN_RESULT, "_calc_chain", ["naive", "vcpo"], [0, 8]),
           "mismatch": (MISMATCH_RUNS_DIR, MISMATCH_RESULT, "_mismatch", ["naive", "decoupled"],
                        [0, 8])}
 
@@ -72,9 +82,10 @@ def setup_for(args) -> SweepSetup:
                           prompts_per_step=2, group_size=4, eval_every=0, eval_prompts=8,
                           eval_sampled_prompts=4, save_every=1, preset="tiny-synthetic",
                           rollout_dtype=rollout_dtype)
-    if args.suite == "calc":
-        return dataclasses.replace(CALC_SETUP, steps=args.steps or CALC_SETUP.steps,
-                                   eval_every=args.eval_every or CALC_SETUP.eval_every)
+    if args.suite in ("calc", "calc-chain"):
+        base = CALC_SETUP if args.suite == "calc" else CHAIN_SETUP
+        return dataclasses.replace(base, steps=args.steps or base.steps,
+                                   eval_every=args.eval_every or base.eval_every)
     spec, options = CANDIDATES[args.task]
     return SweepSetup(task=spec, task_options=options, steps=args.steps or 40,
                       eval_every=args.eval_every or 10,
@@ -180,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--suite", choices=tuple(SUITES), default="rg",
                    help="rg: the reasoning-gym task (default grid: 4 methods x k 0 8 32 2); "
                         "calc: the calculator tool (naive and vcpo x k 0 8, 16 steps); "
+                        "calc-chain: its one-operation-per-call variant (24 steps); "
                         "mismatch: rg with bf16 rollouts beside the fp32 learner (naive and "
                         "decoupled x k 0 8)")
     s.add_argument("--methods", nargs="+", choices=METHODS)
@@ -198,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         q.add_argument("--runs-dir", help="one JSON per finished cell (default: the suite's)")
         q.add_argument("--out", help="summary JSON, PNGs beside it (default: the suite's)")
     s.add_argument("--work-dir", help="the cells' run dirs (default runs/staleness_real"
-                                      "[_calc|_mismatch])")
+                                      "[_calc|_calc_chain|_mismatch])")
     args = p.parse_args(argv)
     if args.command != "tasks":
         runs_dir, out, suffix, methods, ks = SUITES[args.suite]

@@ -51,7 +51,7 @@ class SweepSetup:
     mismatch). Recorded in every run's JSON."""
 
     task: str | None  # None: the preset's own task (an environment such as the calculator)
-    task_options: dict
+    task_options: dict  # with task None: options over the preset task's own
     steps: int = 40
     prompts_per_step: int = 8
     group_size: int = 8
@@ -98,7 +98,8 @@ def cell_config(setup: SweepSetup, method: str, k: int, seed: int, run_dir: str)
         preset, name=f"staleness-real-{method}-k{k}", run_dir=run_dir,
         description=f"issue 35 sweep cell: {LABELS[method]}, max staleness {k}, seed {seed}"
                     + (f", {setup.rollout_dtype} rollouts" if setup.rollout_dtype else ""),
-        task=preset.task if setup.task is None else
+        task=TaskSpec(preset.task.spec, {**preset.task.kwargs, **setup.task_options},
+                      seed=preset.task.seed) if setup.task is None else
         TaskSpec(setup.task, dict(setup.task_options), seed=setup.task_seed),
         # the strict verifier: full credit only, not reasoning-gym's partial credit
         reward=RewardConfig(verifier="strict" if (setup.task or "").startswith("reasoning_gym")
