@@ -170,6 +170,8 @@ def reduction_steps(expression: str) -> list[str]:
             step = f"{reduce(node.left)} {_SYMBOLS[type(node.op)]} {reduce(node.right)}"
             steps.append(step)
             return format_number(evaluate(step))
+        if isinstance(node, ast.UnaryOp):  # a sign: not a step, but its operand may hold some
+            return format_number(_UNARY[type(node.op)](evaluate(reduce(node.operand))))
         return format_number(_eval(node))
 
     reduce(_parse(expression).body)

@@ -93,8 +93,8 @@ class LoopConfig:
     "bfloat16" with a float32 model samples like a bf16 inference engine beside an fp32
     learner: the params stay float32 and are cast as each layer uses them, activations and
     the KV cache are bf16). The recorded behaviour log-probs μ are then the bf16 engine's,
-    so π_prox/μ carries a real train/inference discrepancy (logged as mismatch_*, corrected
-    by train.offpolicy or old_logp="proximal"). Evals sample at the model's dtype (they
+    so π_prox/μ carries a real train/inference discrepancy (logged as mismatch_* when π_prox
+    is the learner's: old_logp "current" / "proximal"; corrected by train.offpolicy). Evals sample at the model's dtype (they
     measure the learner's policy)."""
 
     steps: int = 100

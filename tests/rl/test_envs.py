@@ -287,7 +287,8 @@ def test_reduction_steps_chain_to_the_value_on_random_trees():
         assert (calculate(steps[-1]) if steps else text) == str(value), text
     assert reduction_steps("5802 + 917 + 3409") == ["5802 + 917", "6719 + 3409"]
     assert reduction_steps("12 * 34 + 5") == ["12 * 34", "408 + 5"] and reduction_steps("7") == []
-    assert count_operations("-3 * 4") == 1  # a sign is not an operation
+    assert count_operations("-3 * 4") == 1  # a sign is not an operation ...
+    assert reduction_steps("-(3 + 4) * 2") == ["3 + 4", "-7 * 2"]  # ... but its operand may be
     with pytest.raises(ValueError, match="names are not allowed"):
         count_operations("x + 1")
 
