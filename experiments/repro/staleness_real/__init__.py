@@ -104,7 +104,11 @@ def summarize(runs_dir: Path, out: Path, command: str, suite: str = "rg",
     if not records:
         raise SystemExit(f"no finished cells under {runs_dir}; run the sweep first")
     rows = report.table(records)
-    partner = report.table(report.load_records(partner_dir)) if partner_dir else []
+    partner_records = report.load_records(partner_dir) if partner_dir else []
+    partner = report.table(partner_records)
+    # the mismatch suite's curves against the fp32-rollout synchronous cell
+    ref = next((r for r in partner_records if (r["k"], r["method"], r["seed"]) == (0, "naive", 0)),
+               None) if suite == "mismatch" else None
     head = report.headline(rows, machine())
     if head["value"] is None:  # incomplete grid: say so in the metric, not with a fake number
         head = {**head, "metric": head["metric"] + " [not measured yet: no VCPO or k=0 cell]",
@@ -122,7 +126,9 @@ def summarize(runs_dir: Path, out: Path, command: str, suite: str = "rg",
                  "verifier": records[0]["run_config"]["reward"]["verifier"]},
         "command": command, "machine": machine(),
     }
-    summary["plots"] = [p.name for p in report.plot(records, rows, out.with_suffix(""))]
+    summary["plots"] = [p.name for p in report.plot(
+        records, rows, out.with_suffix(""),
+        None if ref is None else ("synchronous, fp32 rollouts (k=0)", ref))]
     write_results(out, summary)
     return summary
 

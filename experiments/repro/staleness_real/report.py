@@ -283,10 +283,12 @@ def headline(rows: list[dict], machine: str) -> dict:
             "target": 1.0, "machine": machine}
 
 
-def plot(records: list[dict], rows: list[dict], out_prefix: Path) -> list[Path]:
+def plot(records: list[dict], rows: list[dict], out_prefix: Path,
+         baseline: tuple[str, dict] | None = None) -> list[Path]:
     """<prefix>_final.png (final accuracy vs staleness, a line per method, min..max bars)
     and <prefix>_curves.png (greedy accuracy, batch reward and ESS by step at the largest
-    k). Returns the paths written."""
+    k). baseline: (label, record) of the dashed reference curve (default: this suite's k = 0
+    cell of the first method, "synchronous (k=0)"). Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -336,9 +338,10 @@ def plot(records: list[dict], rows: list[dict], out_prefix: Path) -> list[Path]:
             ys = np.array([smooth(column(r, key)[:n], 5) for r in rs])
             ax.plot(steps, ys.mean(0), color=COLORS[m], lw=1.4)
     base = by_cell.get((0, METHODS[0]), [])
-    if base:
-        axes[0].plot([row[0] for row in base[0]["eval"]], column(base[0], "greedy_accuracy", "eval"),
-                     "k--", lw=1, label="synchronous (k=0)")
+    label, ref = baseline or ("synchronous (k=0)", base[0] if base else None)
+    if ref is not None:
+        axes[0].plot([row[0] for row in ref["eval"]], column(ref, "greedy_accuracy", "eval"),
+                     "k--", lw=1, label=label)
     axes[0].set(title=f"greedy accuracy, k = {kmax}", xlabel="step")
     axes[1].set(title="batch reward (5-step mean)", xlabel="step")
     axes[2].set(title="ESS ratio ρ (5-step mean)", xlabel="step", yscale="log")
