@@ -6,6 +6,9 @@ per paper claim.
     nohup python -m experiments.repro.staleness_real sweep > staleness_real.log 2>&1 &
     python -m experiments.repro.staleness_real report    # tables, verdicts, PNGs from the runs
     python -m experiments.repro.staleness_real sweep --smoke   # the tiny model, a few steps
+    python -m experiments.repro.staleness_real sweep --suite calc       # VCPO's tool-use half
+    python -m experiments.repro.staleness_real sweep --suite calc-chain # its multi-call variant
+    python -m experiments.repro.staleness_real sweep --suite mismatch   # bf16 rollouts (missing old logits)
 
 `sweep` trains every (method, k, seed) cell of the grid (methods: module `methods`;
 k = max staleness of the deterministic async loop, default {0, 2, 8, 32}; seeds {0, 1})
