@@ -197,6 +197,10 @@ def _discrepancy(rows: list[dict]) -> float | None:
     return float(np.median(lag0)) if lag0 else None
 
 
+def _clip(row: dict | None) -> float | None:
+    return None if row is None else row.get("clip_frac_median")
+
+
 def missing_old_logits(rows: list[dict], mismatch_rows: list[dict] | tuple,
                        base: dict | None) -> dict:
     """The decomposition from the fp32-rollout cells (discrepancy at lag 0 vs discrepancy +
@@ -223,21 +227,19 @@ def missing_old_logits(rows: list[dict], mismatch_rows: list[dict] | tuple,
     if mismatch_rows:
         bf_disc = _discrepancy(list(mismatch_rows))
         n0, d0 = _cell(mismatch_rows, 0, "naive"), _cell(mismatch_rows, 0, "decoupled")
-        clip = {name: None if r is None else r.get("clip_frac_median")
-                for name, r in (("bf16", n0), ("fp32", base))}
         numbers += (f"; bf16 rollouts beside the fp32 learner: {_g(bf_disc)} on batches 0 "
                     f"versions old; at k=0 naive PPO (old = the bf16 engine's μ) "
-                    f"{_acc(n0)}, clipped tokens {_g(clip['bf16'])} (median; fp32 rollouts "
-                    f"{_g(clip['fp32'])}), decoupled PPO (old = exact π_prox) {_acc(d0)}; "
+                    f"{_acc(n0)}, clipped tokens {_g(_clip(n0))} (median; fp32 rollouts "
+                    f"{_g(_clip(base))}), decoupled PPO (old = exact π_prox) {_acc(d0)}; "
                     f"fp32-rollout baseline {_acc(base)}")
         for k in sorted({r["k"] for r in mismatch_rows if r["k"] > 0}):
             numbers += (f"; bf16 at k={k}: naive {_acc(_cell(mismatch_rows, k, 'naive'))}, "
                         f"decoupled {_acc(_cell(mismatch_rows, k, 'decoupled'))}")
         present = bf_disc is not None and disc is not None and bf_disc > 10 * disc
         hurt = n0 is not None and _holds(n0, base) is False
-        repaired = (d0 is not None and n0 is not None and _holds(d0, base) is True
+        repaired = (_holds(d0, base) is True and n0 is not None
                     and d0["final_accuracy"]["mean"] - n0["final_accuracy"]["mean"] > TOLERANCE)
-        if present and n0 is not None and d0 is not None:
+        if present and n0 is not None and d0 is not None:  # the k = 0 pair decides
             verdict = "reproduced" if hurt and repaired else "partly"
         note = ("bf16 rollouts (LoopConfig.rollout_dtype) give the CPU a real train/inference "
                 "discrepancy; " + note)
