@@ -64,9 +64,13 @@ _NOT_ALLOWED = {  # node type -> what the error names
     ast.NamedExpr: "assignments", ast.Await: "await", ast.Yield: "yield", ast.YieldFrom: "yield",
     ast.Slice: "slices",
 }
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: None}
+# each allowed binary operator: its symbol (how reduction_steps writes it) and its function
+# (** goes through _power, which bounds the result before computing it)
+_BINOPS = {ast.Add: ("+", operator.add), ast.Sub: ("-", operator.sub),
+           ast.Mult: ("*", operator.mul), ast.Div: ("/", operator.truediv),
+           ast.FloorDiv: ("//", operator.floordiv), ast.Mod: ("%", operator.mod),
+           ast.Pow: ("**", None)}
+_ALLOWED_OPS = " ".join(symbol for symbol, _ in _BINOPS.values())
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _DIGIT_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
@@ -122,14 +126,14 @@ def _eval(node: ast.AST) -> Fraction:
             return _check_size(_power(a, b))
         if b == 0 and isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
             raise CalculatorError("division by zero")
-        return _check_size(Fraction(_BINOPS[type(node.op)](a, b)))
+        return _check_size(Fraction(_BINOPS[type(node.op)][1](a, b)))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))
     if isinstance(node, (ast.BinOp, ast.UnaryOp)):
         raise CalculatorError(f"the operator {type(node.op).__name__} is not allowed "
-                              "(only + - * / // % **)")
+                              f"(only {_ALLOWED_OPS})")
     what = _NOT_ALLOWED.get(type(node), type(node).__name__)
-    raise CalculatorError(f"{what} are not allowed, only numbers and + - * / // % ** ( )")
+    raise CalculatorError(f"{what} are not allowed, only numbers and {_ALLOWED_OPS} ( )")
 
 
 def format_number(x: Fraction) -> str:
@@ -152,10 +156,6 @@ def count_operations(expression: str) -> int:
     return sum(isinstance(n, ast.BinOp) for n in ast.walk(tree))
 
 
-_SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//",
-            ast.Mod: "%", ast.Pow: "**"}
-
-
 def reduction_steps(expression: str) -> list[str]:
     """The expression as one-operation calculations in evaluation order, each with the
     earlier results written in: "5802 + 917 + 3409" -> ["5802 + 917", "6719 + 3409"]
@@ -167,7 +167,7 @@ def reduction_steps(expression: str) -> list[str]:
 
     def reduce(node: ast.AST) -> str:
         if isinstance(node, ast.BinOp):
-            step = f"{reduce(node.left)} {_SYMBOLS[type(node.op)]} {reduce(node.right)}"
+            step = f"{reduce(node.left)} {_BINOPS[type(node.op)][0]} {reduce(node.right)}"
             steps.append(step)
             return format_number(evaluate(step))
         if isinstance(node, ast.UnaryOp):  # a sign: not a step, but its operand may hold some
