@@ -189,3 +189,10 @@ def test_smoke_mismatch_suite_samples_in_bf16(tmp_path):
     rec = json.loads((runs / "decoupled_k0_s0.json").read_text())
     assert rec["run_config"]["loop"]["rollout_dtype"] == "bfloat16"
     assert np.all(column(rec, "mismatch_log_ratio_abs_mean") > 1e-4)
+
+
+def test_vcpo_note_names_the_half_the_suite_tests():
+    rows = [_row(0, "naive", 0.984, 0.984), _row(8, "vcpo", 0.984, 0.984)]
+    rg, calc = verdicts(rows)["vcpo"]["note"], verdicts(rows, suite="calc-chain")["vcpo"]["note"]
+    assert rg.startswith("the reasoning-gym half") and "staleness_real_calc.json" in rg
+    assert calc.startswith("the tool-use half") and "staleness_real.json" in calc

@@ -117,7 +117,7 @@ def summarize(runs_dir: Path, out: Path, command: str, suite: str = "rg",
         head = {**head, "metric": head["metric"] + " [not measured yet: no VCPO or k=0 cell]",
                 "value": 0.0}
     found = report.verdicts(partner, rows) if suite == "mismatch" else \
-        report.verdicts(rows, partner)
+        report.verdicts(rows, partner, suite)
     summary = {
         "headline": head, "verdicts": found, "table": rows,
         "time_projection": report.time_projection(records, SMOLLM2_PARAM_BYTES),

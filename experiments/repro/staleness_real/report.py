@@ -133,10 +133,21 @@ def _acc(row: dict | None) -> str:
                                   if f["n"] > 1 else " (1 seed)"))
 
 
-def verdicts(rows: list[dict], mismatch_rows: list[dict] | tuple = ()) -> dict[str, dict]:
+# which half of VCPO's two-part claim a suite's table tests, and where the other half is
+VCPO_HALF = {
+    "rg": "the reasoning-gym half: k up to 32, not 128; the tool-use half is the calc "
+          "suite's (staleness_real_calc.json)",
+    "calc": "the tool-use half: the calculator environment at k 0 / 8, not 128 steps "
+            "off-policy; the reasoning-gym half is in staleness_real.json",
+}
+
+
+def verdicts(rows: list[dict], mismatch_rows: list[dict] | tuple = (),
+             suite: str = "rg") -> dict[str, dict]:
     """A verdict per claim of the issue: reproduced / partly / not / not run, with numbers.
     rows: the fp32-rollout table; mismatch_rows: the bf16-rollout suite's table (the
-    train/inference half of "missing old logits"; empty: not run)."""
+    train/inference half of "missing old logits"; empty: not run); suite: whose table
+    rows is (rg, or the calculator's calc / calc-chain: VCPO's tool-use half)."""
     ks = sorted({r["k"] for r in rows})
     base = _cell(rows, 0, METHODS[0]) or next((r for r in rows if r["k"] == 0), None)
     base_s = f"synchronous baseline (k=0) {_acc(base)}"
@@ -150,8 +161,7 @@ def verdicts(rows: list[dict], mismatch_rows: list[dict] | tuple = ()) -> dict[s
                  "steps off-policy); on a long-horizon tool-use task it matches synchronous accuracy",
         "verdict": "not run" if held is None else ("partly" if held and _stable(v) else "not"),
         "numbers": f"VCPO at k={kv}: {_with_peak(v)}; {base_s}",
-        "note": "the reasoning-gym half only: k up to 32, not 128; the calculator tool-use "
-                "half (smollm2-calc at k 0 / 8) is not in these results"}
+        "note": VCPO_HALF["calc" if suite.startswith("calc") else "rg"]}
     a_k = min((k for k in ks if k >= 4), default=None)
     d, n = (_cell(rows, a_k, "decoupled"), _cell(rows, a_k, "naive")) if a_k else (None, None)
     if d is None or n is None or base is None:
