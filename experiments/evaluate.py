@@ -17,7 +17,7 @@ spec ("synthetic", "reasoning_gym:basic_arithmetic", "reasoning_gym:chain_sum=1,
 "correct" is and --reward adds your reward function (rl.tasks.rewards), as in training; a
 run dir's own reward settings (its run_config.json) apply when its task is evaluated.
 
-The report is rl.run.evaluate's (the numbers come from rl.loops.evaluator.eval_report, the
+The report is rl.run.evaluate's (the numbers come from rl.loops.evaluation.eval_report, the
 function the training loops' periodic eval calls): one greedy response per prompt ->
 accuracy (mean of the task's "correct" reward, else of the total reward) ± standard
 error, each reward's mean, mean length, the fraction cut at the token budget; with --k
@@ -32,7 +32,7 @@ import sys
 from typing import Any
 
 from rl.loops.config import RewardConfig
-from rl.run.evaluation import default_report_path, evaluate, format_report
+from rl.run.evaluation import EvalOptions, default_report_path, evaluate, format_report
 from rl.runtime.logging import atomic_write_json
 
 
@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.verifier or args.reward:
         reward = RewardConfig(verifier=args.verifier, function=args.reward)
     try:
+        options = EvalOptions(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                              examples=args.examples, max_slots=args.max_slots,
+                              progress=not args.no_progress, reward=reward)
         report = evaluate(args.model, task=args.task, task_options=parse_options(args.task_option),
-                          n=args.n, k=args.k, temperature=args.temperature,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed, step=args.step,
-                          examples=args.examples, max_slots=args.max_slots,
-                          progress=not args.no_progress, reward=reward)
+                          n=args.n, k=args.k, seed=args.seed, step=args.step, options=options)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     print(format_report(report))

@@ -7,8 +7,10 @@ The run starts from a preset (`--preset`, default tiny-synthetic) or a saved con
 (`--config FILE.json` or a run dir's run_config.json); every short flag is an alias of a
 dotted RunConfig path (SIMPLE_FLAGS, SWITCHES, ASYNC_FLAGS, ... below) or of a few paths at
 once (--vcpo, --lora-rank, --loss NAME, --env NAME); `--set PATH=VALUE` (repeatable)
-sets any leaf and is applied last. All of it is validated (RunConfig.validate) before a
-model loads; errors are ValueError with a message saying what to change.
+sets any leaf and is applied last. No flag changes another field on its own: the
+command line is a view of the config, and Python gets the same run from the same paths.
+The config is validated once (RunConfig.validate, by rl.run.prepare) before a model
+loads; errors are ValueError with a message saying what to change.
 
 Also here, for the scripts that take the same flags: the multi-process flags
 (`add_distributed_flags`, `distributed_from_args`).
@@ -24,7 +26,6 @@ from models.config import DTYPES, REMAT_POLICIES
 from models.lora import LoraConfig
 from rl.envs import ENVS
 from rl.loops.config import MODES, PROXIMAL, ROLLOUTS, Resume, RunConfig
-from rl.loops.replay import ReplayConfig, replay_train_config
 from rl.loops.validation import CHANGEABLE_ON_RESUME
 from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
 from rl.objectives.advantages import ADVANTAGE_PRESETS
@@ -217,7 +218,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replay-fraction", type=float, metavar="F",
                    help="rollout replay: this share of each batch's groups comes from a FIFO "
                         "of recent informative groups (rl.loops.replay; default 0 = off); "
-                        "switches train.old_logp to 'behaviour' unless a correction is set")
+                        "replayed groups are off-policy: set a correction too, e.g. the "
+                        "paper's --set train.old_logp=behaviour")
     g.add_argument("--replay-capacity", type=int, metavar="C",
                    help="rollout replay: groups the FIFO holds (default 4 x prompts per step)")
 
@@ -392,7 +394,9 @@ def _given(args: argparse.Namespace, table: dict[str, str]) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The RunConfig the parsed flags describe (module docstring), validated."""
+    """The RunConfig the parsed flags describe (module docstring). Not validated here:
+    rl.run.prepare validates it once, before anything loads (--print-config validates it
+    before printing)."""
     if args.config and args.preset:
         raise ValueError("--config and --preset both name the run to start from; give one")
     cfg = RunConfig.load(args.config) if args.config else PRESETS[args.preset or DEFAULT_PRESET]
@@ -452,10 +456,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                                    for a in args.set):
         # evals in chunks of one train batch, of the batch the config ends with
         cfg = cfg.override("loop.eval_max_rows", cfg.loop.prompts_per_step * cfg.loop.group_size)
-    if cfg.scheduler.replay_fraction > 0:  # the paper's correction unless one is set
-        cfg = dataclasses.replace(cfg, train=replay_train_config(
-            cfg.train, ReplayConfig(cfg.scheduler.replay_fraction)))
-    return cfg.validate()
+    return cfg
 
 
 def resume_from_args(args: argparse.Namespace) -> Resume | None:

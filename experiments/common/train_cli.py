@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as err:
         parser.error(str(err))
     if args.print_config:
+        try:
+            cfg.validate()
+        except ValueError as err:
+            parser.error(str(err))
         print(cfg.to_json(), end="")
         return {"config": cfg.to_dict()}
     with preemption.stop_signals():  # a signal while the model loads stops the run cleanly

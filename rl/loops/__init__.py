@@ -1,60 +1,67 @@
-"""The loops that wire rollout and learner together.
+"""The run harness and the batch sources it asks for each step's groups.
 
-    config        RunConfig: the whole run's configuration as one tree of frozen
-                  dataclasses (LoopConfig, AsyncConfig and the other sections), its JSON
-                  round trip, dotted overrides and cross-section checks; Resume, RunHooks
-    sync          the synchronous GRPO loop: run(model_config, params, task, config, *,
-                  resume, hooks) (sample -> score -> batch -> step, eval, checkpoints,
-                  metrics) and its reusable pieces
-    asynchronous  run_async(...) with the same parameters: producer and learner under a staleness bound η, threaded
-                  or deterministic, with APRIL rollouts and exact proximal log-probs
-    async_stages  run_async's stages in order (split_devices, prepare, start, take_batch,
-                  build_train_batch, update_learner, record_step, evaluate_and_save, the
-                  fault and shutdown paths) and AsyncRun, the state they share
-    side_files    the files beside each async checkpoint: the param ring, APRIL's state
-    producer      the asynchronous loop's rollout thread and APRIL source
+    runner        run(model_config, params, task, config, *, resume, hooks): the harness
+                  over the source the config picks; run_async (the same, async set);
+                  make_source
+    harness       run_loop: open the run, the step-0 eval, the step loop and its profile,
+                  the step boundary (stop signal, eval and save cadence, time-based saves,
+                  time limit, on_step), faults and teardown, the RunResult
+    source        the BatchSource protocol (and its defaults) and Taken, a step's groups
+    sync          SyncSource: every step sampled at the learner's params (schedulers,
+                  replay, pruning, dynamic sampling, environments)
+    deterministic DeterministicSource: step v sampled with the param ring's version
+                  max(v − η, 0) (static: what the sync source samples; or APRIL rounds)
+    threaded      ThreadedSource: a producer thread and the buffer (static, continuous,
+                  APRIL rollouts), in-flight weight updates
+    asynchronous  what the async sources share: ring, buffer, publishing, proximal
+                  log-probs (exact / EWMA), APRIL's source, side files; train_config_for
+    producer      the producer thread's work (RolloutProducer), APRIL rounds over the
+                  stream (AprilSource), APRIL's off-policy prefix mask
     buffer        TrajectoryBuffer: scored groups between producer and learner (AReaL's
                   admission rule, staleness policies)
-    rollouts      sample_groups: N samples per prompt through the rollout engine (or an
-                  environment's episodes), take_rows, an environment's time limits,
-                  rollout_model_config (the sampler's compute dtype)
-    evaluator     the evaluation pass: eval_report (samples and builds the report),
-                  evaluate (its flat metrics), make_evaluator (the loops' periodic eval)
-    evaluation    the statistics of an evaluation report (accuracy ± stderr, pass@k,
-                  lengths, truncation) and the train batch's zero-spread fraction
-    context       open_run / RunContext: what both loops set up (validated configs, the
-                  run dir's lock, state fresh or from the last good checkpoint, logger,
-                  the checked jitted step) and release
-    scheduling    the prompt scheduler (rl.schedulers) between the train stream and the
-                  sync loop's sampling: SchedulerOptions, make_prompt_source (DARS's
-                  extra groups, the replayed groups)
-    replay        rollout replay: the FIFO of recent informative scored groups mixed into
-                  each batch at a fraction, with the behaviour-policy clipped ratio
-    scoring       score (a task's rewards of sampled rows, validated; an environment's
-                  outcomes) and total_reward
-    episodes      environments in the loops: EnvTask (an rl.envs environment as a task),
-                  multi-turn sampling, outcome rewards, turn credit, episode metrics
-    validation    configs that cannot learn or run (validate_run), the config record every
-                  checkpoint carries and the resume check against it
+    batches       StreamSampler and sample_batch_groups (a step's groups from the train
+                  stream), build_batch (groups -> TrainBatch), collect_batch
+    rollouts      RolloutSpec (what a run's rollouts share, built once), sample_groups
+                  (N samples per prompt through the engine, or an environment's episodes),
+                  take_rows, rollout_seed, rollout_model_config
+    evaluation    the evaluation pass (eval_report, eval_metrics, make_evaluator) and its
+                  statistics (accuracy ± stderr, pass@k, lengths, truncation)
+    scoring       score (a task's rewards of sampled rows, validated), total_reward, the
+                  reward-spread metrics
+    context       open_run / RunContext: the run dir's lock, state fresh or restored,
+                  logger, the checked jitted step; resolve_mesh, run_clock
+    scheduling    the prompt scheduler (rl.schedulers) over the train stream: SchedulerOptions,
+                  make_prompt_source (DARS's extra groups, the replayed groups)
+    replay        rollout replay: the FIFO of recent informative scored groups
+    episodes      environments in the loops: EnvTask, multi-turn sampling, outcome rewards,
+                  turn credit, episode metrics
+    config        RunConfig: the whole run as one tree of frozen dataclasses; Resume, RunHooks
+    validation    configs that cannot learn or run, the config record every checkpoint
+                  carries and the resume check against it
+    side_files    the files beside each async checkpoint: the param ring, APRIL's state
+    adapters      LoRA runs: the frozen base, the sampler's composed params
 
 May import anything in `rl` but rl.run; only rl.run and experiments import `rl.loops`.
 
-    from rl.loops import RunConfig, run, run_async
+    from rl.loops import RunConfig, run
     run(model_config, params, task, RunConfig(loop=LoopConfig(steps=10), run_dir="runs/a"))
 """
 from rl.loops.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer  # noqa: I001
 from rl.loops.config import AsyncConfig, LoopConfig, Resume, RunConfig, RunHooks
-from rl.loops.evaluator import eval_report, evaluate
-from rl.loops.rollouts import rollout_model_config, sample_groups
+from rl.loops.evaluation import ReportOptions, eval_metrics, eval_report
+from rl.loops.rollouts import RolloutSpec, rollout_model_config, rollout_spec, sample_groups
 from rl.loops.scoring import score
-from rl.loops.sync import RunResult, build_batch, collect_batch, run, sample_batch_groups
-from rl.loops.asynchronous import run_async, train_config_for
+from rl.loops.batches import StreamSampler, build_batch, collect_batch, sample_batch_groups
+from rl.loops.source import BatchSource, Taken
+from rl.loops.harness import RunResult, run_loop
+from rl.loops.asynchronous import train_config_for
+from rl.loops.runner import make_source, run, run_async
 from rl.loops.scheduling import SchedulerOptions
 
 __all__ = [
-    "STALE_POLICIES", "ScoredGroup", "TrajectoryBuffer", "LoopConfig", "Resume", "RunConfig",
-    "RunHooks", "RunResult", "build_batch",
-    "collect_batch", "eval_report", "evaluate", "run", "rollout_model_config",
-    "sample_batch_groups", "sample_groups", "score",
-    "AsyncConfig", "run_async", "train_config_for", "SchedulerOptions",
+    "STALE_POLICIES", "ScoredGroup", "TrajectoryBuffer", "AsyncConfig", "LoopConfig", "Resume",
+    "RunConfig", "RunHooks", "ReportOptions", "eval_metrics", "eval_report", "RolloutSpec",
+    "rollout_model_config", "rollout_spec", "sample_groups", "score", "StreamSampler",
+    "build_batch", "collect_batch", "sample_batch_groups", "BatchSource", "Taken", "RunResult",
+    "run_loop", "train_config_for", "make_source", "run", "run_async", "SchedulerOptions",
 ]

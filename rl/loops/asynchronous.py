@@ -1,66 +1,25 @@
-"""The asynchronous GRPO loop: a rollout producer and the learner with a
-`rl.loops.buffer.TrajectoryBuffer` between them, under one staleness knob η = max_staleness
-(0 = synchronous on-policy, 1 = one-step overlap, larger = fully asynchronous).
+"""What the asynchronous batch sources share (rl.loops.deterministic, rl.loops.threaded):
+a buffer between rollouts and the learner under one staleness knob η = max_staleness
+(0 = synchronous on-policy, 1 = one-step overlap, larger = fully asynchronous), the param
+ring, the published policy, the proximal log-probs and the checkpoint's side files.
 
-`run_async` runs the learner side as named stages (rl.loops.async_stages; their shared
-state is an `AsyncRun`; the rollout thread is rl.loops.producer):
-
- 1. setup: `split_devices` (threaded: which devices sample, which train), `open_run` (run
-    dir, state fresh or restored, logger, jitted step), `prepare` (the param ring, the
-    buffer at the state's version, the resume note), then `start`: the ring's saved
-    versions (deterministic resume), version v0 published, the APRIL source (its FIFO
-    restored on resume), the EWMA params, the step-0 eval, the producer thread;
- 2. per step v, `take_batch`: b groups, sampled here with the ring's params of
-    max(v − η, 0) (deterministic: one static sampling call, or APRIL rounds until the
-    buffer yields a batch), or waited for from the producer thread (threaded; a producer
-    error or a dead thread stops the wait);
- 3. `build_train_batch`: the TrainBatch (+ the off-policy prefix mask), its proximal
-    log-probs (exact from the ring, or the EWMA params'), the batch's own metrics;
- 4. `update_learner`: the jitted step, the EWMA update, version v + 1 published to the
-    sampler, the buffer's admission version moved on;
- 5. `record_step`: the train record (step metrics, sampling and buffer counters, version
-    lag, APRIL's counters, the step profile) and the progress bar;
- 6. `evaluate_and_save`: eval and checkpoint (+ side files, rl.loops.side_files) on their
-    schedule; then the caller's on_step(record);
- 7. faults and teardown: `stop_after_fault` (any exception: producer stopped, buffer
-    closed, a final checkpoint on KeyboardInterrupt or a producer error; then re-raised),
-    `shut_down` (always: producer joined, run context closed), `result`.
-What the modes, rollouts and proximal options mean in these stages:
-
-Two modes (AsyncConfig.mode):
-  * "threaded": a producer thread samples with the latest published params, picking
-    them up at every segment boundary (in-flight weight updates: tokens after a swap carry
-    the new version), scores finished groups and puts them into the buffer under AReaL's
-    admission rule; the learner (main thread) takes b groups per step, trains, and
-    publishes the new params (a copy, on the rollout device) to the producer. With more
-    than one device, jax.devices() is split into training devices (a data-parallel mesh
-    for the train step) and rollout devices (the sampler runs on the first of them; new
-    params are resharded onto it before publishing); with one device they interleave.
-  * "deterministic": no threads; step v samples its batch with the params of version
-    max(v − k, 0), k = η, from a `rl.learner.snapshots.ParamSnapshots` ring, so every token of
-    step v has version exactly v − k (v ≥ k) and runs are reproducible on one CPU. The ring
-    holds k + 2 versions: (k + 2) × the params' bytes of memory with
-    AsyncConfig.snapshot_store="memory" (the default), or files under
-    run_dir/snapshots/ring/ and at most 2 versions in memory with "disk" (the same run, bit
-    for bit; one params write and one read per step; deleted at the run's end).
-With η = 0 both modes reproduce `rl.loops.run` exactly (same rng splits, same
-sampling calls; rollout "static" in threaded mode, and "continuous" on equal-length
-responses).
-
-Rollouts (AsyncConfig.rollout): "static" samples whole rounds of up to b groups and
-hands them over sorted by prompt (threaded: one engine per round; deterministic: exactly
-`rl.loops.sync.sample_batch_groups`, DAPO dynamic sampling included); "continuous"
-(threaded only) keeps one engine whose free slots are refilled with new prompts at every
-segment boundary while the admission rule allows; "april" runs `rl.rollout.april.AprilRollout`
-rounds (⌈over_provision·b⌉ groups started, the round ends when b are complete, the
-unfinished ones wait whole in a FIFO drained first next round). An APRIL round samples
-under one params version (rl.rollout.april's collect takes the params per round), so its weight
-swaps happen at round boundaries, and resumed groups carry prefixes of older versions:
-with stale_policy="drop" the groups with a prefix older than η versions are dropped
-(counted), with "downweight" none is discarded. mask_offpolicy_prefix removes, per
-group, the tokens older than the group's newest token from the loss. In threaded mode
-the dynamic-sampling filter runs in the producer (filtered groups are counted and
-replaced; no filler groups).
+    AsyncSource.open        the param ring (AsyncConfig.ring_capacity versions, in memory
+                            or on disk), the buffer at the state's version, the resume note
+                            (in-flight groups a checkpoint could not keep), the ring's saved
+                            versions (`restore_ring`: deterministic resume), version v0
+                            published, the APRIL source (its FIFO restored on resume), the
+                            EWMA params
+    AsyncSource.train_batch the TrainBatch (the buffer's token weights, APRIL's off-policy
+                            prefix mask), its proximal log-probs (proximal "exact": each
+                            token under its own behaviour version's params from the ring;
+                            "ewma": under the EWMA params), the batch's metrics (behaviour
+                            versions and lag, episodes, reward spread)
+    AsyncSource.after_update  the EWMA update, v + 1 published to the sampler (in one
+                            assignment: the producer never sees new params with an old
+                            version), the buffer's admission version moved on
+    AsyncSource.checkpoint  meta "async" {mode, max_staleness, buffer counters}; APRIL's
+                            state beside the checkpoint (rl.loops.side_files); the ring's
+                            versions (deterministic)
 
 Proximal policy (AsyncConfig.proximal): "current" keeps the TrainConfig as given;
 "versions" sets old_logp="versions" (AReaL's log-linear interpolation from per-token
@@ -68,140 +27,227 @@ versions); "exact" computes TrainBatch.proximal_logprobs with
 `rl.learner.proximal.exact_proximal_logprobs` from the snapshot ring (log π at each token's own
 behaviour version) and sets old_logp="proximal", so the PPO ratio is π_θ / π_v(b) (pure
 staleness) and π_prox/μ is the pure train–inference discrepancy; "ewma" keeps PPO-EWMA
-params θ_prox ← β θ_prox + (1 − β) θ (rl.learner.proximal.ewma_update) and uses their log-probs
-(old_logp="proximal"). The trainer logs both factors of the ratio (mismatch_* =
-π_prox/μ, staleness_* = π_θ/π_prox), plus the buffer's counters (buffer_*) and the
-behaviour-version lag of each batch.
+params θ_prox ← β θ_prox + (1 − β) θ (rl.learner.proximal.ewma_update) and uses their
+log-probs (old_logp="proximal"). The trainer logs both factors of the ratio (mismatch_* =
+π_prox/μ, staleness_* = π_θ/π_prox), the buffer's counters (buffer_*) and the
+behaviour-version lag of each batch; the buffer_* counters count from the (re)start of the
+process, a checkpoint's meta holds them at its save ("async"/"buffer").
 
-Faults: an exception in the producer thread stops the run at the step the learner waits
-for: the learner writes a final checkpoint and raises RuntimeError ("step N: the rollout
-thread failed: ...") chained to the original exception (its traceback intact); SIGTERM /
-Ctrl-C (rl.runtime.preemption) stop it as they stop rl.loops.run: at the next safe point
-(waiting for or sampling a batch: dropped, except inside deterministic APRIL rounds; an
-eval: left to the resumed run), with a checkpoint of the last completed step, raising
-Preempted; a KeyboardInterrupt (a second Ctrl-C, or raised from a hook) writes a final
-checkpoint and re-raises; a failed write is one StorageError; the producer is always
-stopped and joined (timeout, then it is a daemon thread, so it can never keep the
-process alive). Resume: deterministic mode resumes
-exactly with static rollouts (the snapshot ring is saved beside each checkpoint under
-run_dir/snapshots/STEP/, one file per version, hard links to a disk ring's files); with
-APRIL its FIFO is saved under run_dir/rollout_state/ and restored whole, but
-rl.rollout.april reseeds new groups on a restore, so the continuation is statistically,
-not bitwise, the same. Threaded mode restarts the producer at
-the data position it had reached when the checkpoint was written: groups that were
-queued or still being sampled then are NOT restored and are counted as dropped
-(`dropped_on_resume_groups` in the first record); with APRIL the FIFO of unfinished
-groups as of the producer's last finished round IS restored (partial responses,
-log-probs, versions), the queued groups count as dropped and the prompts of the round
-then running are sampled again. The buffer_* counters count from the (re)start of
-the process; a checkpoint's meta holds the counters at its save ("async"/"buffer").
+The module doc of rl.loops.deterministic and rl.loops.threaded say what each mode does.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
-from models.config import ModelConfig
-from rl.learner.config import TrainConfig
-from rl.loops import episodes
-from rl.loops.async_stages import (
-    build_train_batch,
-    evaluate_and_save,
-    prepare,
-    record_step,
-    result,
-    shut_down,
-    split_devices,
-    start,
-    stop_after_fault,
-    stop_run,
-    take_batch,
-    update_learner,
-)
-from rl.loops.config import (  # noqa: F401  (MODES, PROXIMAL, ROLLOUTS re-exported)
-    MODES, PROXIMAL, ROLLOUTS, AsyncConfig, Resume, RunConfig, RunHooks, as_resume)
-from rl.loops.context import open_run, resolve_mesh
-from rl.loops.sync import RunResult
-from rl.runtime.preemption import Preempted, StepAbandoned
-from rl.tasks.base import Task
+import jax
+import numpy as np
 
-def train_config_for(config: TrainConfig, async_config: AsyncConfig) -> TrainConfig:
+from models.sharding import make_mesh
+from rl.learner.batch import TrainBatch
+from rl.learner.config import TrainConfig
+from rl.learner.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
+from rl.learner.snapshots import ParamSnapshots, copy_params
+from rl.loops import episodes
+from rl.loops.batches import batch_metrics, build_batch
+from rl.loops.buffer import TrajectoryBuffer
+from rl.loops.producer import AprilSource, offpolicy_prefix_batch
+from rl.loops.rollouts import rollout_seed
+from rl.loops.side_files import load_rollout_state, prune_side_files, save_rollout_state
+from rl.loops.source import BatchSource, Taken
+from rl.rollout.april import AprilConfig
+from rl.runtime.logging import EXTRA_PHASES, PHASES
+
+
+def train_config_for(config: TrainConfig, async_config: Any) -> TrainConfig:
     """The TrainConfig the learner runs with: old_logp set by the proximal option."""
     old = {"current": config.old_logp, "versions": "versions", "exact": "proximal",
            "ewma": "proximal"}[async_config.proximal]
     return config if old == config.old_logp else dataclasses.replace(config, old_logp=old)
 
 
-# ----------------------------------------------------------------------------- the loop
-def run_async(model_config: ModelConfig, params: Any, task: Task, config: RunConfig, *,
-              resume: bool | Resume = False, hooks: RunHooks | None = None) -> RunResult:
-    """Train with the asynchronous loop (module doc) under config.asynchronous for
-    config.loop.steps optimizer steps. The same parameters, outputs and run dir as
-    rl.loops.run (metrics.jsonl, checkpoints/, wandb, RunResult; the same run-dir lock and
-    Resume options; the AsyncConfig is part of the recorded config); train records add
-    buffer_* counters, behaviour_version_* / version_lag_*, and rollout_wait_s (time the
-    learner waited for data), and the step profile (rl.runtime.logging.StepProfile, the
-    learner thread's view: step_s, prefill_s / decode_s / reward_s when it samples itself
-    (deterministic, static), wait_s (waiting on the producer thread, or a deterministic
-    APRIL round), host_s, proximal_s (exact / EWMA proximal log-probs and the EWMA
-    update), learner_s, transfer_s, other_s, peak_rss_mb; in threaded mode the producer's
-    sampling overlaps these phases and is not split). hooks.on_step(record) is called
-    after each train record (raise KeyboardInterrupt there to stop the run like Ctrl-C).
-    In threaded mode with several devices and no mesh, the training devices get a
-    data-parallel mesh (the batch's rows must divide by their number)."""
-    acfg = config.asynchronous
-    if acfg is None:
-        raise ValueError("config.asynchronous is None: set it (e.g. "
-                         "cfg.override('async.max_staleness', 1)) or call rl.loops.run")
-    config.validate()
-    hooks = hooks or RunHooks()
-    resume_opts = as_resume(resume)
-    resume = resume_opts is not None
-    train, loop = config.train, config.loop
-    episodes.check_episode_loop(task, acfg.mode, acfg.rollout)  # environments: which modes
-    run_dir = config.output_dir
-    mesh = resolve_mesh(config, model_config, hooks)
-    rollout_device, mesh = split_devices(acfg, mesh)
-    ctx = open_run(model_config, params, train_config_for(train, acfg), loop, run_dir,
-                   resume=resume_opts, wandb_mode=config.logging.wandb,
-                   run_config=config.to_dict(), mesh=mesh,
-                   compiler_options=hooks.compiler_options,
-                   extra_config={"async": acfg, "task": task.name, "reward": config.reward,
-                                 **episodes.episode_config(task)})
-    run = prepare(ctx, model_config, task, train, loop, acfg, run_dir,
-                  rollout_device=rollout_device, mesh=mesh, resume=resume,
-                  progress=config.logging.progress)
-    # dropping a half-sampled step loses nothing but in APRIL rounds (their FIFO moves)
-    can_abandon = acfg.rollout != "april" or acfg.mode == "threaded"
-    try:
-        start(run, resume=resume, on_eval=hooks.on_eval)
-        for step in range(ctx.start, loop.steps):
-            run.prof.start()
-            st, pos = run.state, run.data_position
-            version = int(st.version)
-            t0 = time.perf_counter()
-            try:
-                with ctx.control.abandonable(can_abandon):
-                    got, st, pos, stats = take_batch(run, step, st, pos)
-            except StepAbandoned:  # run.state is still the last completed step's
-                raise stop_run(run, f"step {step + 1}'s rollouts") from None
-            t1 = time.perf_counter()
-            batch, extra = build_train_batch(run, got, version)
-            t2 = time.perf_counter()
-            metrics = update_learner(run, step, st, batch, pos)
-            t3 = time.perf_counter()
-            record = record_step(run, step, metrics, stats, extra, rollout_wait_s=t1 - t0,
-                                 train_s=t3 - t2, busy_s=t3 - t0)
-            evaluate_and_save(run, step + 1)
-            if hooks.on_step is not None:
-                hooks.on_step(record)
-        run.bar.close()
-    except BaseException as err:
-        failure = stop_after_fault(run, err)
-        shut_down(run, quiet=not isinstance(err, Preempted))
-        if failure is not None:
-            raise failure from err
-        raise
-    shut_down(run)
-    return result(run)
+def batch_version_metrics(batch: TrainBatch, version: int) -> dict[str, float]:
+    """Behaviour-version statistics of a batch's loss tokens: min/max version and the lag
+    version − v_b (mean, max); {} for a batch without loss tokens."""
+    mask = np.asarray(batch.loss_mask)
+    vers = np.asarray(batch.versions)[mask]
+    if vers.size == 0:
+        return {}
+    lag = version - vers
+    return {"behaviour_version_min": float(vers.min()), "behaviour_version_max": float(vers.max()),
+            "version_lag_mean": float(lag.mean()), "version_lag_max": float(lag.max())}
+
+
+def split_devices(acfg: Any, mesh: jax.sharding.Mesh | None
+                  ) -> tuple[jax.Device | None, jax.sharding.Mesh | None]:
+    """(rollout device or None = share the default one, training mesh or None): threaded
+    mode gives AsyncConfig.rollout_devices of jax.devices() (default: half when there are
+    several) to the sampler and the rest to a data-parallel training mesh."""
+    if acfg.mode != "threaded":
+        return None, mesh
+    devices = jax.devices()
+    if mesh is not None:
+        used = set(mesh.devices.flat)
+        rest = [d for d in devices if d not in used]
+        return (rest[0] if rest else None), mesh
+    n_roll = acfg.rollout_devices
+    if n_roll is None:
+        n_roll = len(devices) // 2 if len(devices) > 1 else 0
+    if n_roll == 0:
+        return None, None
+    if n_roll >= len(devices):
+        raise ValueError(f"AsyncConfig.rollout_devices={n_roll} leaves no training device out of "
+                         f"{len(devices)}; use at most {len(devices) - 1}")
+    train = devices[:len(devices) - n_roll]
+    roll = devices[len(devices) - n_roll:]
+    return roll[0], (make_mesh(data=len(train), devices=train) if len(train) > 1 else None)
+
+
+class AsyncSource(BatchSource):
+    """The shared part of the asynchronous sources (module doc). Fixed for the run: the
+    AsyncConfig (`acfg`), the rollout device, the param ring and the buffer (made in open).
+    Mutable: `published` ((sampler params, version), replaced in one assignment), the APRIL
+    source, the EWMA params."""
+
+    phases = (*PHASES, *EXTRA_PHASES)
+    wait_metric = "rollout_wait_s"
+
+    def __init__(self, config: Any):
+        self.acfg = config.asynchronous
+        self.k = self.acfg.max_staleness
+        self.label = f"async η={self.k}"
+        self.rollout_device: jax.Device | None = None
+        self.snaps: ParamSnapshots | None = None
+        self.buffer: TrajectoryBuffer | None = None
+        self.published: tuple[Any, int] | None = None
+        self.april: AprilSource | None = None
+        self.ewma: Any = None
+        self.resume_note: dict = {}
+
+    # -------------------------------------------------------------- setup
+    def devices(self, mesh: Any) -> Any:
+        self.rollout_device, mesh = split_devices(self.acfg, mesh)
+        return mesh
+
+    def train_config(self, train: TrainConfig) -> TrainConfig:
+        return train_config_for(train, self.acfg)
+
+    def record_config(self) -> dict:
+        return {"async": self.acfg}
+
+    def open(self, run: Any, params: Any) -> None:
+        acfg, state = self.acfg, run.state
+        episodes.check_episode_loop(run.task, acfg.mode, acfg.rollout)  # environments: which
+        self.snaps = ParamSnapshots(acfg.ring_capacity, directory=None if acfg.snapshot_store
+                                    == "memory" else run.config.output_dir / "snapshots" / "ring")
+        self.buffer = TrajectoryBuffer(run.loop.prompts_per_step, self.k,
+                                       stale_policy=acfg.stale_policy,
+                                       stale_weight=acfg.stale_weight,
+                                       start_version=int(state.version))
+        if run.resumed:
+            meta_async = dict(run.ctx.meta.get("async") or {})
+            self.resume_note = {"dropped_on_resume_groups":
+                                int(meta_async.get("in_flight_groups", 0))}
+        self.restore_ring(run)
+        self.publish(run, state)
+        if acfg.rollout == "april":
+            self.april = self.open_april(run)
+        if acfg.proximal == "ewma":
+            self.ewma = copy_params(state.params)
+
+    def restore_ring(self, run: Any) -> None:
+        """The ring's versions saved beside the checkpoint (deterministic resume only)."""
+
+    def open_april(self, run: Any) -> AprilSource:
+        """The APRIL source: fresh from the data position, or its saved FIFO and base."""
+        saved, base = None, run.ctx.data_position
+        if run.resumed:
+            saved = load_rollout_state(run.config.output_dir, run.ctx.start)
+            base = int(saved["base"])
+        april = AprilConfig(over_provision=self.acfg.over_provision,
+                            mask_offpolicy_prefix=self.acfg.mask_offpolicy_prefix)
+        return AprilSource(run.spec, run.train, run.loop, april, base=base,
+                           seed=rollout_seed(run.state.rng)[0],
+                           saved=None if saved is None else saved["april"])
+
+    def publish(self, run: Any, state: Any) -> None:
+        """Put state.params into the ring as version state.version (on the rollout device)
+        and make them the sampler's params, in one assignment (LoRA: the ring keeps adapter
+        versions; the sampler gets the run's policy of them)."""
+        v = int(state.version)
+        params = self.snaps.put(v, state.params, device=self.rollout_device)
+        self.published = (run.ctx.policy(params), v)
+
+    def latest(self) -> tuple[Any, int]:
+        """(sampler params, version) last published (the producer thread calls this)."""
+        return self.published
+
+    # -------------------------------------------------------------- one step
+    def train_batch(self, run: Any, taken: Taken) -> tuple[TrainBatch, dict]:
+        prof, loop, train = run.prof, run.loop, run.train
+        with prof.phase("host_s"):
+            batch = build_batch(taken.groups, run.spec, train, taken.token_weights)
+            if self.acfg.mask_offpolicy_prefix:
+                batch = offpolicy_prefix_batch(batch, loop.group_size)
+        with prof.phase("proximal_s"):
+            batch = self.with_proximal(run, batch)
+        with prof.phase("host_s"):
+            extra = batch_version_metrics(batch, int(run.state.version))
+            extra.update(batch_metrics(run, batch))
+        return batch, extra
+
+    def with_proximal(self, run: Any, batch: TrainBatch) -> TrainBatch:
+        """The batch with proximal_logprobs for proximal "exact" (the ring) or "ewma"."""
+        lora, train, mc = run.ctx.lora, run.train, run.model_config
+        if self.acfg.proximal == "exact":
+            ring = self.snaps if lora is None else lora.snapshots(self.snaps)
+            return batch.replace(proximal_logprobs=jax.block_until_ready(exact_proximal_logprobs(
+                ring, mc, batch, train.temperature, train.attn_impl)))
+        if self.acfg.proximal == "ewma":
+            params = self.ewma if lora is None else lora.composed(self.ewma)
+            return batch.replace(proximal_logprobs=jax.block_until_ready(policy_logprobs(
+                params, mc, batch, train.temperature, train.attn_impl)))
+        return batch
+
+    def after_update(self, run: Any, step: int) -> None:
+        state, prof = run.state, run.prof
+        with prof.phase("proximal_s"):
+            if self.ewma is not None:
+                self.ewma = jax.block_until_ready(ewma_update(self.ewma, state.params,
+                                                              self.acfg.ewma_beta))
+        with prof.phase("transfer_s"):
+            self.publish(run, state)
+            if step + 1 < run.loop.steps:  # after the last step, admit nothing more
+                self.buffer.set_version(int(state.version))
+
+    def record_fields(self, run: Any, step: int) -> dict:
+        out = {f"buffer_{k}": x for k, x in self.buffer.stats().items()}
+        if self.april is not None:
+            out.update(self.april.metrics())
+        if step == run.ctx.start:
+            out.update(self.resume_note)
+        return out
+
+    def eval_policy(self, run: Any) -> tuple[Any, int]:
+        return self.published  # the policy of run.state.version
+
+    # -------------------------------------------------------------- checkpoints
+    def checkpoint(self, run: Any, step: int, state: Any) -> tuple[Any, dict]:
+        meta = {"async": {"mode": self.acfg.mode, "max_staleness": self.k,
+                          "buffer": self.buffer.stats()}}
+        if self.april is not None:  # the FIFO of unfinished groups is restored on resume
+            save_rollout_state(run.config.output_dir, step, self.april_state())
+        return state, meta
+
+    def april_state(self) -> dict:
+        """APRIL's state between rounds, as a checkpoint keeps it."""
+        return self.april.state()
+
+    def after_save(self, run: Any) -> None:
+        prune_side_files(run.config.output_dir, run.ctx.ckpt)
+
+    def close(self, run: Any) -> None:
+        if self.buffer is not None:
+            self.buffer.close()
+        if self.snaps is not None and self.snaps.directory is not None:
+            self.snaps.clear()  # a disk ring's files (each checkpoint links its own)

@@ -490,23 +490,20 @@ class RunConfig:
         validate_run(self.train, self.loop)
         check_malloc_policy(self.loop.host_malloc)  # this platform's C library can apply it
         a, s, p = self.asynchronous, self.scheduler, self.prune
-        if p is not None and a is not None:
-            raise ValueError("online pruning (prune, --prune) is for the synchronous loop; "
-                             "drop it or the async settings")
         if p is not None and not s.is_default:
             raise ValueError("online pruning (--prune) samples the stream uniformly; drop it or "
                              "the prompt scheduler / rollout replay (--prompt-scheduler / "
                              "--replay-fraction)")
-        if a is not None and not s.is_default:
-            raise ValueError("the prompt scheduler and rollout replay (--prompt-scheduler, "
-                             "--replay-fraction) are for the synchronous loop; drop them or "
-                             "the async settings")
-        if a is not None and self.loop.time_limit_s:
-            raise ValueError("the time limit (loop.time_limit_s, --time-limit) is for the "
-                             "synchronous loop; drop it or the async settings")
+        producer = a is not None and (a.mode == "threaded" or a.rollout == "april")
+        if producer and (p is not None or not s.is_default):
+            raise ValueError(
+                "the prompt scheduler, rollout replay and online pruning choose and cut each "
+                "step's groups as one batch, which the threaded producer and APRIL rounds do "
+                "not sample (they stream prompts continuously); use them in the synchronous "
+                "loop or with --async-mode deterministic (static rollouts), or drop them")
         if a is not None and self.distributed.enabled:
-            raise ValueError("asynchronous training (rl.loops.run_async) runs in one process; "
-                             "drop the async settings or the multi-process ones")
+            raise ValueError("asynchronous training runs its producer, buffer and param ring in "
+                             "one process; drop the async settings or the multi-process ones")
         if s.replay_fraction > 0:
             from rl.loops.replay import check_replay_correction
 
@@ -524,10 +521,12 @@ class RunConfig:
             raise ValueError(f"{self.task.spec}: an environment scores its own episodes; "
                              "reward.function / reward.verifier are for single-turn tasks")
         if self.task.is_env:
-            if a is not None and (a.mode, a.rollout) != ("deterministic", "static"):
-                raise ValueError(f"{self.task.spec}: environments run in the synchronous loop "
-                                 "or with --async-mode deterministic (static rollouts), not "
-                                 f"--async-mode {a.mode} --rollout {a.rollout}")
+            if producer:
+                raise ValueError(f"{self.task.spec}: environments run their episodes in the "
+                                 "synchronous loop and with --async-mode deterministic (static "
+                                 "rollouts); the threaded producer and APRIL drive the "
+                                 f"single-turn engine, not --async-mode {a.mode} --rollout "
+                                 f"{a.rollout}")
             if p is not None:
                 raise ValueError(f"{self.task.spec}: --prune (online rollout pruning) is for "
                                  "single-turn tasks; drop it for an environment")

@@ -1,13 +1,12 @@
 """What every loop sets up the same way and tears down at the end: `open_run` starts
 recording stop signals (rl.runtime.preemption.stop_signals: SIGTERM / SIGINT stop the run
-at its next safe point with a checkpoint), validates the configs (rl.loops.validation),
-takes the run dir's lock (rl.runtime.runlock), copies the params, starts fresh or
+at its next safe point with a checkpoint), takes the run dir's lock (rl.runtime.runlock), copies the params, starts fresh or
 restores the latest good checkpoint (checking its recorded config; leftovers of an
 unfinished save are deleted), opens the metrics logger and jits the (checked) train step;
 `RunContext` holds those pieces, the run's `RunControl` (stop and time-based save
-decisions) and the stop / storage helpers both loops share; `close()` releases them;
-`run_clock` is the run's wall clock (a resumed run continues it). Used by
-rl.loops.sync.run and rl.loops.asynchronous.run_async.
+decisions) and the stop / storage helpers; `close()` releases them; `run_clock` is the
+run's wall clock (a resumed run continues it); `resolve_mesh` the learner's mesh. Used by
+the run harness (rl.loops.harness).
 """
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ from rl.loops.validation import (
     check_resume_config,
     config_record,
     record_defaults,
-    validate_run,
 )
 from rl.runtime import preemption
 from rl.runtime.checkpoint import Checkpointer, CheckpointError
@@ -140,25 +138,26 @@ class RunContext:
             warnings.warn(f"while closing the run after an error: {type(err).__name__}: {err}")
 
 
-def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: Any,
-             run_dir: Path, *, resume: Resume | None, wandb_mode: str, run_config: dict | None,
-             mesh: jax.sharding.Mesh | None, compiler_options: dict | None,
+def open_run(model_config: ModelConfig, params: Any, config: RunConfig, *, train: TrainConfig,
+             resume: Resume | None, mesh: jax.sharding.Mesh | None, hooks: RunHooks,
              extra_config: dict | None = None) -> RunContext:
-    """Run dir (process 0 holds its lock, rl.runtime.runlock, until ckpt.close()), own copy
-    of the params (+ frozen reference with KL), fresh or restored state placed for the
-    jitted step, checkpointer and logger. Validates the configs first
-    (rl.loops.validation); a resume must match the checkpoint's recorded config (but for
-    resume.allow_changes) and have steps left to run (resume=None: a fresh run). With
-    config.lora (rl.loops.adapters):
-    `params` are the frozen base (quantized with qlora, placed on the mesh), which becomes
-    ctx.ref (the step's third argument) and ctx.lora; the state holds fresh or restored
-    adapters; the base hash joins the config record, checked before restoring."""
+    """Run dir (config.output_dir; process 0 holds its lock, rl.runtime.runlock, until
+    ckpt.close()), own copy of the params (+ frozen reference with KL), fresh or restored
+    state placed for the jitted step of `train` (the TrainConfig the step runs: a source's
+    view of config.train), checkpointer and logger (config.logging.wandb, the config as the
+    wandb config), the step compiled with hooks.compiler_options. The config was validated
+    before (RunConfig.validate); a resume must match the checkpoint's recorded config (but
+    for resume.allow_changes) and have steps left to run (resume=None: a fresh run). With
+    train.lora (rl.loops.adapters): `params` are the frozen base (quantized with qlora,
+    placed on the mesh), which becomes ctx.ref (the step's third argument) and ctx.lora; the
+    state holds fresh or restored adapters; the base hash joins the config record, checked
+    before restoring."""
+    loop, run_dir = config.loop, config.output_dir
     signals = contextlib.ExitStack()  # a stop signal from here on stops the run cleanly
     signals.enter_context(preemption.stop_signals())
     try:
-        validate_run(config, loop)
-        record = config_record(config, loop, extra_config)
-        defaults = record_defaults(config, loop, extra_config)
+        record = config_record(train, loop, extra_config)
+        defaults = record_defaults(train, loop, extra_config)
         allow_config_changes = () if resume is None else resume.allow_changes
         check_allowed_changes(allow_config_changes)
         resume_from_last_good = resume is not None and resume.from_last_good
@@ -186,22 +185,22 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
     logger = None
     try:  # any failure from here on releases the checkpointer and with it the lock
         lora = None
-        if config.lora is not None:  # state = adapters; the frozen base is the step's ref
-            lora, params = lora_run(params, config, loop.seed)
+        if train.lora is not None:  # state = adapters; the frozen base is the step's ref
+            lora, params = lora_run(params, train, loop.seed)
             if mesh is not None:  # the base sharded like the params (qkernel like kernel)
-                lora.base = jax.device_put(lora.base, ref_shardings(model_config, config, mesh))
+                lora.base = jax.device_put(lora.base, ref_shardings(model_config, train, mesh))
             ref, record[BASE_KEY] = lora.base, lora.base_hash
         else:
             params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
-            ref = jax.tree.map(jnp.array, params) if config.loss.kl_coef > 0 else None
-        state = init_train_state(params, config, loop.seed)
+            ref = jax.tree.map(jnp.array, params) if train.loss.kl_coef > 0 else None
+        state = init_train_state(params, train, loop.seed)
         data_position, meta = 0, {}
         if resume and lora is not None:  # before the adapters' shapes meet the checkpoint
             check_base(latest_record(run_dir / "checkpoints"), record)
             check_resume_config(latest_record(run_dir / "checkpoints"), record,
                                 allow_config_changes, defaults)
         if resume:  # straight onto the mesh (no one-device copy; needed across processes)
-            shardings = None if mesh is None else state_shardings(model_config, config, mesh)
+            shardings = None if mesh is None else state_shardings(model_config, train, mesh)
             state, meta = ckpt.restore(state, shardings=shardings, fallback=resume_from_last_good)
             data_position = int(meta["data_position"])
         start = int(state.step)
@@ -214,10 +213,10 @@ def open_run(model_config: ModelConfig, params: Any, config: TrainConfig, loop: 
         if jax.process_count() > 1 and mesh is None:
             raise ValueError("a multi-process run needs a mesh over the devices of all "
                              "processes (e.g. rl.runtime.mesh.make_mesh_preset('dp'))")
-        logger = MetricsLogger(run_dir, wandb_mode=wandb_mode, config=run_config,
+        logger = MetricsLogger(run_dir, wandb_mode=config.logging.wandb, config=config.to_dict(),
                                resume_step=start if resume else None, run_name=run_dir.name)
-        step_fn = make_train_step(config, model_config, mesh, compiler_options=compiler_options,
-                                  checked=loop.checked)
+        step_fn = make_train_step(train, model_config, mesh,
+                                  compiler_options=hooks.compiler_options, checked=loop.checked)
         state = step_fn.place_state(state)
         control = RunControl(save_every_minutes=loop.save_every_minutes,
                              time_limit_s=loop.time_limit_s)

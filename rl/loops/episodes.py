@@ -42,13 +42,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from models.config import ModelConfig
 from rl.envs import ENVS, make_env
 from rl.envs.base import EndReason, Environment
 from rl.objectives.turn_credit import TurnCreditConfig
 from rl.rollout.episodes import EpisodeRecord
-from rl.rollout.multiturn import MODES, MultiTurnConfig, MultiTurnEngine, TimeLimits
-from rl.rollout.sampler_state import KV_LAYOUTS, SamplingConfig
+from rl.rollout.multiturn import MODES, MultiTurnConfig, MultiTurnEngine
+from rl.rollout.sampler_state import KV_LAYOUTS
 from rl.runtime.logging import NULL_PROFILE
 from rl.runtime.preemption import abandon_point
 from rl.tasks.base import Prompt
@@ -175,29 +174,24 @@ def is_episodic(task: Any) -> bool:
     return bool(getattr(task, "episodic", False))
 
 
-def sample_episodes(params: Any, version: int, model_config: ModelConfig, task: EnvTask,
-                    prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
-                    segment_len: int, seed: int, first_group_id: int = 0,
-                    profile=NULL_PROFILE, pruner: Any = None,
-                    time_limits: TimeLimits | None = None) -> Trajectory:
-    """`group_size` episodes per prompt with the multi-turn engine (all groups together;
-    rl.loops.rollouts.sample_groups' contract): rows grouped in prompt order (group g =
-    prompts[g], group ids 0..G-1; rng keys by the global id first_group_id + g), with
-    rewards = the outcomes; the records go to task.record. profile gets the engine's
-    prefill_s / decode_s (decode + observation appends) and the rest as host_s. pruner:
-    must be None (online pruning is single-turn; ValueError otherwise). time_limits: the
-    engine's step / episode time limits (rl.rollout.multiturn.TimeLimits; None = none)."""
+def sample_episodes(params: Any, version: int, spec: Any, prompts: Sequence[Prompt], *,
+                    seed: int, first_group_id: int = 0, profile=NULL_PROFILE) -> Trajectory:
+    """spec.group_size episodes per prompt of spec.task (an EnvTask) with the multi-turn
+    engine, all groups together (rl.loops.rollouts.sample_groups' contract; `spec` is its
+    RolloutSpec: the sampler's model config, segment length, sampling and time limits): rows
+    grouped in prompt order (group g = prompts[g], group ids 0..G-1; rng keys by the global
+    id first_group_id + g), with rewards = the outcomes; the records go to task.record.
+    profile gets the engine's prefill_s / decode_s (decode + observation appends) and the
+    rest as host_s."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
-    if pruner is not None:
-        raise ValueError(f"{task.name}: online rollout pruning (rl.rollout.pruning) is for "
-                         "single-turn tasks; drop --prune for an environment")
+    task, group_size = spec.task, spec.group_size
     t0 = time.perf_counter()
     cfg = MultiTurnConfig(num_slots=len(prompts) * group_size, group_size=group_size,
-                          segment_len=segment_len, sampling=sampling, seed=int(seed),
+                          segment_len=spec.segment_len, sampling=spec.sampling, seed=int(seed),
                           first_group_id=int(first_group_id), kv_layout=task.options.kv_layout,
-                          mode=task.options.mode, time_limits=time_limits or TimeLimits())
-    engine = MultiTurnEngine(model_config, task.env, cfg)
+                          mode=task.options.mode, time_limits=spec.time_limits)
+    engine = MultiTurnEngine(spec.sampler_config, task.env, cfg)
     engine.submit(list(prompts))
     parts, records = [], []
     while not engine.idle:

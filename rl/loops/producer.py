@@ -1,7 +1,9 @@
-"""The asynchronous loop's rollout side: `RolloutProducer` (the threaded producer: admit
-prompts under the buffer's rule, sample with the latest published params segment by
-segment, score, put finished groups) and `AprilSource` (APRIL rounds over a task's train
-stream), plus the small helpers that cut a harvested trajectory into scored groups.
+"""The asynchronous sources' rollout side: `RolloutProducer` (the threaded producer's
+work: admit prompts under the buffer's rule, sample with the latest published params
+segment by segment, score, put finished groups) and `AprilSource` (APRIL rounds over a
+task's train stream), plus the small helpers that cut a harvested trajectory into scored
+groups and APRIL's off-policy prefix mask. Every engine here is built from the run's
+rollout spec (rl.loops.rollouts.RolloutSpec).
 """
 from __future__ import annotations
 
@@ -13,19 +15,14 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from models.config import ModelConfig
 from rl.learner.batch import TrainBatch
 from rl.learner.config import TrainConfig
 from rl.loops.buffer import ScoredGroup, TrajectoryBuffer
-from rl.loops.config import LoopConfig
-from rl.loops.rollouts import rollout_model_config, take_rows
+from rl.loops.rollouts import RolloutSpec, rollout_seed, take_rows
 from rl.loops.scoring import score, total_reward
-from rl.loops.sync import rollout_seed
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.april import AprilConfig, AprilRollout, offpolicy_prefix_mask
-from rl.rollout.engine import RolloutConfig, RolloutEngine
-from rl.rollout.sampler_state import SamplingConfig
-from rl.tasks.base import Task
+from rl.rollout.engine import RolloutEngine
 
 
 # ----------------------------------------------------------------------------- producer
@@ -40,45 +37,20 @@ def split_groups(traj, rewards: dict[str, np.ndarray], group_size: int) -> list[
     return out
 
 
-def flatten_arrays(d: dict, prefix: str = "") -> dict[str, np.ndarray]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten_arrays(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = np.asarray(v)
-    return out
-
-
-def unflatten_arrays(flat: Any) -> dict:
-    out: dict = {}
-    for key in flat.keys():
-        node = out
-        *path, leaf = key.split("/")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = np.asarray(flat[key])
-    return out
-
-
 class AprilSource:
     """APRIL rounds (rl.rollout.april.AprilRollout) over the task's train stream from `base`;
-    the group with global id g is the prompt at stream position base + g."""
+    the group with global id g is the prompt at stream position base + g. spec: the run's
+    train rollouts; config: the TrainConfig (reward weights); loop: the LoopConfig (groups
+    per step, dynamic sampling)."""
 
-    def __init__(self, model_config: ModelConfig, task: Task, config: TrainConfig,
-                 loop: LoopConfig, april: AprilConfig, *, base: int, seed: int,
-                 saved: dict | None = None):
-        self.task, self.config, self.loop, self.base = task, config, loop, int(base)
-        n, b = loop.group_size, loop.prompts_per_step
-        rc = RolloutConfig(num_slots=math.ceil(april.over_provision * b - 1e-9) * n, group_size=n,
-                           segment_len=loop.segment_len, max_prompt_len=task.max_prompt_len,
-                           max_new_tokens=task.max_new_tokens,
-                           sampling=SamplingConfig(temperature=config.temperature),
-                           stop_ids=tuple(task.stop_ids), seed=int(seed),
-                           layer_loop=loop.layer_loop, bucket_slots=loop.bucket_slots)
+    def __init__(self, spec: RolloutSpec, config: TrainConfig, loop: Any, april: AprilConfig, *,
+                 base: int, seed: int, saved: dict | None = None):
+        self.task, self.config, self.loop, self.base = spec.task, config, loop, int(base)
+        b = loop.prompts_per_step
+        rc = spec.engine(math.ceil(april.over_provision * b - 1e-9) * spec.group_size, seed)
         submitted = 0 if saved is None else int(saved["counts"]["submitted"])
-        self.rollout = AprilRollout(rollout_model_config(model_config, loop.rollout_dtype), rc,
-                                    self._prompts(self.base + submitted), april)
+        self.rollout = AprilRollout(spec.sampler_config, rc, self._prompts(self.base + submitted),
+                                    april)
         if saved is not None:
             self.rollout.load_state_dict(saved)
 
@@ -135,14 +107,18 @@ def offpolicy_prefix_batch(batch: TrainBatch, group_size: int) -> TrainBatch:
 
 class RolloutProducer:
     """The rollout thread's work: admit prompts under the buffer's rule, sample with the
-    latest published params segment by segment, score, put finished groups."""
+    latest published params segment by segment, score, put finished groups. spec: the run's
+    train rollouts; config / loop: the TrainConfig and LoopConfig (AprilSource's); rollout:
+    "static" | "continuous" | "april"; latest() -> (sampler params, version) last published;
+    start: (data position, rng key [2] uint32) to continue from; device: where the sampler
+    runs (None: the default device)."""
 
-    def __init__(self, *, model_config: ModelConfig, task: Task, config: TrainConfig,
-                 loop: LoopConfig, rollout: str, buffer: TrajectoryBuffer,
-                 latest: Callable[[], tuple[Any, int]], data_position: int, rng: np.ndarray,
-                 device: jax.Device | None, april: AprilSource | None = None):
-        self.task, self.config, self.loop = task, config, loop
-        self.model_config = rollout_model_config(model_config, loop.rollout_dtype)  # the sampler's
+    def __init__(self, spec: RolloutSpec, config: TrainConfig, loop: Any, *, rollout: str,
+                 buffer: TrajectoryBuffer, latest: Callable[[], tuple[Any, int]],
+                 start: tuple[int, np.ndarray], device: jax.Device | None,
+                 april: AprilSource | None = None):
+        data_position, rng = start
+        self.spec, self.task, self.config, self.loop = spec, spec.task, config, loop
         self.april = april
         # APRIL: (state between rounds, data position) of the last round, for checkpoints
         self.april_snapshot = None if april is None else (april.state(), april.position)
@@ -194,14 +170,8 @@ class RolloutProducer:
 
     # -------------------------------------------------------------- pieces
     def _engine_for(self, seed: int) -> RolloutEngine:
-        lp, t = self.loop, self.task
-        rc = RolloutConfig(num_slots=lp.prompts_per_step * lp.group_size, group_size=lp.group_size,
-                           segment_len=lp.segment_len, max_prompt_len=t.max_prompt_len,
-                           max_new_tokens=t.max_new_tokens,
-                           sampling=SamplingConfig(temperature=self.config.temperature),
-                           stop_ids=tuple(t.stop_ids), seed=int(seed),
-                           layer_loop=lp.layer_loop, bucket_slots=lp.bucket_slots)
-        return RolloutEngine(self.model_config, rc)
+        rc = self.spec.engine(self.loop.prompts_per_step * self.spec.group_size, seed)
+        return RolloutEngine(self.spec.sampler_config, rc)
 
     def _admit(self, most: int, block: bool) -> int:
         """Reserve up to `most` groups (blocking until at least one fits if `block`)."""

@@ -100,8 +100,9 @@ def check_replay_correction(config: Any) -> None:
         return
     raise ValueError("rollout replay trains on groups sampled by older policies, but "
                      'TrainConfig.old_logp="current" ignores their behaviour log-probs; set '
-                     'old_logp="behaviour" (the paper\'s clipped ratio π_θ/μ), "versions" or '
-                     '"proximal", or an OffPolicyConfig correction')
+                     'train.old_logp="behaviour" (the paper\'s clipped ratio π_θ/μ; on the '
+                     "command line --set train.old_logp=behaviour), \"versions\" or "
+                     '"proximal", or an OffPolicyConfig correction (train.offpolicy)')
 
 
 def replay_train_config(config: Any, replay: ReplayConfig) -> Any:

@@ -1,9 +1,20 @@
-"""Sampling groups of responses in the loops: `sample_groups` (a batch of prompts, N
-samples each, through the rollout engine or, for an environment, multi-turn episodes),
-`take_rows` (rows of a Trajectory on the host), `loop_time_limits` (an environment's
-time limits from the LoopConfig) and `rollout_model_config` (the sampler's compute
-dtype). Used by the synchronous loop (rl.loops.sync), the evaluation pass
-(rl.loops.evaluator) and the asynchronous producer (rl.loops.producer).
+"""Sampling groups of responses in the loops.
+
+    RolloutSpec     what every rollout of one run shares, built once (`rollout_spec`): the
+                    task, the sampler's model config (its compute dtype), group size,
+                    segment length, response budget, sampling, the decode options and an
+                    environment's time limits; `engine(num_slots, seed, first_group_id)` is
+                    the rl.rollout.RolloutConfig of one call
+    sample_groups   a batch of prompts, N samples each, through the rollout engine (or, for
+                    an environment, multi-turn episodes): rows grouped in prompt order
+    take_rows       rows of a Trajectory on the host
+    rollout_seed    split a raw rng key: (seed of one rollout, the key to keep); next_seed
+                    the same on a TrainState's rng
+    rollout_model_config  the sampler's model config (a compute dtype of its own)
+
+The train rollouts' spec comes from the run's config (`rollout_spec`); the evaluation pass
+derives its own from it (greedy or train-temperature sampling, one sample per prompt, the
+learner's dtype); the producer thread and APRIL build their engines from the same spec.
 """
 from __future__ import annotations
 
@@ -17,7 +28,6 @@ import numpy as np
 
 from models.config import ModelConfig
 from rl.loops import episodes
-from rl.loops.config import LoopConfig
 from rl.rollout.engine import RolloutConfig, RolloutEngine
 from rl.rollout.multiturn import TimeLimits
 from rl.rollout.pruning import Pruner
@@ -29,6 +39,7 @@ from rl.trajectory import Trajectory, concat_trajectories
 
 
 def take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
+    """The rows `rows` of `traj`, as host numpy arrays."""
     idx = np.asarray(rows, np.int64)
     return jax.tree.map(lambda x: np.asarray(x)[idx], traj)
 
@@ -42,43 +53,97 @@ def rollout_model_config(model_config: ModelConfig, compute_dtype: str | None) -
     return dataclasses.replace(model_config, dtype=compute_dtype)
 
 
-def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Task,
-                  prompts: Sequence[Prompt], *, group_size: int, sampling: SamplingConfig,
-                  segment_len: int, seed: int, first_group_id: int = 0,
-                  max_new_tokens: int | None = None, profile=NULL_PROFILE,
-                  pruner: Pruner | None = None, time_limits: TimeLimits | None = None,
-                  layer_loop: str = "scan", bucket_slots: bool = False,
-                  compute_dtype: str | None = None) -> Trajectory:
-    """Sample `group_size` responses for each prompt with the rollout engine (all groups
-    decode together). Rows come back grouped in prompt order: group g = prompts[g].
-    first_group_id: the global index of prompts[0] (a process's shard of a batch): the
-    rng keys follow the global group ids, the returned group ids stay 0..G-1.
-    max_new_tokens: the response budget (default task.max_new_tokens). profile: a
-    StepProfile that gets the engine's prefill_s / decode_s and the rest as host_s.
-    pruner: online pruning in the engine (rl.rollout.pruning; None = off). time_limits: an
-    environment's step / episode time limits (rl.rollout.multiturn.TimeLimits). A stop
-    request inside an abandonable phase (rl.runtime.preemption) ends it between segments.
-    layer_loop, bucket_slots: the engine's decode options (rl.rollout.RolloutConfig; same
-    tokens). compute_dtype: the sampler's compute dtype (`rollout_model_config`; None: the
-    model's)."""
-    model_config = rollout_model_config(model_config, compute_dtype)
-    if episodes.is_episodic(task):  # an environment: multi-turn episodes (rl.loops.episodes)
-        return episodes.sample_episodes(
-            params, version, model_config, task, prompts, group_size=group_size,
-            sampling=sampling, segment_len=segment_len, seed=seed,
-            first_group_id=first_group_id, profile=profile, pruner=pruner,
-            time_limits=time_limits)
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """What every rollout of one kind shares (module doc). model_config is the learner's,
+    compute_dtype the sampler's own (None: the model's; `sampler_config` applies it);
+    max_new_tokens the response budget (the task's unless an eval overrides it);
+    time_limits an environment's per-call and per-episode limits."""
+
+    task: Task
+    model_config: ModelConfig
+    group_size: int
+    segment_len: int
+    sampling: SamplingConfig
+    max_new_tokens: int
+    layer_loop: str = "scan"
+    bucket_slots: bool = False
+    time_limits: TimeLimits = TimeLimits()
+    compute_dtype: str | None = None
+
+    @property
+    def sampler_config(self) -> ModelConfig:
+        """The sampler's model config (rollout_model_config of compute_dtype)."""
+        return rollout_model_config(self.model_config, self.compute_dtype)
+
+    def engine(self, num_slots: int, seed: int, first_group_id: int = 0) -> RolloutConfig:
+        """The RolloutConfig of one engine with `num_slots` rows, seeded by `seed`; rng keys
+        follow the group ids from `first_group_id`."""
+        t = self.task
+        return RolloutConfig(num_slots=int(num_slots), group_size=self.group_size,
+                             segment_len=self.segment_len, max_prompt_len=t.max_prompt_len,
+                             max_new_tokens=int(self.max_new_tokens), sampling=self.sampling,
+                             stop_ids=tuple(t.stop_ids), seed=int(seed),
+                             first_group_id=int(first_group_id), layer_loop=self.layer_loop,
+                             bucket_slots=self.bucket_slots)
+
+    def replace(self, **changes: Any) -> RolloutSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def rollout_spec(model_config: ModelConfig, task: Task, config: Any, loop: Any) -> RolloutSpec:
+    """The train rollouts' spec of a run: `config` the TrainConfig (its temperature: the
+    learner's log-probs are at the sampler's temperature), `loop` the LoopConfig (group
+    size, segment length, decode options, rollout dtype, an environment's time limits)."""
+    return RolloutSpec(
+        task=task, model_config=model_config, compute_dtype=loop.rollout_dtype,
+        group_size=loop.group_size, segment_len=loop.segment_len,
+        sampling=SamplingConfig(temperature=config.temperature),
+        max_new_tokens=int(task.max_new_tokens), layer_loop=loop.layer_loop,
+        bucket_slots=loop.bucket_slots,
+        time_limits=TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s))
+
+
+def rollout_seed(rng: jax.Array) -> tuple[int, jax.Array]:
+    """Split a raw key [2] uint32: (seed for one rollout, the key to keep)."""
+    seed, key = _split_seed(rng)
+    return int(seed), key
+
+
+@jax.jit
+def _split_seed(rng: jax.Array) -> tuple[jax.Array, jax.Array]:  # one launch, not three
+    key, sub = jax.random.split(rng)
+    return jax.random.randint(sub, (), 0, np.iinfo(np.int32).max), key
+
+
+def next_seed(state: Any) -> tuple[int, Any]:
+    """Split the state's rng: one half stays in the state, the other seeds this rollout."""
+    seed, key = rollout_seed(state.rng)
+    return seed, state.replace(rng=key)
+
+
+def sample_groups(params: Any, version: int, spec: RolloutSpec, prompts: Sequence[Prompt], *,
+                  seed: int, first_group_id: int = 0, profile=NULL_PROFILE,
+                  pruner: Pruner | None = None) -> Trajectory:
+    """Sample spec.group_size responses for each prompt with the rollout engine (all groups
+    decode together), tokens stamped `version`. Rows come back grouped in prompt order: group
+    g = prompts[g]. first_group_id: the global index of prompts[0] (a process's shard of a
+    batch): the rng keys follow the global group ids, the returned group ids stay 0..G-1.
+    profile: a StepProfile that gets the engine's prefill_s / decode_s and the rest as
+    host_s. pruner: online pruning in the engine (rl.rollout.pruning; None = off; single-turn
+    tasks only). A stop request inside an abandonable phase (rl.runtime.preemption) ends it
+    between segments. An environment's task samples multi-turn episodes (rl.loops.episodes)."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
+    if episodes.is_episodic(spec.task):
+        if pruner is not None:
+            raise ValueError(f"{spec.task.name}: online rollout pruning (rl.rollout.pruning) is "
+                             "for single-turn tasks; drop --prune for an environment")
+        return episodes.sample_episodes(params, version, spec, prompts, seed=seed,
+                                        first_group_id=first_group_id, profile=profile)
     t0 = time.perf_counter()
-    rc = RolloutConfig(num_slots=len(prompts) * group_size, group_size=group_size,
-                       segment_len=segment_len, max_prompt_len=task.max_prompt_len,
-                       max_new_tokens=int(max_new_tokens or task.max_new_tokens),
-                       sampling=sampling,
-                       stop_ids=tuple(task.stop_ids), seed=int(seed),
-                       first_group_id=int(first_group_id), layer_loop=layer_loop,
-                       bucket_slots=bucket_slots)
-    engine = RolloutEngine(model_config, rc, pruner=pruner)
+    rc = spec.engine(len(prompts) * spec.group_size, seed, first_group_id)
+    engine = RolloutEngine(spec.sampler_config, rc, pruner=pruner)
     engine.submit([p.ids for p in prompts])
     parts = []
     while not engine.idle:
@@ -97,7 +162,3 @@ def sample_groups(params: Any, version: int, model_config: ModelConfig, task: Ta
     profile.add("decode_s", dec)
     profile.add("host_s", time.perf_counter() - t0 - fill - dec)
     return traj
-
-
-def loop_time_limits(loop: LoopConfig) -> TimeLimits:  # an environment's, from the loop's
-    return TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s)

@@ -50,7 +50,7 @@ import jax
 import numpy as np
 
 from rl.loops.buffer import ScoredGroup
-from rl.loops.evaluation import accuracy_name, zero_spread_fraction
+from rl.loops.scoring import accuracy_name, zero_spread_fraction
 from rl.loops.replay import (
     ReplayBuffer,
     check_replay_correction,

@@ -33,11 +33,31 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl.learner.snapshots import ParamSnapshots, load_params_file
-from rl.loops.producer import flatten_arrays, unflatten_arrays
 from rl.runtime.checkpoint import CheckpointError
 from rl.runtime.logging import atomic_write_bytes
 
 SIDE_FOLDERS = ("snapshots", "rollout_state")
+
+
+def flatten_arrays(d: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten_arrays(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = np.asarray(v)
+    return out
+
+
+def unflatten_arrays(flat: Any) -> dict:
+    out: dict = {}
+    for key in flat.keys():
+        node = out
+        *path, leaf = key.split("/")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = np.asarray(flat[key])
+    return out
 
 
 def save_snapshots(run_dir: Path, step: int, snaps: ParamSnapshots, versions: list[int]) -> None:

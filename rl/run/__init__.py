@@ -27,12 +27,12 @@ kernels; nothing in rl imports rl.run (experiments/ does).
 from rl.loops.config import (  # noqa: I001
     AsyncConfig, LoggingConfig, LoopConfig, ModelSpec, Resume, RewardConfig, RunConfig, RunHooks,
     TaskSpec)
-from rl.loops.sync import RunResult
+from rl.loops.harness import RunResult
 from rl.run.presets import DEFAULT_PRESET, PRESETS, get_preset, register
 from rl.run.policy import check_context, load_policy, make_task
 from rl.run.record import RunDirError, RunPolicy, load_run, write_record
 from rl.run.launch import PreparedRun, prepare, train
-from rl.run.evaluation import evaluate, format_report
+from rl.run.evaluation import EvalOptions, evaluate, format_report
 from rl.run.summary import format_summary, summarize
 
 __all__ = [
@@ -40,5 +40,5 @@ __all__ = [
     "RunConfig", "RunHooks",
     "TaskSpec", "RunResult", "DEFAULT_PRESET", "PRESETS", "get_preset", "register",
     "check_context", "load_policy", "make_task", "RunDirError", "RunPolicy", "load_run",
-    "write_record", "PreparedRun", "prepare", "train", "evaluate", "format_report", "format_summary", "summarize",
+    "write_record", "PreparedRun", "prepare", "train", "EvalOptions", "evaluate", "format_report", "format_summary", "summarize",
 ]

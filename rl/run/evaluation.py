@@ -5,13 +5,14 @@ reward, pass@k, response lengths and truncation, a few example completions.
                                                             # on the split the run held out
     report = evaluate(cfg)                                  # a RunConfig: its run dir if it has
                                                             # checkpoints, else its initial policy
-    report = evaluate("smollm2-135m", task="reasoning_gym:chain_sum", n=256, k=4)
+    report = evaluate("smollm2-135m", task="reasoning_gym:chain_sum", n=256, k=4,
+                      options=EvalOptions(temperature=0.8))
     print(format_report(report))
 
 A source is a RunConfig, a training run dir (model.json + checkpoints/: rl.run.load_run,
 latest checkpoint or `step`; the task, its options and the split seed default to the
 run's), a registered model name, a .gguf file, a Hugging Face directory, or "tiny" (a
-random init, for tokenizer-free tasks). The numbers come from rl.loops.evaluator.eval_report,
+random init, for tokenizer-free tasks). The numbers come from rl.loops.evaluation.eval_report,
 the function the training loops' periodic eval calls: one greedy response per prompt ->
 accuracy (mean of the task's "correct" reward, else of the total reward) ± standard
 error; with k > 0 also k samples per prompt at `temperature` -> pass@k and best-of-k.
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rl.loops import eval_report
+from rl.loops import ReportOptions, RolloutSpec, eval_report
 from rl.loops.config import RUN_CONFIG_FILE, RewardConfig, RunConfig
 from rl.rollout import SamplingConfig
 from rl.run.policy import load_policy, make_task, task_seed
@@ -107,35 +108,55 @@ def load_for_eval(source: RunConfig | str | os.PathLike, *, task: str | None = N
             "tokenizer": tokenizer is not None, "model": source}
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """How `evaluate` samples and reports beyond its prompts: temperature (of the pass@k
+    samples), max_new_tokens (None: the task's budget), examples (completions in the
+    report), max_slots (responses decoded at once), progress (a tqdm bar), reward
+    (load_for_eval's: the verifier / reward function)."""
+
+    temperature: float = 1.0
+    max_new_tokens: int | None = None
+    examples: int = 4
+    max_slots: int = 256
+    progress: bool = True
+    reward: RewardConfig | None = None
+
+    def __post_init__(self):
+        for name, value, low in (("examples", self.examples, 0), ("max_slots", self.max_slots, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
 def evaluate(source: RunConfig | str | os.PathLike, *, task: str | None = None,
              task_options: dict | None = None, n: int = 256, k: int = 0,
-             temperature: float = 1.0, max_new_tokens: int | None = None,
-             seed: int | None = None, step: int | None = None, examples: int = 4,
-             max_slots: int = 256, progress: bool = True,
-             reward: RewardConfig | None = None) -> dict:
+             seed: int | None = None, step: int | None = None,
+             options: EvalOptions = EvalOptions()) -> dict:
     """The evaluation report of `source` (module docstring) on `n` eval prompts:
-    rl.loops.evaluator.eval_report's keys plus "model", "model_kind", "tokenizer", "step",
-    "task", "task_options", "seed", "max_new_tokens", "wall_s". reward: load_for_eval's;
-    the weighted total ("reward") gives a task's logged-only rewards weight 0."""
-    for name, value, low in (("n", n, 1), ("k", k, 0), ("examples", examples, 0),
-                             ("max_slots", max_slots, 1)):
+    rl.loops.evaluation.eval_report's keys plus "model", "model_kind", "tokenizer", "step",
+    "task", "task_options", "seed", "max_new_tokens", "wall_s". k > 0 adds pass@k over k
+    samples per prompt at options.temperature; options.reward: load_for_eval's; the
+    weighted total ("reward") gives a task's logged-only rewards weight 0."""
+    for name, value, low in (("n", n, 1), ("k", k, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if k and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 for pass@k sampling, got {temperature}")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if k and not options.temperature > 0:
+        raise ValueError(f"temperature must be > 0 for pass@k sampling, got {options.temperature}")
     t0 = time.perf_counter()
     got = load_for_eval(source, task=task, task_options=task_options, seed=seed, step=step,
-                        reward=reward)
+                        reward=options.reward)
     built = got["task"]
     prompts = built.eval_prompts(n)
-    budget = max_new_tokens or built.max_new_tokens
-    report = eval_report(got["params"], 0, got["model_config"], built, prompts,
-                         sampling=SamplingConfig(greedy=True), segment_len=min(SEGMENT_LEN, budget),
-                         seed=got["seed"], k=k, temperature=temperature, max_new_tokens=budget,
-                         examples=examples, max_slots=max_slots, progress=progress,
-                         reward_weights=dict.fromkeys(getattr(built, "logged_rewards", ()), 0.0))
+    budget = options.max_new_tokens or built.max_new_tokens
+    spec = RolloutSpec(task=built, model_config=got["model_config"], group_size=1,
+                       segment_len=min(SEGMENT_LEN, budget), sampling=SamplingConfig(greedy=True),
+                       max_new_tokens=budget)
+    report = eval_report(got["params"], 0, spec, prompts, seed=got["seed"], options=ReportOptions(
+        k=k, temperature=options.temperature, examples=options.examples,
+        max_slots=options.max_slots, progress=options.progress,
+        reward_weights=dict.fromkeys(getattr(built, "logged_rewards", ()), 0.0)))
     return {"model": str(got["model"]), "model_kind": got["kind"], "tokenizer": got["tokenizer"],
             "step": got["step"], "task": got["task_spec"], "task_options": got["task_options"],
             "seed": got["seed"], "max_new_tokens": budget, **report,

@@ -15,9 +15,12 @@ Two stages, so that everything that can be refused is refused before anything co
                          build and check the mesh, print the plan with its memory
                          estimate (rl.run.plan; with logging.progress), write the run
                          record (model.json, run_config.json: rl.run.record)
-  PreparedRun.run()      the synchronous loop (rl.loops.run) or, with cfg.asynchronous
-                         set, the asynchronous one (rl.loops.run_async); then summary.json
+  PreparedRun.run()      the run harness (rl.loops.harness.run_loop) over the batch source
+                         the config picks (rl.loops.make_source: synchronous, or with
+                         cfg.asynchronous set deterministic / threaded); then summary.json
                          (rl.run.summary), returned as RunResult.summary
+
+The config is validated once, in prepare (the harness asserts what it relies on instead).
 """
 from __future__ import annotations
 
@@ -27,10 +30,10 @@ import time
 from typing import Any
 
 from models.config import ModelConfig
-from rl.loops import run, run_async
+from rl.loops import make_source, run_loop
 from rl.loops.config import Resume, RunConfig, RunHooks, as_resume
 from rl.loops.context import resolve_mesh
-from rl.loops.sync import RunResult
+from rl.loops.harness import RunResult
 from rl.loops.validation import ConfigError
 from rl.run.plan import format_plan
 from rl.run.policy import load_policy, with_logged_reward_weights
@@ -64,14 +67,13 @@ class PreparedRun:
         hooks = hooks or RunHooks()
         if hooks.mesh is None and self.mesh is not None:
             hooks = dataclasses.replace(hooks, mesh=self.mesh)
-        loop = run if self.cfg.asynchronous is None else run_async
         # the loop trains its own copy of the weights: hand ours over instead of keeping a
         # second copy in memory for the whole run (a PreparedRun runs once)
         if self.params is None:
             raise RuntimeError("this PreparedRun has run already; prepare() the run again")
         handed, self.params = [self.params], None
-        result = loop(self.model_config, handed.pop(), self.task, self.cfg, resume=self.resume,
-                      hooks=hooks)
+        result = run_loop(self.model_config, handed.pop(), self.task, self.cfg,
+                          make_source(self.cfg), resume=self.resume, hooks=hooks)
         if is_main_process():  # process 0 writes the results files
             run_dir = self.cfg.output_dir
             command = command or f"python -m experiments.train --config {run_dir}/run_config.json"

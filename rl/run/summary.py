@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from rl.loops.config import RunConfig
-from rl.loops.sync import RunResult
+from rl.loops.harness import RunResult
 from rl.run.policy import initial_policy_label
 from rl.runtime.logging import profile_summary
 

@@ -48,7 +48,7 @@ def measure_candidates(names: list[str], n: int = 256, out: Path = TASKS_RESULT,
                        model: str = "smollm2-135m") -> dict:
     """Greedy accuracy of `model` on each candidate's first n held-out problems; the
     table is rewritten after every candidate (so a stopped measurement keeps its rows)."""
-    from rl.run import evaluate
+    from rl.run import EvalOptions, evaluate
 
     result = {"model": model, "n": n, "verifier": "strict", "task_seed": 0,
               "command": "python -m experiments.repro.staleness_real tasks", "machine": machine(),
@@ -56,8 +56,8 @@ def measure_candidates(names: list[str], n: int = 256, out: Path = TASKS_RESULT,
     for name in names:
         spec, options = CANDIDATES[name]
         t0 = time.perf_counter()
-        report = evaluate(model, task=spec, task_options=options, n=n, seed=0, examples=2,
-                          progress=False)
+        report = evaluate(model, task=spec, task_options=options, n=n, seed=0,
+                          options=EvalOptions(examples=2, progress=False))
         row = {"task": spec, "options": options, "accuracy": report["accuracy"],
                "accuracy_stderr": report["accuracy_stderr"], "rewards": report["rewards"],
                "mean_length": report["mean_length"], "truncated_frac": report["truncated_frac"],
