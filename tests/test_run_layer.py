@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from rl.loops import run, run_async
-from rl.run import PRESETS, RunConfig, evaluate, load_run, train
+from rl.run import PRESETS, EvalOptions, RunConfig, evaluate, load_run, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,8 +55,9 @@ def test_a_python_run_is_recorded_evaluable_and_resumes_exactly_from_its_config(
     assert policy.step == 4 and policy.meta["preset"] == "tiny-synthetic"
     for a, b in zip(jax.tree.leaves(policy.params), jax.tree.leaves(resumed.state.params)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    report = evaluate(tmp_path / "split", n=8, progress=False)
-    by_config = evaluate(cfg, n=8, progress=False)  # a config with checkpoints: its run
+    quiet = EvalOptions(progress=False)
+    report = evaluate(tmp_path / "split", n=8, options=quiet)
+    by_config = evaluate(cfg, n=8, options=quiet)  # a config with checkpoints: its run
     assert report["step"] == by_config["step"] == 4 and report["model_kind"] == "run"
     assert report["per_prompt_accuracy"] == by_config["per_prompt_accuracy"]
     # the final eval of the run scored the same 8 prompts greedily with these params

@@ -128,15 +128,17 @@ def test_task_flags(tmp_path, capsys):
     assert "time_limit_s" in capsys.readouterr().err
 
 
-def test_time_limit_is_refused_by_the_async_loop(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["--time-limit", "5", "--max-staleness", "1", "--run-dir", str(tmp_path / "a"),
-              "--wandb", "disabled", *SMALL])
-    assert "synchronous loop" in capsys.readouterr().err
-    from rl.loops import run_async
-    from rl.run import AsyncConfig
+def test_time_limit_stops_the_async_loops_too(tmp_path):
+    """The time limit belongs to the harness: both asynchronous sources stop after the
+    crossing step as the synchronous loop does (its eval and checkpoint), and the threaded
+    producer is stopped and joined."""
+    import threading
 
-    cfg = PRESETS["tiny-synthetic"].overrides({"loop.time_limit_s": 60.0,
-                                               "run_dir": str(tmp_path / "b")})
-    with pytest.raises(ValueError, match="time limit .* is for the synchronous loop"):
-        run_async(None, None, None, dataclasses.replace(cfg, asynchronous=AsyncConfig()))
+    for mode in ("deterministic", "threaded"):
+        summary = main(["--steps", "50", "--time-limit", "0.00001", "--max-staleness", "1",
+                        "--async-mode", mode, "--run-dir", str(tmp_path / mode),
+                        "--wandb", "disabled", *SMALL])
+        assert summary["steps"] == 1, mode
+        assert [s for s, _ in summary["curve"]["eval_reward"]] == [0, 1]
+        assert (tmp_path / mode / "checkpoints" / "1").is_dir()
+    assert not [t for t in threading.enumerate() if t.name == "tandem-rollout" and t.is_alive()]

@@ -61,7 +61,7 @@ METHODS: dict[str, list[str]] = {
     "dots": ["--prompt-scheduler", "dots"],
     "dps": ["--prompt-scheduler", "dps"],
     "dars": ["--prompt-scheduler", "dars"],
-    "replay": ["--replay-fraction", "0.5"],
+    "replay": ["--replay-fraction", "0.5", "--set", "train.old_logp=behaviour"],
     "prune": ["--prune"],
 }
 

@@ -64,8 +64,8 @@ class RolloutSpec:
     model_config: ModelConfig
     group_size: int
     segment_len: int
-    sampling: SamplingConfig
-    max_new_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    max_new_tokens: int | None = None
     layer_loop: str = "scan"
     bucket_slots: bool = False
     time_limits: TimeLimits = TimeLimits()
@@ -82,7 +82,8 @@ class RolloutSpec:
         t = self.task
         return RolloutConfig(num_slots=int(num_slots), group_size=self.group_size,
                              segment_len=self.segment_len, max_prompt_len=t.max_prompt_len,
-                             max_new_tokens=int(self.max_new_tokens), sampling=self.sampling,
+                             max_new_tokens=int(self.max_new_tokens or t.max_new_tokens),
+                             sampling=self.sampling,
                              stop_ids=tuple(t.stop_ids), seed=int(seed),
                              first_group_id=int(first_group_id), layer_loop=self.layer_loop,
                              bucket_slots=self.bucket_slots)
@@ -98,8 +99,7 @@ def rollout_spec(model_config: ModelConfig, task: Task, config: Any, loop: Any) 
     return RolloutSpec(
         task=task, model_config=model_config, compute_dtype=loop.rollout_dtype,
         group_size=loop.group_size, segment_len=loop.segment_len,
-        sampling=SamplingConfig(temperature=config.temperature),
-        max_new_tokens=int(task.max_new_tokens), layer_loop=loop.layer_loop,
+        sampling=SamplingConfig(temperature=config.temperature), layer_loop=loop.layer_loop,
         bucket_slots=loop.bucket_slots,
         time_limits=TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s))
 

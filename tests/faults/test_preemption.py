@@ -27,7 +27,7 @@ from conftest import (
     records,
 )
 
-import rl.loops.evaluator as evaluator_module
+import rl.loops.evaluation as evaluation_module
 from rl.loops import AsyncConfig, run, run_async
 from rl.rollout.engine import RolloutEngine
 from rl.runtime import preemption
@@ -54,7 +54,7 @@ def timeline(policy, tmp_path_factory):
     in_eval, marks = [False], []
     with pytest.MonkeyPatch.context() as mp:
         counter = CallCounter(mp, RolloutEngine, "step")
-        original_step, original_eval = RolloutEngine.step, evaluator_module.evaluate
+        original_step, original_eval = RolloutEngine.step, evaluation_module.eval_metrics
 
         def step(self, *a, **k):
             marks.append(in_eval[0])
@@ -68,7 +68,7 @@ def timeline(policy, tmp_path_factory):
                 in_eval[0] = False
 
         mp.setattr(RolloutEngine, "step", step)
-        mp.setattr(evaluator_module, "evaluate", evaluate)
+        mp.setattr(evaluation_module, "eval_metrics", evaluate)
         run_dir = tmp_path_factory.mktemp("timeline")
         res = run(config, params, task, cfg(run_dir, SAVING))
     assert counter.calls == len(marks) and any(marks) and not all(marks)

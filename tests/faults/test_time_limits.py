@@ -18,6 +18,7 @@ from rl.envs.base import EndReason, StepResult, ToolTimeout
 from rl.envs.tools import ToolError, ToolWorker
 from rl.loops.config import LoopConfig
 from rl.loops.episodes import EnvTask, sample_episodes, take_episode_metrics
+from rl.loops.rollouts import RolloutSpec
 from rl.rollout.multiturn import MultiTurnConfig, MultiTurnEngine, TimeLimits
 from rl.rollout.sampler_state import SamplingConfig
 from tests.rl.scripted_env import IdTextEnv
@@ -204,9 +205,10 @@ def test_tool_worker_results_errors_timeouts_and_restarts():
 def test_timeouts_are_counted_in_the_episode_metrics(params):
     task = EnvTask(Env({0: "hang"}))
     loop = LoopConfig(env_step_timeout_s=0.3)
-    traj = sample_episodes(params, 0, CFG, task, prompts()[:2], group_size=2,
-                           sampling=SamplingConfig(temperature=0.7), segment_len=5, seed=0,
-                           time_limits=TimeLimits(loop.env_step_timeout_s, loop.episode_timeout_s))
+    spec = RolloutSpec(task, CFG, group_size=2, segment_len=5,
+                       sampling=SamplingConfig(temperature=0.7),
+                       time_limits=TimeLimits(loop.env_step_timeout_s, loop.episode_timeout_s))
+    traj = sample_episodes(params, 0, spec, prompts()[:2], seed=0)
     assert traj.batch_size == 4
     metrics = take_episode_metrics(task)
     assert metrics["episode_end_timeout"] == 0.5 and metrics["episode_end_done"] == 0.5

@@ -18,10 +18,10 @@ from typing import ClassVar
 import jax
 import numpy as np
 import pytest
-from test_sync_loop import LOOP, PRESET, cfg, policy  # noqa: F401  (same geometry)
+from test_sync_loop import LOOP, PRESET, cfg, policy, sampler_of  # noqa: F401  (same geometry)
 
 from rl.learner import ParamSnapshots, init_train_state
-from rl.loops import AsyncConfig, async_stages, build_batch, run, run_async, sample_batch_groups
+from rl.loops import AsyncConfig, asynchronous, build_batch, run, run_async, sample_batch_groups
 from rl.run import RunHooks
 from rl.tasks import SyntheticTask
 
@@ -167,14 +167,14 @@ def test_keyboard_interrupt_checkpoints_and_threaded_resume(policy, tmp_path):
 def test_downweighted_tokens_become_loss_weights(policy):
     config, params, task = policy
     state = jax.device_put(init_train_state(params, PRESET.train, 3), jax.devices()[0])
-    groups, _, _, _ = sample_batch_groups(state, config, task, PRESET.train, LOOP, 0)
+    sampler = sampler_of(config, task)
+    groups, _, _, _ = sample_batch_groups(state, 0, sampler)
     weights = []
     for i, g in enumerate(groups):
         w = np.ones(np.asarray(g.traj.response_mask).shape, np.float32)
         w[:, 1] = 0.5 + i  # a distinct factor at response token 1 of each group
         weights.append(w)
-    batch = build_batch(groups, model_config=config, task=task, config=PRESET.train,
-                        group_size=LOOP.group_size, token_weights=weights)
+    batch = build_batch(groups, sampler.spec, PRESET.train, token_weights=weights)
     lw = np.asarray(batch.loss_weights)
     for row in range(lw.shape[0]):
         p = int(np.argmax(np.asarray(batch.loss_mask)[row]))  # first response token
@@ -267,7 +267,7 @@ def test_disk_ring_equals_the_memory_ring_and_resumes_exactly(policy, tmp_path, 
     hooks = RunHooks(compiler_options=FAST)
     want = run_async(config, params, task, cfg(tmp_path / "mem", loop, asynchronous=mem),
                      hooks=hooks)
-    monkeypatch.setattr(async_stages, "ParamSnapshots", WatchedRing)
+    monkeypatch.setattr(asynchronous, "ParamSnapshots", WatchedRing)
     got = run_async(config, params, task, cfg(tmp_path / "disk", loop, asynchronous=disk),
                     hooks=hooks)
     for a, b in zip(leaves(want), leaves(got)):

@@ -1,4 +1,4 @@
-"""The evaluation report (rl.loops.evaluator.eval_report, rl.loops.evaluation) and the reports
+"""The evaluation report (rl.loops.evaluation.eval_report and its statistics) and the reports
 that must not be misread: `python -m experiments.evaluate` end to end on the run dir of a
 short tiny training run, its numbers recomputed naively from the per-prompt data and the
 example completions it returns (rewards re-scored by the task itself); the statistics
@@ -20,12 +20,8 @@ from experiments import evaluate as evaluate_cli
 from experiments.common.plots import plot_reward_curve
 from experiments.common.train_cli import main as train_main
 from rl.loops import RunResult
-from rl.loops.evaluation import (
-    batch_reward_metrics,
-    mean_stderr,
-    pass_at_k,
-    zero_spread_fraction,
-)
+from rl.loops.evaluation import mean_stderr, pass_at_k
+from rl.loops.scoring import batch_reward_metrics, zero_spread_fraction
 from rl.run import PRESETS, ModelSpec, format_summary, summarize
 from rl.tasks import make_task
 
@@ -231,9 +227,10 @@ def test_eval_in_chunks_of_rows_draws_the_same_samples(tmp_path, monkeypatch):
     from models.config import get_config
     from models.decoder import init_params
     from rl.learner import TrainConfig
-    from rl.loops import evaluator
+    from rl.loops import evaluation
     from rl.loops.config import LoopConfig
-    from rl.loops.evaluator import eval_report, make_evaluator
+    from rl.loops.evaluation import ReportOptions, eval_report, make_evaluator
+    from rl.loops.rollouts import RolloutSpec, rollout_spec
     from rl.rollout.sampler_state import SamplingConfig
     from rl.runtime.logging import MetricsLogger
 
@@ -243,15 +240,16 @@ def test_eval_in_chunks_of_rows_draws_the_same_samples(tmp_path, monkeypatch):
     train = TrainConfig(temperature=1.0)
 
     batches = []  # rows of every sampler call the evaluator makes
-    real = evaluator.sample_groups
-    monkeypatch.setattr(evaluator, "sample_groups",
-                        lambda *a, **k: batches.append(len(a[4])) or real(*a, **k))
+    real = evaluation.sample_groups
+    monkeypatch.setattr(evaluation, "sample_groups",
+                        lambda *a, **k: batches.append(len(a[3])) or real(*a, **k))
 
     def record(rows, name):
         batches.clear()
         loop = LoopConfig(eval_prompts=7, eval_greedy=True, segment_len=3, eval_max_rows=rows)
         logger = MetricsLogger(tmp_path / name, wandb_mode="disabled")
-        rec = make_evaluator(cfg, task, train, loop, logger)(5, params, 0)
+        rec = make_evaluator(rollout_spec(cfg, task, train, loop), loop, logger,
+                             reward_weights={}, clock=lambda: 0.0)(5, params, 0)
         return {k: v for k, v in rec.items() if k != "time_s"}
 
     whole = record(0, "whole")
@@ -262,9 +260,11 @@ def test_eval_in_chunks_of_rows_draws_the_same_samples(tmp_path, monkeypatch):
         assert batches == chunks * 2, (rows, batches)
     # the responses themselves, not only their statistics
     prompts = task.eval_prompts(7)
-    kw = dict(sampling=SamplingConfig(temperature=1.0), segment_len=3, seed=11, examples=7)
-    one = eval_report(params, 0, cfg, task, prompts, **kw)
-    chunked = eval_report(params, 0, cfg, task, prompts, max_slots=2, **kw)
+    spec = RolloutSpec(task, cfg, group_size=1, segment_len=3,
+                       sampling=SamplingConfig(temperature=1.0))
+    one = eval_report(params, 0, spec, prompts, seed=11, options=ReportOptions(examples=7))
+    chunked = eval_report(params, 0, spec, prompts, seed=11,
+                          options=ReportOptions(examples=7, max_slots=2))
     assert [e["response"] for e in chunked["examples"]] == [e["response"] for e in one["examples"]]
     with pytest.raises(ValueError, match="eval_max_rows"):
         LoopConfig(eval_max_rows=-1)
@@ -281,7 +281,8 @@ def test_eval_clear_programs_drops_the_compiled_programs_and_changes_no_number(t
     from models.decoder import init_params
     from rl.learner import TrainConfig
     from rl.loops.config import LoopConfig
-    from rl.loops.evaluator import make_evaluator
+    from rl.loops.evaluation import make_evaluator
+    from rl.loops.rollouts import rollout_spec
     from rl.rollout import sampler_core
     from rl.runtime.logging import MetricsLogger
 
@@ -296,7 +297,9 @@ def test_eval_clear_programs_drops_the_compiled_programs_and_changes_no_number(t
         loop = LoopConfig(eval_prompts=5, eval_greedy=True, segment_len=3,
                           eval_clear_programs=clear)
         logger = MetricsLogger(tmp_path / name, wandb_mode="disabled")
-        rec = make_evaluator(cfg, task, TrainConfig(temperature=1.0), loop, logger)(3, params, 0)
+        train = TrainConfig(temperature=1.0)
+        rec = make_evaluator(rollout_spec(cfg, task, train, loop), loop, logger,
+                             reward_weights={}, clock=lambda: 0.0)(3, params, 0)
         return {k: v for k, v in rec.items() if k != "time_s"}
 
     kept = record(False, "kept")

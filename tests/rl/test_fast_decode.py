@@ -155,7 +155,7 @@ def test_the_loops_rollouts_take_the_decode_options(tiny_params, monkeypatch):
     unrolled layers give the default rollout's trajectory."""
     import rl.loops.rollouts as rollouts
     from rl.loops.config import LoopConfig
-    from rl.loops.rollouts import sample_groups
+    from rl.loops.rollouts import RolloutSpec, sample_groups
     from rl.rollout import RolloutEngine
     from rl.tasks.synthetic import SyntheticTask
 
@@ -170,10 +170,11 @@ def test_the_loops_rollouts_take_the_decode_options(tiny_params, monkeypatch):
 
     task = SyntheticTask(kind="reverse", length=6, alphabet=4)
     prompts = task.train_prompts(0, 3)
-    kw = dict(group_size=2, sampling=SamplingConfig(temperature=1.0), segment_len=4, seed=5)
-    slow = sample_groups(tiny_params, 0, TINY, task, prompts, **kw)
-    fast = sample_groups(tiny_params, 0, TINY, task, prompts, layer_loop="unrolled",
-                         bucket_slots=True, **kw)
+    spec = RolloutSpec(task, TINY, group_size=2, segment_len=4,
+                       sampling=SamplingConfig(temperature=1.0))
+    slow = sample_groups(tiny_params, 0, spec, prompts, seed=5)
+    fast = sample_groups(tiny_params, 0, spec.replace(layer_loop="unrolled", bucket_slots=True),
+                         prompts, seed=5)
     np.testing.assert_array_equal(np.asarray(fast.response_ids), np.asarray(slow.response_ids))
     np.testing.assert_allclose(np.asarray(fast.behaviour_logprobs),
                                np.asarray(slow.behaviour_logprobs), atol=1e-5)

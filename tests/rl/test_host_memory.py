@@ -133,8 +133,8 @@ def test_an_eval_leaves_no_arrays_in_reference_cycles(tmp_path):
     from models.config import get_config
     from models.decoder import init_params
     from rl.learner import TrainConfig
-    from rl.loops.evaluator import make_evaluator
-    from rl.loops.rollouts import sample_groups
+    from rl.loops.evaluation import make_evaluator
+    from rl.loops.rollouts import RolloutSpec, rollout_spec, sample_groups
     from rl.rollout.sampler_state import SamplingConfig
     from rl.runtime.logging import MetricsLogger
     from rl.tasks import make_task
@@ -157,11 +157,13 @@ def test_an_eval_leaves_no_arrays_in_reference_cycles(tmp_path):
             gc.enable()
 
     # 11 prompts: shapes no other test compiles, so this call traces and compiles
-    raw = arrays_in_cycles(lambda: sample_groups(
-        params, 0, cfg, task, task.eval_prompts(11), group_size=1,
-        sampling=SamplingConfig(greedy=True), segment_len=3, seed=0))
+    greedy = RolloutSpec(task, cfg, group_size=1, segment_len=3,
+                         sampling=SamplingConfig(greedy=True))
+    raw = arrays_in_cycles(lambda: sample_groups(params, 0, greedy, task.eval_prompts(11),
+                                                 seed=0))
     assert raw, "a compiling sampler call left no arrays in cycles: nothing to check"
     loop = LoopConfig(eval_prompts=13, segment_len=3)
-    do_eval = make_evaluator(cfg, task, TrainConfig(), loop,
-                             MetricsLogger(tmp_path, wandb_mode="disabled"))
+    do_eval = make_evaluator(rollout_spec(cfg, task, TrainConfig(), loop), loop,
+                             MetricsLogger(tmp_path, wandb_mode="disabled"),
+                             reward_weights={}, clock=lambda: 0.0)
     assert arrays_in_cycles(lambda: do_eval(1, params, 0)) == []

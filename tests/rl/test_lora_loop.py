@@ -26,9 +26,8 @@ from test_sync_loop import LOOP, PRESET, cfg, policy  # noqa: F401  (shared comp
 
 from models.lora import PROJECTIONS, LoraConfig, compose, init_lora
 from rl.learner.snapshots import load_params_file
-from rl.loops import AsyncConfig, run, run_async, sample_groups
+from rl.loops import AsyncConfig, RolloutSpec, eval_metrics, run, run_async, sample_groups
 from rl.loops.adapters import BASE_KEY, base_hash, lora_run, merged_params
-from rl.loops.evaluator import evaluate
 from rl.loops.validation import ConfigError
 from rl.rollout import SamplingConfig
 
@@ -72,10 +71,11 @@ def test_run_starts_as_the_base_checkpoints_adapters_and_resumes_bit_exact(
         policy, straight, tmp_path):  # noqa: F811
     config, params, task = policy
     # B = 0: the step-0 eval is an eval of the plain base params, sample for sample
-    want = evaluate(params, 0, config, task, task.eval_prompts(LOOP.eval_prompts),
-                    sampling=SamplingConfig(temperature=TRAIN.temperature),
-                    segment_len=LOOP.segment_len, seed=(LOOP.seed * 7919) % (2 ** 31),
-                    reward_weights=dict(TRAIN.reward_weights))
+    spec = RolloutSpec(task, config, group_size=1, segment_len=LOOP.segment_len,
+                       sampling=SamplingConfig(temperature=TRAIN.temperature))
+    want = eval_metrics(params, 0, spec, task.eval_prompts(LOOP.eval_prompts),
+                        seed=(LOOP.seed * 7919) % (2 ** 31),
+                        reward_weights=dict(TRAIN.reward_weights))
     assert straight.eval[0]["reward"] == want["reward"]
     assert jax.tree.structure(straight.state.params) == jax.tree.structure(
         init_lora(params, LCFG, 0))
@@ -119,17 +119,18 @@ def test_merged_sampler_params_and_composed_sample_alike(policy):  # noqa: F811
         np.testing.assert_allclose(np.asarray(merged["layers"][parent][name]["kernel"]), want,
                                    atol=1e-5, rtol=1e-5)
     prompts = task.eval_prompts(LOOP.prompts_per_step)  # the loop's sampler geometry
-    kw = dict(group_size=LOOP.group_size, sampling=SamplingConfig(temperature=1.0),
-              segment_len=LOOP.segment_len, seed=3)
-    got = sample_groups(merged, 1, config, task, prompts, **kw)
-    on_the_fly = sample_groups(compose(params, adapters, LCFG), 1, config, task, prompts, **kw)
+    spec = RolloutSpec(task, config, group_size=LOOP.group_size, segment_len=LOOP.segment_len,
+                       sampling=SamplingConfig(temperature=1.0))
+    kw = dict(seed=3)
+    got = sample_groups(merged, 1, spec, prompts, **kw)
+    on_the_fly = sample_groups(compose(params, adapters, LCFG), 1, spec, prompts, **kw)
     np.testing.assert_array_equal(got.response_ids, on_the_fly.response_ids)
     np.testing.assert_allclose(got.behaviour_logprobs, on_the_fly.behaviour_logprobs, atol=1e-5)
     # quantized base: merged = dequantised W + delta, the same tokens as on the fly
     lora, _ = lora_run(params, dataclasses.replace(TRAIN, lora=dataclasses.replace(
         LCFG, qlora="int8")), 0)
-    q_merged = sample_groups(lora.policy(adapters), 1, config, task, prompts, **kw)
-    q_fly = sample_groups(lora.composed(adapters), 1, config, task, prompts, **kw)
+    q_merged = sample_groups(lora.policy(adapters), 1, spec, prompts, **kw)
+    q_fly = sample_groups(lora.composed(adapters), 1, spec, prompts, **kw)
     np.testing.assert_array_equal(q_merged.response_ids, q_fly.response_ids)
 
 

@@ -17,7 +17,7 @@ from models.decoder import Decoder, init_params
 from rl.learner import TrainConfig
 from rl.loops import run
 from rl.loops.buffer import ScoredGroup
-from rl.loops.sync import build_batch
+from rl.loops import RolloutSpec, build_batch
 from rl.objectives import AdvantageConfig, compute_advantages
 from rl.rollout import RolloutConfig, RolloutEngine, generate
 from rl.rollout.pruning import (
@@ -196,7 +196,7 @@ def test_pruned_rows_never_reach_the_learner_as_complete(tiny):
     groups = [ScoredGroup(traj=jax.tree.map(lambda x: np.asarray(x)[g * N:(g + 1) * N], out),
                           rewards={"correct": rewards["correct"][g * N:(g + 1) * N]}, live=True)
               for g in range(2)]
-    batch = build_batch(groups, model_config=config, task=task, config=tc, group_size=N)
+    batch = build_batch(groups, RolloutSpec(task, config, group_size=N, segment_len=2), tc)
     lm = np.asarray(batch.loss_mask)
     assert lm[cut].sum() == 0 and (lm[~cut].sum(axis=1) == lengths[~cut]).all()
     adv = np.asarray(compute_advantages(tc.advantage, batch.rewards[:, 0], N).advantages)

@@ -16,7 +16,8 @@ import pytest
 
 from models.decoder import forward
 from rl.learner import TrainConfig, init_train_state, make_train_step
-from rl.loops import SchedulerOptions, build_batch, run, sample_batch_groups
+from rl.loops import (SchedulerOptions, StreamSampler, build_batch, rollout_spec, run,
+                      sample_batch_groups)
 from rl.loops.buffer import ScoredGroup
 from rl.loops.replay import (
     ReplayBuffer,
@@ -130,22 +131,21 @@ def test_replayed_group_keeps_its_versions_and_logprobs_and_gets_the_clipped_rat
                                 config=BEHAVIOUR)
     step_fn = make_train_step(BEHAVIOUR, config)
     state = init_train_state(jax.tree.map(jnp.array, params), BEHAVIOUR, 0)
-    first, state, pos, stats = sample_batch_groups(state, config, task, BEHAVIOUR, LOOP, 0,
-                                                   source=source)
+    spec = rollout_spec(config, task, BEHAVIOUR, LOOP)
+    sampler = StreamSampler(spec, BEHAVIOUR, LOOP, source=source)
+    first, state, pos, stats = sample_batch_groups(state, 0, sampler)
     assert stats["replayed_groups"] == 0 and pos == 2 and len(source.replay) >= 1
     stored = [g for g, _ in source.replay.items]
     for _ in range(3):  # three updates: version 3, params well away from version 0's
-        state, _ = step_fn(state, build_batch(first, model_config=config, task=task,
-                                              config=BEHAVIOUR, group_size=4))
-    groups, state, pos, stats = sample_batch_groups(state, config, task, BEHAVIOUR, LOOP, pos,
-                                                    source=source)
+        state, _ = step_fn(state, build_batch(first, spec, BEHAVIOUR))
+    groups, state, pos, stats = sample_batch_groups(state, pos, sampler)
     assert stats["replayed_groups"] == 1 and stats["fresh_groups"] == 1 and pos == 3
     fresh, replayed = groups
     assert any(replayed is g for g in stored)  # the very group sampled at version 0, unchanged
     mask = np.asarray(replayed.traj.response_mask)
     assert (np.asarray(replayed.traj.versions)[mask] == 0).all()
     assert (np.asarray(fresh.traj.versions)[np.asarray(fresh.traj.response_mask)] == 3).all()
-    batch = build_batch(groups, model_config=config, task=task, config=BEHAVIOUR, group_size=4)
+    batch = build_batch(groups, spec, BEHAVIOUR)
     rows = slice(4, 8)  # the replayed group's rows: its recorded μ and versions reach the batch
     resp = np.asarray(batch.loss_mask[rows])
     np.testing.assert_array_equal(np.asarray(batch.behaviour_logprobs[rows])[resp],

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from models.decoder import forward
-from rl.loops import AsyncConfig, LoopConfig, rollout_model_config, run, run_async, sample_groups
+from rl.loops import (AsyncConfig, LoopConfig, RolloutSpec, rollout_model_config, run, run_async,
+                      sample_groups)
 from rl.rollout import SamplingConfig
 from rl.run import PRESETS, LoggingConfig, load_policy
 
@@ -58,9 +59,9 @@ def test_bf16_rollouts_record_the_bf16_engines_logprobs(policy):
     prompts = task.train_prompts(0, 2)
     gaps = {}
     for dtype in (None, "bfloat16"):
-        traj = sample_groups(params, 0, config, task, prompts, group_size=4,
-                             sampling=SamplingConfig(temperature=T),
-                             segment_len=PRESET.loop.segment_len, seed=3, compute_dtype=dtype)
+        spec = RolloutSpec(task, config, group_size=4, segment_len=PRESET.loop.segment_len,
+                           sampling=SamplingConfig(temperature=T), compute_dtype=dtype)
+        traj = sample_groups(params, 0, spec, prompts, seed=3)
         mu = np.asarray(traj.behaviour_logprobs, np.float64)
         ref32, mask = teacher_forced(params, config, traj)
         ref16, _ = teacher_forced(params, dataclasses.replace(config, dtype="bfloat16"), traj)

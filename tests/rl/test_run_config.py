@@ -125,10 +125,10 @@ def test_parse_value():
 def test_validate_refuses_what_the_loops_cannot_run():
     base = PRESETS["tiny-synthetic"]
     cases = {
-        "prune.prune_at=2 async.max_staleness=1": "pruning .* synchronous loop",
+        "prune.prune_at=2 async.max_staleness=1": "online pruning .* threaded producer",
         "prune.prune_at=2 scheduler.name=dps": "pruning .* uniformly",
-        "scheduler.name=dars async.max_staleness=1": "prompt scheduler .* synchronous loop",
-        "loop.time_limit_s=60 async.max_staleness=1": "time limit .* synchronous loop",
+        "scheduler.name=dars async.max_staleness=1": "prompt scheduler.* threaded producer",
+        "scheduler.name=dps async.mode=deterministic async.rollout=april": "APRIL rounds",
         "scheduler.replay_fraction=0.5": "old_logp",
         "loop.group_size=1": "group_size 1",
     }
@@ -136,8 +136,13 @@ def test_validate_refuses_what_the_loops_cannot_run():
         with pytest.raises(ValueError, match=match):
             base.overrides(sets.split()).validate()
     env = PRESETS["tiny-guess"]
-    with pytest.raises(ValueError, match="environments run in the synchronous loop"):
+    with pytest.raises(ValueError, match="environments run their episodes in the synchronous"):
         env.override("async.max_staleness", 1).validate()  # threaded
+    # what a source can do, it may: the deterministic source samples what the sync one does
+    for sets in ("scheduler.name=dars async.mode=deterministic",
+                 "prune.prune_at=2 async.mode=deterministic",
+                 "loop.time_limit_s=60 async.max_staleness=1"):
+        base.overrides(sets.split()).validate()
     env.overrides(["async.max_staleness=1", "async.mode=deterministic"]).validate()
     assert base.validate() is base
 
@@ -185,8 +190,13 @@ def test_composite_flags_set_what_they_say():
     cfg, _ = config_from_argv(["--task", "reasoning_gym:leg_counting", "--preset", "smollm2-rg"])
     # a new task keeps only the preset's sampling budget
     assert cfg.task.kwargs == {"max_new_tokens": 48, "max_prompt_len": 128}
-    cfg, _ = config_from_argv(["--replay-fraction", "0.5"])  # the paper's correction, as before
-    assert cfg.scheduler.replay_fraction == 0.5 and cfg.train.old_logp == "behaviour"
+    # a flag sets its own path only: replay without a correction is refused (as from Python)
+    cfg, _ = config_from_argv(["--replay-fraction", "0.5"])
+    assert cfg.scheduler.replay_fraction == 0.5 and cfg.train.old_logp == "current"
+    with pytest.raises(ValueError, match="train.old_logp=behaviour"):
+        cfg.validate()
+    cfg, _ = config_from_argv(["--replay-fraction", "0.5", "--set", "train.old_logp=behaviour"])
+    assert cfg.validate().train.old_logp == "behaviour"
     cfg, _ = config_from_argv(["--loss", "dapo", "--advantage", "rloo"])
     assert cfg.train.loss == LossConfig.preset("dapo") and cfg.train.advantage.name == "rloo"
     # --vcpo on a preset whose advantage is not grpo: --set fixes it in the same pass

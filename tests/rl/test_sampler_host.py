@@ -10,7 +10,7 @@ import pytest
 
 from models.config import get_config
 from models.decoder import init_params
-from rl.loops.sync import rollout_seed
+from rl.loops.rollouts import rollout_seed
 from rl.rollout import decode_segment, init_state, prefill, read_slots, sample_keys
 
 CFG = get_config("tiny")

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from rl.loops import AsyncConfig, run, run_async, sample_groups
+from rl.loops import AsyncConfig, RolloutSpec, run, run_async, sample_groups
 from rl.rollout import SamplingConfig
 from rl.run import PRESETS, LoggingConfig, load_policy
 from rl.runtime.logging import EXTRA_PHASES, PHASES, StepProfile, format_profile, profile_summary
@@ -65,8 +65,8 @@ def test_engine_times_prefill_and_decode(policy):
     prof = StepProfile()
     prof.start()
     t = time.perf_counter()
-    traj = sample_groups(params, 0, config, task, task.train_prompts(0, 2), group_size=4,
-                         sampling=SamplingConfig(), segment_len=2, seed=0, profile=prof)
+    spec = RolloutSpec(task, config, group_size=4, segment_len=2, sampling=SamplingConfig())
+    traj = sample_groups(params, 0, spec, task.train_prompts(0, 2), seed=0, profile=prof)
     wall = time.perf_counter() - t
     rec = prof.finish()
     assert traj.batch_size == 8

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from rl.learner import NonFiniteError, init_train_state
-from rl.loops import LoopConfig, collect_batch, run, sample_groups, score
+from rl.loops import (LoopConfig, StreamSampler, collect_batch, rollout_spec, run, sample_groups,
+                      score)
 from rl.rollout import SamplingConfig
 from rl.run import PRESETS, LoggingConfig, load_policy
 from rl.tasks import SyntheticTask
@@ -56,6 +57,11 @@ class _Task(SyntheticTask):
         return self._fn(prompt, response, SyntheticTask.reward(self, prompt, response))
 
 
+def sampler_of(config, task, loop=LOOP, train=PRESET.train):
+    """The StreamSampler the synchronous source samples a step's groups with (uniform)."""
+    return StreamSampler(rollout_spec(config, task, train, loop), train, loop)
+
+
 def committed_state(params, seed):
     """A fresh state placed like run() places it, so the compiled sampler is reused."""
     return jax.device_put(init_train_state(params, PRESET.train, seed), jax.devices()[0])
@@ -88,7 +94,7 @@ def test_short_run_records_and_checkpoint(policy, tmp_path):
 def test_rewards_and_batch_match_the_samples(policy):
     config, params, task = policy
     state = committed_state(params, 5)
-    batch, state2, pos, stats = collect_batch(state, config, task, PRESET.train, LOOP, 10)
+    batch, state2, pos, stats = collect_batch(state, 10, sampler_of(config, task))
     assert pos == 12 and stats["sampled_tokens"] == 2 * 4 * 4
     assert not np.array_equal(np.asarray(state2.rng), np.asarray(state.rng))
     prompts = task.train_prompts(10, 2)
@@ -108,7 +114,7 @@ def test_dynamic_sampling_drops_all_equal_groups(policy):
     flat = _Task(lambda p, r, base: {"correct": 1.0} if p.ids[1] in (4, 5) else base)
     loop = dataclasses.replace(LOOP, dynamic_sampling=True, max_resample_rounds=6)
     state = committed_state(params, 0)
-    batch, _, pos, stats = collect_batch(state, config, flat, PRESET.train, loop, 0)
+    batch, _, pos, stats = collect_batch(state, 0, sampler_of(config, flat, loop))
     kept_rows = np.asarray(batch.loss_mask).any(axis=1)
     for row in np.flatnonzero(kept_rows):
         assert batch.tokens[row, 1] not in (4, 5)
@@ -148,8 +154,8 @@ def test_non_finite_rewards_raise(policy, tmp_path, value):
 def test_wrong_reward_names_raise(policy):
     config, params, task = policy
     prompts = task.train_prompts(0, 2)
-    traj = sample_groups(params, 0, config, task, prompts, group_size=4,
-                         sampling=SamplingConfig(), segment_len=4, seed=0)
+    spec = rollout_spec(config, task, PRESET.train, LOOP).replace(sampling=SamplingConfig())
+    traj = sample_groups(params, 0, spec, prompts, seed=0)
     renamed = _Task(lambda p, r, base: {"accuracy": base["correct"]})
     with pytest.raises(ValueError, match="expected exactly"):
         score(renamed, prompts, traj)
