@@ -3,6 +3,7 @@
     config     OptimizerConfig, OffPolicyConfig, TrainConfig; make_optimizer, make_schedule
     batch      TrainState, TrainBatch, init_train_state, batch_from_trajectory, global_batch
     step       train_step: the GRPO step read top to bottom, each variant a named function
+    old_logp   the registered sources of the PPO "old" policy π_prox (TrainConfig.old_logp)
     rewards    named rewards -> the scalar reward and the advantages the step trains on
     vcpo       VCPO's in-step terms (vcpo_terms) and exact per-trajectory gradient norms
     jitted     make_train_step: the step jitted with explicit shardings (any mesh)

@@ -20,7 +20,9 @@ from models.config import REMAT_POLICIES
 from models.logprobs import DEFAULT_CHUNK
 from models.lora import LoraConfig
 from rl.objectives.advantages import AdvantageConfig
+from rl.learner.old_logp import available_old_logp
 from rl.objectives.losses import LossConfig
+from rl.objectives.registry import available_corrections, get_correction
 from rl.objectives.vcpo import VCPOConfig, scale_by_ess
 
 
@@ -116,9 +118,6 @@ def scales_lr(vcpo: VCPOConfig | None) -> bool:
     return vcpo is not None and vcpo.enabled and vcpo.lr_scale != "none"
 
 
-OFFPOLICY_CORRECTIONS = ("none", "truncated_is", "behaviour", "m2po")
-
-
 KEEP_HEAD_LOGITS_BYTES = 2**30  # TrainConfig.head_remat=None keeps the head's logits up to this
 
 
@@ -127,7 +126,9 @@ class OffPolicyConfig:
     """Optional correction for the train/inference mismatch between the learner's π_prox
     (the step's starting params) and the sampler's recorded μ. Default off.
 
-    correction "truncated_is": rl.objectives.offpolicy.truncated_is_weights (mode "truncate"|"mask",
+    correction: "none", or a correction registered with
+    rl.objectives.registry.register_correction (the built-ins below; a new one is a function
+    and a decorator, no change here). "truncated_is": rl.objectives.offpolicy.truncated_is_weights (mode "truncate"|"mask",
     cap default 2 token / 8 sequence); "behaviour": AReaL's behaviour weights
     (rl.objectives.offpolicy.behaviour_weights, mode "mask"|"clamp", cap default 5);
     "m2po": M2PO's second-moment mask (rl.objectives.offpolicy.m2po_weights: the tokens
@@ -137,30 +138,33 @@ class OffPolicyConfig:
     micro_batches=1 (the paper's form), else each micro-batch's own.
     The weights multiply the per-token loss (aggregated over the original mask)."""
 
-    correction: str = "none"  # "none" | "truncated_is" | "behaviour" | "m2po"
+    correction: str = "none"  # "none" | "truncated_is" | "behaviour" | "m2po" | registered
     level: str = "token"  # "token" | "sequence"
     cap: float | None = None
     mode: str | None = None
 
     def __post_init__(self):
-        if self.correction not in OFFPOLICY_CORRECTIONS:
-            raise ValueError(f"OffPolicyConfig.correction must be one of {OFFPOLICY_CORRECTIONS}, "
-                             f"got {self.correction!r}")
+        known = ("none", *available_corrections())
+        if self.correction not in known:
+            raise ValueError(f"OffPolicyConfig.correction must be one of {known} (or a name "
+                             "registered with rl.objectives.register_correction), got "
+                             f"{self.correction!r}")
         if self.level not in ("token", "sequence"):
             raise ValueError(f"OffPolicyConfig.level must be 'token' or 'sequence', got {self.level!r}")
-        modes = {"none": (None,), "truncated_is": (None, "truncate", "mask"),
-                 "behaviour": (None, "mask", "clamp"), "m2po": (None,)}[self.correction]
+        fn = None if self.correction == "none" else get_correction(self.correction)
+        modes = (None,) if fn is None else fn.correction_modes
         if self.mode not in modes:
             raise ValueError(f"OffPolicyConfig.mode for {self.correction!r} must be one of {modes}, "
                              f"got {self.mode!r}")
         if self.cap is not None and not self.cap > 0:
             raise ValueError(f"OffPolicyConfig.cap must be > 0 or None, got {self.cap}")
-        if self.correction == "m2po" and self.level != "token":
-            raise ValueError("OffPolicyConfig(correction='m2po') masks tokens: set level='token', "
+        if fn is not None and self.level not in fn.correction_levels:
+            raise ValueError(f"OffPolicyConfig(correction={self.correction!r}) works at level "
+                             f"{' or '.join(map(repr, fn.correction_levels))}: set level to it, "
                              f"got {self.level!r}")
 
 
-OLD_LOGP_SOURCES = ("current", "behaviour", "proximal", "versions")
+OLD_LOGP_SOURCES = ("current", "behaviour", "proximal", "versions")  # the built-in ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,8 +261,10 @@ class TrainConfig:
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
                 or self.micro_batches < 1:
             raise ValueError(f"TrainConfig.micro_batches must be an int >= 1, got {self.micro_batches!r}")
-        if self.old_logp not in OLD_LOGP_SOURCES:
-            raise ValueError(f"TrainConfig.old_logp must be one of {OLD_LOGP_SOURCES}, got {self.old_logp!r}")
+        if self.old_logp not in available_old_logp():
+            raise ValueError(f"TrainConfig.old_logp must be one of {available_old_logp()} (or a "
+                             "source registered with rl.learner.old_logp.register_old_logp), "
+                             f"got {self.old_logp!r}")
         weights = self.reward_weights
         items = weights.items() if isinstance(weights, Mapping) else weights
         object.__setattr__(self, "reward_weights", tuple(sorted((str(k), float(v)) for k, v in items)))

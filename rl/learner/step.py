@@ -48,13 +48,9 @@ from rl.learner.rewards import reward_advantages, scalar_rewards
 from rl.learner.vcpo import VCPOTerms, monitor_metrics, vcpo_terms
 from rl.objectives.losses import compute_loss, token_entropy
 from rl.objectives.vcpo import sequence_log_weights
-from rl.objectives.offpolicy import (
-    approx_proximal_logp,
-    behaviour_weights,
-    m2po_weights,
-    ratio_decomposition_metrics,
-    truncated_is_weights,
-)
+from rl.learner.old_logp import get_old_logp
+from rl.objectives.offpolicy import ratio_decomposition_metrics
+from rl.objectives.registry import get_correction
 
 Params = Any
 sg = jax.lax.stop_gradient
@@ -229,34 +225,20 @@ def row_logprobs(config: TrainConfig, model_config: ModelConfig, params: Params,
 
 def proximal_logprobs(config: TrainConfig, logp: jax.Array, mb: MicroBatch,
                       version: jax.Array) -> jax.Array:
-    """log π_prox [b, T-1], the PPO "old" policy, by TrainConfig.old_logp."""
-    if config.old_logp == "current":  # the step's own params: ratio 1, gradient through π_θ
-        return sg(logp)
-    if config.old_logp == "behaviour":  # the sampler's recorded μ
-        return mb.behaviour
-    if config.old_logp == "proximal":  # computed outside the step (snapshot ring, EWMA)
-        return sg(mb.proximal)
-    # "versions": AReaL's interpolation between μ and π_θ by token versions (no forward)
-    return approx_proximal_logp(logp, mb.behaviour, mb.versions, version, mb.mask)
+    """log π_prox [b, T-1], the PPO "old" policy, from the source TrainConfig.old_logp names
+    (rl.learner.old_logp: current, behaviour, proximal, versions, or one registered)."""
+    return get_old_logp(config.old_logp)(logp, mb, version)
 
 
 def offpolicy_token_weights(config: OffPolicyConfig, prox: jax.Array, behaviour: jax.Array,
                             mask: jax.Array) -> tuple[jax.Array | None, dict]:
     """(per-token weights [b, T-1] or None, their metrics) of the off-policy correction
-    π_prox/μ (rl.objectives.offpolicy); (None, {}) with correction "none"."""
+    π_prox/μ that config.correction names (rl.objectives.registry.get_correction: the
+    built-ins of rl.objectives.offpolicy, or one registered); (None, {}) with "none"."""
     if config.correction == "none":
         return None, {}
-    if config.correction == "m2po":
-        ow = m2po_weights(prox, behaviour, mask,
-                          **({} if config.cap is None else {"threshold": config.cap}))
-        return ow.weights, ow.metrics
-    kw = {"level": config.level}
-    if config.cap is not None:
-        kw["cap"] = config.cap
-    if config.mode is not None:
-        kw["mode"] = config.mode
-    fn = truncated_is_weights if config.correction == "truncated_is" else behaviour_weights
-    ow = fn(prox, behaviour, mask, **kw)
+    ow = get_correction(config.correction)(prox, behaviour, mask, level=config.level,
+                                           cap=config.cap, mode=config.mode)
     return ow.weights, ow.metrics
 
 
@@ -279,10 +261,11 @@ def check_step_inputs(config: TrainConfig, batch: TrainBatch, ref_params: Params
         raise ValueError("ref_params must be given exactly when config.loss.kl_coef > 0 "
                          f"(kl_coef={config.loss.kl_coef}, ref_params "
                          f"{'given' if ref_params is not None else 'missing'})")
-    if config.old_logp == "proximal" and batch.proximal_logprobs is None:
-        raise ValueError('TrainConfig.old_logp="proximal" needs TrainBatch.proximal_logprobs '
-                         "([B, T], e.g. from rl.learner.proximal); attach them with "
-                         "batch.replace(proximal_logprobs=...) or choose another old_logp")
+    if get_old_logp(config.old_logp).needs_proximal and batch.proximal_logprobs is None:
+        raise ValueError(f"TrainConfig.old_logp={config.old_logp!r} needs "
+                         "TrainBatch.proximal_logprobs ([B, T], e.g. from rl.learner.proximal); "
+                         "attach them with batch.replace(proximal_logprobs=...) or choose "
+                         "another old_logp")
     for name in ("proximal_logprobs", "loss_weights", "token_advantages"):
         field = getattr(batch, name)
         if field is not None and tuple(field.shape) != tuple(batch.tokens.shape):

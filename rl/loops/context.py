@@ -153,63 +153,22 @@ def open_run(model_config: ModelConfig, params: Any, config: RunConfig, *, train
     state holds fresh or restored adapters; the base hash joins the config record, checked
     before restoring."""
     loop, run_dir = config.loop, config.output_dir
+    record = config_record(train, loop, extra_config)
     signals = contextlib.ExitStack()  # a stop signal from here on stops the run cleanly
     signals.enter_context(preemption.stop_signals())
     try:
-        record = config_record(train, loop, extra_config)
-        defaults = record_defaults(train, loop, extra_config)
-        allow_config_changes = () if resume is None else resume.allow_changes
-        check_allowed_changes(allow_config_changes)
-        resume_from_last_good = resume is not None and resume.from_last_good
-        if resume and not (run_dir / "checkpoints").is_dir():
-            raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ "
-                                  "directory (run without resume first, or point at an "
-                                  "existing run dir)")
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            failure = StorageError.of(err, what="the run dir", path=run_dir)
-            if failure is None:
-                raise
-            raise failure from err
-        lock = RunLock(run_dir, enabled=is_main_process())  # one writer; before any compile
-        try:  # the lock is held: leftovers of an unfinished save can go
-            ckpt = Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints, lock=lock,
-                                cleanup_tmp=True)
-        except BaseException:
-            lock.release()
-            raise
+        allow = check_allowed_changes(() if resume is None else resume.allow_changes)
+        ckpt = locked_checkpointer(run_dir, loop, resume)
     except BaseException:
         signals.close()
         raise
     logger = None
     try:  # any failure from here on releases the checkpointer and with it the lock
-        lora = None
-        if train.lora is not None:  # state = adapters; the frozen base is the step's ref
-            lora, params = lora_run(params, train, loop.seed)
-            if mesh is not None:  # the base sharded like the params (qkernel like kernel)
-                lora.base = jax.device_put(lora.base, ref_shardings(model_config, train, mesh))
-            ref, record[BASE_KEY] = lora.base, lora.base_hash
-        else:
-            params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
-            ref = jax.tree.map(jnp.array, params) if train.loss.kl_coef > 0 else None
-        state = init_train_state(params, train, loop.seed)
-        data_position, meta = 0, {}
-        if resume and lora is not None:  # before the adapters' shapes meet the checkpoint
-            check_base(latest_record(run_dir / "checkpoints"), record)
-            check_resume_config(latest_record(run_dir / "checkpoints"), record,
-                                allow_config_changes, defaults)
-        if resume:  # straight onto the mesh (no one-device copy; needed across processes)
-            shardings = None if mesh is None else state_shardings(model_config, train, mesh)
-            state, meta = ckpt.restore(state, shardings=shardings, fallback=resume_from_last_good)
-            data_position = int(meta["data_position"])
+        state, ref, lora, data_position, meta = initial_state(
+            model_config, params, train, loop, _Opening(
+                mesh=mesh, resume=resume, ckpt=ckpt, record=record, allow=allow,
+                defaults=record_defaults(train, loop, extra_config)))
         start = int(state.step)
-        if resume:
-            check_base(meta.get("config"), record)
-            check_resume_config(meta.get("config"), record, allow_config_changes, defaults)
-            if start >= loop.steps and meta.get("pending_eval") is None:
-                raise ConfigError(f"nothing to resume: the checkpoint is at step {start} and "
-                                  f"steps is {loop.steps}; pass a larger --steps to go on")
         if jax.process_count() > 1 and mesh is None:
             raise ValueError("a multi-process run needs a mesh over the devices of all "
                              "processes (e.g. rl.runtime.mesh.make_mesh_preset('dp'))")
@@ -233,6 +192,76 @@ def open_run(model_config: ModelConfig, params: Any, config: RunConfig, *, train
     return RunContext(state=state, ref=ref, ckpt=ckpt, logger=logger, step_fn=step_fn,
                       data_position=data_position, start=start, meta=meta, config=record,
                       lora=lora, control=control, signals=signals)
+
+
+def locked_checkpointer(run_dir: Path, loop: Any, resume: Resume | None) -> Checkpointer:
+    """The run dir made (a resume needs its checkpoints/), its lock taken by process 0
+    (before anything compiles), and its Checkpointer (which holds the lock; leftovers of an
+    unfinished save are deleted, since no other writer can be at work)."""
+    if resume and not (run_dir / "checkpoints").is_dir():
+        raise CheckpointError(f"cannot resume: {str(run_dir)!r} has no checkpoints/ "
+                              "directory (run without resume first, or point at an "
+                              "existing run dir)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        failure = StorageError.of(err, what="the run dir", path=run_dir)
+        if failure is None:
+            raise
+        raise failure from err
+    lock = RunLock(run_dir, enabled=is_main_process())  # one writer; before any compile
+    try:  # the lock is held: leftovers of an unfinished save can go
+        return Checkpointer(run_dir / "checkpoints", keep=loop.keep_checkpoints, lock=lock,
+                            cleanup_tmp=True)
+    except BaseException:
+        lock.release()
+        raise
+
+
+@dataclasses.dataclass
+class _Opening:
+    """What initial_state needs besides the policy and configs."""
+
+    mesh: Any
+    resume: Resume | None
+    ckpt: Checkpointer
+    record: dict
+    allow: set
+    defaults: dict
+
+
+def initial_state(model_config: ModelConfig, params: Any, train: TrainConfig, loop: Any,
+                  how: _Opening) -> tuple[TrainState, Any, LoraRun | None, int, dict]:
+    """(state, KL reference or LoRA base, LoRA run, data position, checkpoint meta): a fresh
+    state of its own copy of `params` (or of fresh adapters on the frozen base), or the
+    latest good checkpoint restored straight onto the mesh after its recorded config (and a
+    LoRA run's base hash) matched this run's."""
+    resume, ckpt_dir = how.resume, how.ckpt.directory
+    lora = None
+    if train.lora is not None:  # state = adapters; the frozen base is the step's ref
+        lora, params = lora_run(params, train, loop.seed)
+        if how.mesh is not None:  # the base sharded like the params (qkernel like kernel)
+            lora.base = jax.device_put(lora.base, ref_shardings(model_config, train, how.mesh))
+        ref, how.record[BASE_KEY] = lora.base, lora.base_hash
+    else:
+        params = jax.tree.map(jnp.array, params)  # own copy: the step donates its state
+        ref = jax.tree.map(jnp.array, params) if train.loss.kl_coef > 0 else None
+    state = init_train_state(params, train, loop.seed)
+    if not resume:
+        return state, ref, lora, 0, {}
+    if lora is not None:  # before the adapters' shapes meet the checkpoint
+        check_base(latest_record(ckpt_dir), how.record)
+        check_resume_config(latest_record(ckpt_dir), how.record, how.allow, how.defaults)
+    # straight onto the mesh (no one-device copy; needed across processes)
+    shardings = None if how.mesh is None else state_shardings(model_config, train, how.mesh)
+    state, meta = how.ckpt.restore(state, shardings=shardings, fallback=resume.from_last_good)
+    check_base(meta.get("config"), how.record)
+    check_resume_config(meta.get("config"), how.record, how.allow, how.defaults)
+    start = int(state.step)
+    if start >= loop.steps and meta.get("pending_eval") is None:
+        raise ConfigError(f"nothing to resume: the checkpoint is at step {start} and "
+                          f"steps is {loop.steps}; pass a larger --steps to go on")
+    return state, ref, lora, int(meta["data_position"]), meta
 
 
 def run_clock(logger: MetricsLogger) -> Callable[[], float]:

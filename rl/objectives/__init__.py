@@ -25,10 +25,13 @@ from rl.objectives.offpolicy import (
 )
 from rl.objectives.registry import (
                                     available_advantages,
+                                    available_corrections,
                                     available_losses,
                                     get_advantage,
+                                    get_correction,
                                     get_loss,
                                     register_advantage,
+                                    register_correction,
                                     register_loss,
 )
 from rl.objectives.turn_credit import (
@@ -51,8 +54,8 @@ from rl.objectives.vcpo import (
 )
 
 __all__ = [
-    "available_advantages", "available_losses", "get_advantage", "get_loss", "register_advantage",
-    "register_loss", "AdvantageConfig", "AdvantageResult", "compute_advantages", "LossConfig",
+    "available_advantages", "available_corrections", "available_losses", "get_advantage",
+    "get_correction", "get_loss", "register_advantage", "register_correction", "register_loss", "AdvantageConfig", "AdvantageResult", "compute_advantages", "LossConfig",
     "aggregate", "compute_loss", "masked_mean", "token_entropy", "OffPolicyWeights",
     "approx_proximal_logp", "behaviour_weights", "decoupled_ppo_loss", "dynamic_sampling_mask",
     "kept_group_indices", "m2po_mask", "m2po_weights", "overlong_penalty", "ratio_decomposition_metrics",

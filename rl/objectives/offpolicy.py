@@ -1,5 +1,9 @@
 """Off-policy corrections for asynchronous / mismatched RL data, and DAPO's data filters.
 
+The registered corrections (OffPolicyConfig.correction, rl.objectives.registry's
+register_correction): "truncated_is" (truncated_is_weights), "behaviour" (AReaL's
+behaviour_weights, the weights of the decoupled PPO objective), "m2po" (m2po_correction).
+
 Three log-probs per token, all ``[batch, seq]``:
   * ``logp``           log π_θ, the learner being optimised (carries the gradient);
   * ``prox_logp``      log π_prox, the proximal (old) policy of the PPO clip;
@@ -30,7 +34,7 @@ from rl.objectives.losses import (
     token_array,
     token_mask,
 )
-from rl.objectives.registry import check_number, check_rank
+from rl.objectives.registry import check_number, check_rank, register_correction
 
 Array = jax.Array
 sg = jax.lax.stop_gradient
@@ -94,9 +98,10 @@ def _capped_weights(prox_logp, behaviour_logp, mask, *, level, seq_reduce, cap, 
     return OffPolicyWeights(w, keep, metrics)
 
 
+@register_correction("truncated_is", modes=(None, "truncate", "mask"))
 def truncated_is_weights(
     prox_logp: Array, behaviour_logp: Array, mask: Array, *,
-    level: str = "token", cap: float | None = None, mode: str = "truncate",
+    level: str = "token", cap: float | None = None, mode: str | None = "truncate",
 ) -> OffPolicyWeights:
     """Truncated importance sampling for the train/inference mismatch (Yao et al. 2025,
     "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
@@ -111,6 +116,7 @@ def truncated_is_weights(
     Returns:
         OffPolicyWeights(weights [batch, seq], keep [batch, seq], metrics is_*).
     """
+    mode = "truncate" if mode is None else mode
     if mode not in ("truncate", "mask"):
         raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
     if cap is None:
@@ -119,20 +125,23 @@ def truncated_is_weights(
                            cap=cap, reject=mode == "mask", prefix="is")
 
 
+@register_correction("behaviour", modes=(None, "mask", "clamp"))
 def behaviour_weights(
     prox_logp: Array, behaviour_logp: Array, mask: Array, *,
-    level: str = "token", cap: float = 5.0, mode: str = "mask",
+    level: str = "token", cap: float | None = 5.0, mode: str | None = "mask",
 ) -> OffPolicyWeights:
     """AReaL's behaviour importance weight w = sg[π_prox / μ] with rejection (Fu et al.
     2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System").
 
     token: w_t = exp(log π_prox - log μ); sequence: the geometric mean
     exp(mean_t (log π_prox - log μ)) on every token of the sequence. mode "mask"
-    rejects weights above ``cap`` (default 5), "clamp" caps them.
+    rejects weights above ``cap`` (default 5), "clamp" caps them (None: the defaults).
 
     Returns:
         OffPolicyWeights(weights [batch, seq], keep [batch, seq], metrics behav_*).
     """
+    cap = 5.0 if cap is None else cap
+    mode = "mask" if mode is None else mode
     if mode not in ("mask", "clamp"):
         raise ValueError(f"mode must be 'mask' or 'clamp', got {mode!r}")
     return _capped_weights(prox_logp, behaviour_logp, mask, level=level, seq_reduce="mean",
@@ -260,6 +269,17 @@ def m2po_weights(
     weights = jnp.where(keep, jnp.exp(log_w), 0.0)
     metrics = {**metrics, "m2po_weight_max": jnp.max(jnp.where(keep, weights, 0.0))}
     return OffPolicyWeights(sg(weights), keep, metrics)
+
+
+@register_correction("m2po", modes=(None,), levels=("token",))
+def m2po_correction(
+    prox_logp: Array, behaviour_logp: Array, mask: Array, *,
+    level: str = "token", cap: float | None = None, mode: str | None = None,
+) -> OffPolicyWeights:
+    """:func:`m2po_weights` as the registered correction "m2po": ``cap`` is its threshold
+    τ_M2 (None: the paper's 0.04); token level only, no modes."""
+    return m2po_weights(prox_logp, behaviour_logp, mask,
+                        **({} if cap is None else {"threshold": cap}))
 
 
 def ratio_decomposition_metrics(

@@ -1,5 +1,5 @@
-"""Named registries for advantage estimators and policy losses, plus the boundary
-checks every objective module shares.
+"""Named registries for advantage estimators, policy losses and off-policy corrections,
+plus the boundary checks every objective module shares.
 
 A config names an estimator (``AdvantageConfig(name="grpo")``) or a loss
 (``LossConfig(name="gspo")``); the name resolves here. Users add their own::
@@ -10,9 +10,18 @@ A config names an estimator (``AdvantageConfig(name="grpo")``) or a loss
     def my_loss(logp, old_logp, advantages, mask, *, temperature=1.0):
         ...  # -> (per_token_loss [batch, seq], token_stats {name: [batch, seq]})
 
-This module imports nothing else from ``rl``: the built-in estimators register
-themselves when ``rl.objectives.advantages`` / ``rl.objectives.losses`` are imported, and ``get_*``
-imports them on first use so a name always resolves.
+An off-policy correction (``OffPolicyConfig(correction="my_fix")``, per-token weights of
+π_prox/μ that multiply the loss) is one function and one decorator::
+
+    from rl.objectives.registry import register_correction
+
+    @register_correction("my_fix", modes=(None, "mask"), levels=("token",))
+    def my_fix(prox_logp, behaviour_logp, mask, *, level="token", cap=None, mode=None):
+        ...  # -> rl.objectives.offpolicy.OffPolicyWeights(weights, keep, metrics)
+
+This module imports nothing else from ``rl``: the built-in entries register themselves
+when ``rl.objectives.advantages`` / ``rl.objectives.losses`` / ``rl.objectives.offpolicy``
+are imported, and ``get_*`` imports them on first use so a name always resolves.
 """
 from __future__ import annotations
 
@@ -118,6 +127,40 @@ def get_loss(name: str) -> Callable[..., Any]:
 
 def available_losses() -> tuple[str, ...]:
     return LOSSES.names()
+
+
+CORRECTIONS = Registry("off-policy correction", "rl.objectives.offpolicy")
+
+
+def register_correction(name: str, *, modes: tuple = (None,),
+                        levels: tuple[str, ...] = ("token", "sequence"),
+                        overwrite: bool = False) -> Callable[[Callable], Callable]:
+    """Register an off-policy correction (OffPolicyConfig.correction = ``name``).
+
+    Signature it must have: ``fn(prox_logp, behaviour_logp, mask, *, level, cap, mode)``
+    with ``[batch, seq]`` log π_prox, log μ and mask, ``cap`` None meaning its own default,
+    returning ``rl.objectives.offpolicy.OffPolicyWeights`` (weights [batch, seq], detached,
+    0 where masked or rejected; keep; scalar metrics). ``modes`` / ``levels``: the values
+    of OffPolicyConfig.mode / level it accepts (checked when the config is built)."""
+    if name == "none":
+        raise ValueError("'none' means no correction; register under another name")
+
+    def decorator(fn: Callable) -> Callable:
+        fn.correction_modes = tuple(modes)
+        fn.correction_levels = tuple(levels)
+        return CORRECTIONS.register(name, overwrite=overwrite)(fn)
+
+    return decorator
+
+
+def get_correction(name: str) -> Callable[..., Any]:
+    """The off-policy correction registered as ``name`` (ValueError if unknown)."""
+    return CORRECTIONS.get(name)
+
+
+def available_corrections() -> tuple[str, ...]:
+    """The registered off-policy corrections (besides "none")."""
+    return CORRECTIONS.names()
 
 
 def freeze_params(params: Mapping[str, Any] | tuple) -> tuple[tuple[str, Any], ...]:
