@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     from models.logprobs import DEFAULT_CHUNK, head_chunk_for_memory
     from rl.learner.config import OptimizerConfig, TrainConfig
     from rl.loops import run, run_async
-    from rl.loops.config import LoggingConfig, LoopConfig, ModelSpec, RunConfig, RunHooks
+    from rl.loops.config import (LoggingConfig, LoopConfig, ModelSpec, RolloutOptions, RunConfig,
+                                 RunHooks)
     from rl.objectives import AdvantageConfig, LossConfig
 
     cfg = get_config(args.model, dtype=args.dtype, param_dtype="float32")
@@ -230,9 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
                           packed=True, remat=args.remat, micro_batches=args.micro_batches,
                           logprob_chunk=chunk),
         loop=LoopConfig(steps=args.steps, prompts_per_step=args.prompts_per_step,
-                        group_size=args.group_size, segment_len=args.segment_len,
-                        eval_every=0, eval_prompts=1, save_every=0,
-                        layer_loop=args.layer_loop, bucket_slots=args.bucket_slots),
+                        group_size=args.group_size, eval_every=0, eval_prompts=1, save_every=0),
+        rollout=RolloutOptions(segment_len=args.segment_len, layer_loop=args.layer_loop,
+                               bucket_slots=args.bucket_slots),
         logging=LoggingConfig(wandb="disabled", progress=False))
     loop_fn = run
     if args.async_staleness is not None:

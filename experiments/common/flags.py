@@ -47,7 +47,7 @@ from rl.schedulers.dars import SCHEDULES
 # flag dest -> the RunConfig path it sets (value as given)
 SIMPLE_FLAGS = {
     "steps": "loop.steps", "group_size": "loop.group_size",
-    "prompts_per_step": "loop.prompts_per_step", "segment_len": "loop.segment_len",
+    "prompts_per_step": "loop.prompts_per_step", "segment_len": "rollout.segment_len",
     "eval_every": "loop.eval_every", "save_every": "loop.save_every",
     "eval_prompts": "loop.eval_prompts", "seed": "loop.seed",
     "lr": "train.optimizer.learning_rate", "temperature": "train.temperature",
@@ -57,7 +57,7 @@ SIMPLE_FLAGS = {
     "reward_timeout": "reward.timeout_s",
     "save_every_minutes": "loop.save_every_minutes",
     "env_step_timeout": "loop.env_step_timeout_s", "episode_timeout": "loop.episode_timeout_s",
-    "host_malloc": "loop.host_malloc", "rollout_dtype": "loop.rollout_dtype",
+    "host_malloc": "loop.host_malloc", "rollout_dtype": "rollout.dtype",
 }
 # --low-memory: the learner and host options that bring the smollm2-rg step under 4 GB
 # resident on CPU (docs/results/learner-memory.md), at a learner time cost (and a recompile

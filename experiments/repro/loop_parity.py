@@ -10,7 +10,9 @@ run dir) and records, per mode: every train and eval record without its timing f
 (seconds, rates, memory, and the threaded buffer's timing-dependent counters), and every
 checkpoint's meta as it is on disk (the data position, the scheduler / pruner / async
 state and the xxh3 checksums of every state leaf: params, optimizer state, step, rng).
-`compare` prints each mode's first difference and exits 1 when any mode differs.
+`compare` prints each mode's first difference and exits 1 when any mode differs (the
+checkpoint records compared under today's paths: a capture from before the rollout section
+existed records loop.segment_len where today's has rollout.segment_len).
 
 The numbers are exact only on one machine with one jax build (XLA CPU is deterministic,
 but another CPU or jax version rounds differently): compare captures made side by side.
@@ -26,12 +28,13 @@ import time
 from pathlib import Path
 
 from rl.run import PRESETS, RunConfig, train
+from rl.loops.validation import LEGACY_PATHS
 from rl.runtime.checkpoint import record_checksum
 
 TIMING_SUFFIXES = ("_s", "_mb")
 TIMING_KEYS = {"tokens_per_s", "peak_rss_per_step"}
 # the threaded producer runs beside the learner: how far ahead it got is timing, not math
-THREADED_TIMING = ("buffer_", "data_position", "april_in_")
+THREADED_TIMING = ("buffer_", "data_position", "april_")
 
 
 def tiny(**paths) -> RunConfig:
@@ -180,8 +183,20 @@ def first_difference(a, b, path="") -> str | None:
     return None if a == b else f"{path}: {a!r} vs {b!r}"
 
 
+def renamed_records(capture: dict) -> dict:
+    """The capture with its checkpoints' config records under today's paths (the options
+    that moved to the rollout section: rl.loops.validation.LEGACY_PATHS), as a resume reads
+    them."""
+    for mode in capture.values():
+        for meta in mode["checkpoints"].values():
+            if isinstance(meta.get("config"), dict):
+                meta["config"] = {LEGACY_PATHS.get(k, k): v for k, v in meta["config"].items()}
+    return capture
+
+
 def compare(before: Path, after: Path) -> int:
-    a, b = json.loads(before.read_text()), json.loads(after.read_text())
+    a = renamed_records(json.loads(before.read_text()))
+    b = renamed_records(json.loads(after.read_text()))
     bad = 0
     for name in sorted(set(a) & set(b)):
         d = first_difference(a[name], b[name])

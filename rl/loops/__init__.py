@@ -47,7 +47,7 @@ May import anything in `rl` but rl.run; only rl.run and experiments import `rl.l
     run(model_config, params, task, RunConfig(loop=LoopConfig(steps=10), run_dir="runs/a"))
 """
 from rl.loops.buffer import STALE_POLICIES, ScoredGroup, TrajectoryBuffer  # noqa: I001
-from rl.loops.config import AsyncConfig, LoopConfig, Resume, RunConfig, RunHooks
+from rl.loops.config import AsyncConfig, LoopConfig, Resume, RolloutOptions, RunConfig, RunHooks
 from rl.loops.evaluation import ReportOptions, eval_metrics, eval_report
 from rl.loops.rollouts import RolloutSpec, rollout_model_config, rollout_spec, sample_groups
 from rl.loops.scoring import score
@@ -60,6 +60,7 @@ from rl.loops.scheduling import SchedulerOptions
 
 __all__ = [
     "STALE_POLICIES", "ScoredGroup", "TrajectoryBuffer", "AsyncConfig", "LoopConfig", "Resume",
+    "RolloutOptions",
     "RunConfig", "RunHooks", "ReportOptions", "eval_metrics", "eval_report", "RolloutSpec",
     "rollout_model_config", "rollout_spec", "sample_groups", "score", "StreamSampler",
     "build_batch", "collect_batch", "sample_batch_groups", "BatchSource", "Taken", "RunResult",

@@ -9,8 +9,9 @@
       train      TrainConfig   the learner: loss, advantage, optimizer, LoRA, VCPO, packing
                                (rl.learner.config)
       loop       LoopConfig    steps, batch geometry, eval / save cadence, seed, time limit
-      asynchronous AsyncConfig | None   None: the synchronous loop; set: rl.loops.run_async
-                               (dotted paths may spell it "async")
+      rollout    RolloutOptions  the train rollouts' segment length, decode options, dtype
+      asynchronous AsyncConfig | None   None: the synchronous source; set: an asynchronous
+                               one (deterministic or threaded; dotted paths may spell it "async")
       scheduler  SchedulerOptions  prompt scheduler and rollout replay (rl.loops.scheduling)
       prune      PruneConfig | None    online rollout pruning (rl.rollout.pruning)
       mesh       str | None    learner mesh: a preset of rl.runtime.mesh or "data=N,fsdp=N,tensor=N"
@@ -24,8 +25,10 @@ rl.runtime.config_tree), and any leaf can be replaced by its dotted path:
     cfg = RunConfig().override("loop.group_size", 4).override("async.max_staleness", 2)
 
 Each section validates itself when built; `validate()` checks what spans sections (the
-checks rl.loops.validation.validate_run makes, and the combinations the loops cannot
-run), before anything loads or compiles. Presets (named RunConfig values), train(cfg)
+checks of rl.loops.validation: configs that cannot learn, and what a batch source cannot
+run), once, before anything loads or compiles. The options that moved into the rollout
+section keep their old paths as aliases (LEGACY_PATHS: "loop.segment_len" is
+"rollout.segment_len"), in overrides and in saved run_config.json files. Presets (named RunConfig values), train(cfg)
 and the run record live in rl.run.
 
 Beside the config, a run takes two things that are not configuration: `Resume` (continue
@@ -35,6 +38,7 @@ mesh, XLA compiler options, callbacks).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,11 +51,12 @@ from rl.learner.config import TrainConfig
 from rl.loops.buffer import STALE_POLICIES
 from rl.loops.episodes import ENV_PREFIX
 from rl.loops.scheduling import SchedulerOptions
+from rl.loops.validation import LEGACY_PATHS
 from rl.rollout.april import AprilConfig
 from rl.rollout.pruning import PruneConfig
 from rl.runtime import config_tree
 from rl.runtime.distributed import DistributedConfig
-from rl.runtime.host_memory import MALLOC_POLICIES, check_malloc_policy
+from rl.runtime.host_memory import MALLOC_POLICIES
 from rl.runtime.logging import WANDB_MODES
 
 ALIASES = {"async": "asynchronous"}  # dotted-path spellings of sections
@@ -61,8 +66,7 @@ ALIASES = {"async": "asynchronous"}  # dotted-path spellings of sections
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
     """steps: total optimizer steps of the run (a resumed run continues up to it);
-    prompts_per_step: groups per batch; group_size: samples per prompt; segment_len:
-    decode tokens per sampler call; eval_every / eval_prompts: eval cadence and size
+    prompts_per_step: groups per batch; group_size: samples per prompt; eval_every / eval_prompts: eval cadence and size
     (0 = no periodic eval; there is always one at the start and one at the end);
     eval_greedy: also run a greedy eval; save_every / keep_checkpoints: checkpoint cadence
     and how many to keep (0 = only at the end); dynamic_sampling: DAPO's filter (drop
@@ -79,28 +83,20 @@ class LoopConfig:
     limit per call (a turn's step, reset, outcome; 0 = the environment's own
     `step_timeout_s`, if any) and episode_timeout_s: the wall-time limit of one episode (0
     = none): an episode past either ends with EndReason.TIMEOUT (rl.rollout.multiturn).
-    layer_loop / bucket_slots: the train rollouts' decode options (rl.rollout.RolloutConfig:
-    "scan" or "unrolled" layers; slot counts bucketed to powers of two up to 256); the
-    same tokens either way, off by default. host_malloc: how the host's C allocator returns
+    host_malloc: how the host's C allocator returns
     freed memory (rl.runtime.host_memory: "default", or "lean" for a lower resident peak on
     CPU at some system time); it changes no computed value. eval_max_rows: rows an eval
     samples at once (0 = all its prompts in one batch); fewer bound the eval's KV cache
-    (the same samples, rl.loops.evaluator). eval_clear_programs: drop every compiled program
+    (the same samples, rl.loops.evaluation). eval_clear_programs: drop every compiled program
     (jax.clear_caches) when an eval starts and when it ends, so the eval's sampler programs
     and the train step's are never resident together (a lower resident peak on CPU; the
     train step and its sampler compile again after each eval; no computed value changes).
-    rollout_dtype: the train rollouts' compute dtype (None: the model's, ModelConfig.dtype;
-    "bfloat16" with a float32 model samples like a bf16 inference engine beside an fp32
-    learner: the params stay float32 and are cast as each layer uses them, activations and
-    the KV cache are bf16). The recorded behaviour log-probs μ are then the bf16 engine's,
-    so π_prox/μ carries a real train/inference discrepancy (logged as mismatch_* when π_prox
-    is the learner's: old_logp "current" / "proximal"; corrected by train.offpolicy). Evals sample at the model's dtype (they
-    measure the learner's policy)."""
+    The rollouts' own options (segment length, decode loop, slots, dtype) are RunConfig's
+    `rollout` section (RolloutOptions)."""
 
     steps: int = 100
     prompts_per_step: int = 8
     group_size: int = 8
-    segment_len: int = 32
     eval_every: int = 25
     eval_prompts: int = 64
     eval_greedy: bool = False
@@ -112,20 +108,14 @@ class LoopConfig:
     eval_sampled_prompts: int = 0
     time_limit_s: float = 0.0
     checked: bool = True
-    layer_loop: str = "scan"
-    bucket_slots: bool = False
     save_every_minutes: float = 0.0
     env_step_timeout_s: float = 0.0
     episode_timeout_s: float = 0.0
     host_malloc: str = "default"
     eval_max_rows: int = 0
     eval_clear_programs: bool = False
-    rollout_dtype: str | None = None
 
     def __post_init__(self):
-        if self.rollout_dtype is not None and self.rollout_dtype not in DTYPES:
-            raise ValueError(f"LoopConfig.rollout_dtype must be None (the model's dtype) or one "
-                             f"of {DTYPES}, got {self.rollout_dtype!r}")
         if self.host_malloc not in MALLOC_POLICIES:
             raise ValueError(f"LoopConfig.host_malloc must be one of {MALLOC_POLICIES}, got "
                              f"{self.host_malloc!r}")
@@ -139,7 +129,7 @@ class LoopConfig:
                 raise ValueError(f"LoopConfig.{name} must be a finite number >= 0 (0 = off), "
                                  f"got {v!r}")
         for name, low in (("eval_sampled_prompts", 0), ("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
-                          ("segment_len", 1), ("eval_every", 0), ("eval_prompts", 1),
+                          ("eval_every", 0), ("eval_prompts", 1),
                           ("save_every", 0), ("keep_checkpoints", 1), ("max_resample_rounds", 0),
                           ("seed", 0), ("eval_max_rows", 0)):
             v = getattr(self, name)
@@ -149,12 +139,58 @@ class LoopConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LoopConfig.{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
+
+
+# ----------------------------------------------------------------------------- rollout
+@dataclasses.dataclass(frozen=True)
+class RolloutOptions:
+    """The train rollouts' engine options; rl.loops.rollouts.rollout_spec builds the run's
+    RolloutSpec from them once and hands it to every source, the producer and the evals.
+
+    segment_len: decode tokens per sampler call (the granularity of weight swaps, APRIL's
+    rounds and an environment's turns); layer_loop: "scan" or "unrolled" decode layers;
+    bucket_slots: slot counts bucketed to powers of two up to 256 (fewer compiled programs
+    across batch sizes); both give the same tokens, off by default. dtype: the rollouts'
+    compute dtype (None: the model's, ModelConfig.dtype; "bfloat16" with a float32 model
+    samples like a bf16 inference engine beside an fp32 learner: the params stay float32
+    and are cast as each layer uses them, activations and the KV cache are bf16). The
+    recorded behaviour log-probs μ are then the bf16 engine's, so π_prox/μ carries a real
+    train/inference discrepancy (logged as mismatch_* when π_prox is the learner's: old_logp
+    "current" / "proximal"; corrected by train.offpolicy). Evals sample at the model's dtype
+    (they measure the learner's policy) and with the default decode options. The sampling
+    temperature is train.temperature: the learner's log-probs are of softmax(logits / T) at
+    the same T, so it has one home. The shapes (group size, prompt and response budgets)
+    come from loop.group_size and the task."""
+
+    segment_len: int = 32
+    layer_loop: str = "scan"
+    bucket_slots: bool = False
+    dtype: str | None = None
+
+    def __post_init__(self):
+        s = self.segment_len
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"RolloutOptions.segment_len must be an int >= 1, got {s!r}")
         if self.layer_loop not in LAYER_LOOPS:
-            raise ValueError(f"LoopConfig.layer_loop must be one of {LAYER_LOOPS}, got "
+            raise ValueError(f"RolloutOptions.layer_loop must be one of {LAYER_LOOPS}, got "
                              f"{self.layer_loop!r}")
         if not isinstance(self.bucket_slots, bool):
-            raise ValueError(f"LoopConfig.bucket_slots must be True or False, got "
+            raise ValueError(f"RolloutOptions.bucket_slots must be True or False, got "
                              f"{self.bucket_slots!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"RolloutOptions.dtype must be None (the model's dtype) or one of "
+                             f"{DTYPES}, got {self.dtype!r}")
+
+
+def migrate_dict(data: Mapping[str, Any]) -> dict:
+    """A RunConfig dict with its LEGACY_PATHS fields moved to where they live now."""
+    data = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
+    for old, new in LEGACY_PATHS.items():
+        (sec, name), (new_sec, new_name) = old.split("."), new.split(".")
+        if isinstance(data.get(sec), dict) and name in data[sec]:
+            data.setdefault(new_sec, {})
+            data[new_sec].setdefault(new_name, data[sec].pop(name))
+    return data
 
 
 
@@ -390,6 +426,7 @@ class RunConfig:
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
     loop: LoopConfig = LoopConfig()
+    rollout: RolloutOptions = RolloutOptions()
     asynchronous: AsyncConfig | None = None
     scheduler: SchedulerOptions = SchedulerOptions()
     prune: PruneConfig | None = None
@@ -408,7 +445,8 @@ class RunConfig:
             object.__setattr__(self, "task", TaskSpec(self.task))
         object.__setattr__(self, "reward", as_reward_config(self.reward))
         for name, cls in (("model", ModelSpec), ("task", TaskSpec), ("train", TrainConfig),
-                          ("loop", LoopConfig), ("scheduler", SchedulerOptions),
+                          ("loop", LoopConfig), ("rollout", RolloutOptions),
+                          ("scheduler", SchedulerOptions),
                           ("distributed", DistributedConfig), ("logging", LoggingConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"RunConfig.{name} must be a {cls.__name__}, got "
@@ -431,14 +469,14 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
-        return config_tree.from_dict(cls, data)
+        return config_tree.from_dict(cls, migrate_dict(data))
 
     def to_json(self) -> str:
         return config_tree.to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
-        return config_tree.from_json(cls, text)
+        return cls.from_dict(json.loads(text))
 
     def save(self, path: str | Path) -> Path:
         """Write the JSON to `path` (a file, or a run dir: its run_config.json), atomically."""
@@ -467,13 +505,14 @@ class RunConfig:
         """A copy with the leaf at dotted `path` set to `value` (config_tree.override;
         "async." is accepted for "asynchronous.", and setting a field of an absent
         section such as asynchronous or prune turns it on with its defaults)."""
-        return config_tree.override(self, path, value, ALIASES)
+        return config_tree.override(self, LEGACY_PATHS.get(path, path), value, ALIASES)
 
     def overrides(self, assignments: Mapping[str, Any] | Sequence[str]) -> RunConfig:
         """override() for every {path: value} item or "path=value" string at once (each
         section rebuilt once with all its new fields: config_tree.override_many)."""
         items = (list(assignments.items()) if isinstance(assignments, Mapping)
                  else [config_tree.parse_assignment(a) for a in assignments])
+        items = [(LEGACY_PATHS.get(p, p), v) for p, v in items]
         return config_tree.override_many(self, items, ALIASES)
 
     # ------------------------------------------------------------------ checks
@@ -484,52 +523,11 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         """ConfigError / ValueError (saying what to change) for a run that cannot learn or
-        that the loops cannot run; returns self. Made before any model loads."""
-        from rl.loops.validation import validate_run
+        that its batch source cannot run (rl.loops.validation.validate_config); returns self.
+        Made once, before any model loads (rl.run.prepare, rl.loops.run)."""
+        from rl.loops.validation import validate_config
 
-        validate_run(self.train, self.loop)
-        check_malloc_policy(self.loop.host_malloc)  # this platform's C library can apply it
-        a, s, p = self.asynchronous, self.scheduler, self.prune
-        if p is not None and not s.is_default:
-            raise ValueError("online pruning (--prune) samples the stream uniformly; drop it or "
-                             "the prompt scheduler / rollout replay (--prompt-scheduler / "
-                             "--replay-fraction)")
-        producer = a is not None and (a.mode == "threaded" or a.rollout == "april")
-        if producer and (p is not None or not s.is_default):
-            raise ValueError(
-                "the prompt scheduler, rollout replay and online pruning choose and cut each "
-                "step's groups as one batch, which the threaded producer and APRIL rounds do "
-                "not sample (they stream prompts continuously); use them in the synchronous "
-                "loop or with --async-mode deterministic (static rollouts), or drop them")
-        if a is not None and self.distributed.enabled:
-            raise ValueError("asynchronous training runs its producer, buffer and param ring in "
-                             "one process; drop the async settings or the multi-process ones")
-        if s.replay_fraction > 0:
-            from rl.loops.replay import check_replay_correction
-
-            check_replay_correction(self.train)
-        r = self.reward
-        if r.task_options:
-            clash = {k: v for k, v in r.task_options.items()
-                     if k in self.task.kwargs and self.task.kwargs[k] != v}
-            if clash:
-                key = next(iter(clash))
-                raise ValueError(f"reward.{key}={clash[key]!r} and task option {key}="
-                                 f"{self.task.kwargs[key]!r} disagree; set it in one place "
-                                 f"(--verifier / reward.{key})")
-        if self.task.is_env and (r.function is not None or r.task_options):
-            raise ValueError(f"{self.task.spec}: an environment scores its own episodes; "
-                             "reward.function / reward.verifier are for single-turn tasks")
-        if self.task.is_env:
-            if producer:
-                raise ValueError(f"{self.task.spec}: environments run their episodes in the "
-                                 "synchronous loop and with --async-mode deterministic (static "
-                                 "rollouts); the threaded producer and APRIL drive the "
-                                 f"single-turn engine, not --async-mode {a.mode} --rollout "
-                                 f"{a.rollout}")
-            if p is not None:
-                raise ValueError(f"{self.task.spec}: --prune (online rollout pruning) is for "
-                                 "single-turn tasks; drop it for an environment")
+        validate_config(self)
         return self
 
 

@@ -102,9 +102,10 @@ class Run:
 
 def record_config(config: RunConfig, task: Task, source: BatchSource) -> dict:
     """The extra entries of the run's config record (resume compares them): the source's,
-    the task, the reward, an environment's episode options, a scheduler and pruning when set."""
-    out = {**source.record_config(), "task": task.name, "reward": config.reward,
-           **episodes.episode_config(task)}
+    the rollout options, the task, the reward, an environment's episode options, a
+    scheduler and pruning when set."""
+    out = {**source.record_config(), "rollout": config.rollout, "task": task.name,
+           "reward": config.reward, **episodes.episode_config(task)}
     if not config.scheduler.is_default:
         out["scheduler"] = config.scheduler
     if config.prune is not None:
@@ -127,7 +128,7 @@ def run_loop(model_config: ModelConfig, params: Any, task: Task, config: RunConf
                    resume=resume_opts, mesh=mesh, hooks=hooks,
                    extra_config=record_config(config, task, source))
     run = Run(ctx=ctx, config=config, train=config.train, hooks=hooks, mesh=mesh,
-              spec=rollout_spec(model_config, task, config.train, config.loop),
+              spec=rollout_spec(model_config, task, config),
               resumed=resume_opts is not None, state=ctx.state,
               data_position=ctx.data_position)
     try:

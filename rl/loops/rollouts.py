@@ -46,7 +46,7 @@ def take_rows(traj: Trajectory, rows: Sequence[int]) -> Trajectory:
 
 def rollout_model_config(model_config: ModelConfig, compute_dtype: str | None) -> ModelConfig:
     """The sampler's model config: `model_config` with its compute dtype replaced by
-    `compute_dtype` (LoopConfig.rollout_dtype; None: unchanged). The params are not cast:
+    `compute_dtype` (RolloutOptions.dtype; None: unchanged). The params are not cast:
     each layer casts its weights to the compute dtype as it uses them."""
     if compute_dtype is None or compute_dtype == model_config.dtype:
         return model_config
@@ -92,15 +92,16 @@ class RolloutSpec:
         return dataclasses.replace(self, **changes)
 
 
-def rollout_spec(model_config: ModelConfig, task: Task, config: Any, loop: Any) -> RolloutSpec:
-    """The train rollouts' spec of a run: `config` the TrainConfig (its temperature: the
-    learner's log-probs are at the sampler's temperature), `loop` the LoopConfig (group
-    size, segment length, decode options, rollout dtype, an environment's time limits)."""
+def rollout_spec(model_config: ModelConfig, task: Task, config: Any) -> RolloutSpec:
+    """The train rollouts' spec of a run, from its RunConfig `config`: the rollout section
+    (segment length, decode options, dtype), train.temperature (the learner's log-probs are
+    at the sampler's temperature), loop.group_size and an environment's time limits."""
+    ro, loop = config.rollout, config.loop
     return RolloutSpec(
-        task=task, model_config=model_config, compute_dtype=loop.rollout_dtype,
-        group_size=loop.group_size, segment_len=loop.segment_len,
-        sampling=SamplingConfig(temperature=config.temperature), layer_loop=loop.layer_loop,
-        bucket_slots=loop.bucket_slots,
+        task=task, model_config=model_config, compute_dtype=ro.dtype,
+        group_size=loop.group_size, segment_len=ro.segment_len,
+        sampling=SamplingConfig(temperature=config.train.temperature),
+        layer_loop=ro.layer_loop, bucket_slots=ro.bucket_slots,
         time_limits=TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s))
 
 

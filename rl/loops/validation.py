@@ -2,6 +2,9 @@
 compiles, with errors that say what to change; and the record of a run's configuration
 that a resume is compared against.
 
+    validate_config(cfg)          every check of a RunConfig (RunConfig.validate): validate_run,
+                                  the host allocator, what the batch source cannot run (each
+                                  refusal says why), the reward against the task
     validate_run(train, loop)     ConfigError for a configuration that cannot learn or
                                   cannot run: group_size 1 with a group-relative
                                   advantage (every advantage is 0), a train temperature
@@ -23,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rl.learner import TrainConfig
+from rl.runtime.host_memory import check_malloc_policy
 
 # Estimators whose advantage is relative to the group (all built-ins): a group of one
 # response has advantage 0, so group_size 1 trains on nothing.
@@ -55,10 +59,75 @@ LATE_SECTIONS = frozenset({"reward"})
 CHANGEABLE_ON_RESUME = frozenset({"eval_every", "eval_prompts", "eval_greedy",
                                   "eval_sampled_prompts", "save_every", "keep_checkpoints",
                                   "segment_len", "checked"})
+# their record paths (segment_len is the rollout section's; the rest are loop fields)
+CHANGEABLE_PATHS = {name: "rollout.segment_len" if name == "segment_len" else f"loop.{name}"
+                    for name in CHANGEABLE_ON_RESUME}
+CHANGEABLE_NAMES = {path: name for name, path in CHANGEABLE_PATHS.items()}
+# the paths of options that moved to RunConfig's rollout section: still accepted in dotted
+# overrides, run_config.json files and the records of checkpoints written before the move
+LEGACY_PATHS = {"loop.segment_len": "rollout.segment_len", "loop.layer_loop": "rollout.layer_loop",
+                "loop.bucket_slots": "rollout.bucket_slots", "loop.rollout_dtype": "rollout.dtype"}
 
 
 class ConfigError(ValueError):
     """A run's configuration cannot learn, cannot run, or does not match its checkpoint."""
+
+
+def validate_config(cfg: Any) -> None:
+    """Every check of a RunConfig `cfg` (module doc), before anything loads or compiles."""
+    validate_run(cfg.train, cfg.loop)
+    check_malloc_policy(cfg.loop.host_malloc)  # this platform's C library can apply it
+    check_sources(cfg)
+    if cfg.scheduler.replay_fraction > 0:
+        from rl.loops.replay import check_replay_correction
+
+        check_replay_correction(cfg.train)
+    check_reward(cfg)
+
+
+def check_sources(cfg: Any) -> None:
+    """ValueError for what the config's batch source cannot run, saying why (the list is on
+    docs/concepts/architecture.md)."""
+    a, s, p = cfg.asynchronous, cfg.scheduler, cfg.prune
+    if p is not None and not s.is_default:
+        raise ValueError("online pruning (--prune) samples the stream uniformly; drop it or "
+                         "the prompt scheduler / rollout replay (--prompt-scheduler / "
+                         "--replay-fraction)")
+    producer = a is not None and (a.mode == "threaded" or a.rollout == "april")
+    if producer and (p is not None or not s.is_default):
+        raise ValueError(
+            "the prompt scheduler, rollout replay and online pruning choose and cut each "
+            "step's groups as one batch, which the threaded producer and APRIL rounds do "
+            "not sample (they stream prompts continuously); use them in the synchronous "
+            "loop or with --async-mode deterministic (static rollouts), or drop them")
+    if a is not None and cfg.distributed.enabled:
+        raise ValueError("asynchronous training runs its producer, buffer and param ring in "
+                         "one process; drop the async settings or the multi-process ones")
+    if cfg.task.is_env and producer:
+        raise ValueError(f"{cfg.task.spec}: environments run their episodes in the "
+                         "synchronous loop and with --async-mode deterministic (static "
+                         "rollouts); the threaded producer and APRIL drive the "
+                         f"single-turn engine, not --async-mode {a.mode} --rollout {a.rollout}")
+    if cfg.task.is_env and p is not None:
+        raise ValueError(f"{cfg.task.spec}: --prune (online rollout pruning) is for "
+                         "single-turn tasks; drop it for an environment")
+
+
+def check_reward(cfg: Any) -> None:
+    """ValueError when the reward section and the task disagree (a verifier set twice, a
+    reward function for an environment, which scores its own episodes)."""
+    r = cfg.reward
+    if r.task_options:
+        clash = {k: v for k, v in r.task_options.items()
+                 if k in cfg.task.kwargs and cfg.task.kwargs[k] != v}
+        if clash:
+            key = next(iter(clash))
+            raise ValueError(f"reward.{key}={clash[key]!r} and task option {key}="
+                             f"{cfg.task.kwargs[key]!r} disagree; set it in one place "
+                             f"(--verifier / reward.{key})")
+    if cfg.task.is_env and (r.function is not None or r.task_options):
+        raise ValueError(f"{cfg.task.spec}: an environment scores its own episodes; "
+                         "reward.function / reward.verifier are for single-turn tasks")
 
 
 def validate_run(train: TrainConfig, loop: Any) -> None:
@@ -148,7 +217,8 @@ def check_resume_config(saved: Mapping[str, Any] | None, current: Mapping[str, A
     allow = check_allowed_changes(allow)
     if saved is None:
         return
-    free = FREE_ON_RESUME | {f"loop.{name}" for name in allow}
+    saved = {LEGACY_PATHS.get(k, k): v for k, v in saved.items()}  # a record from before
+    free = FREE_ON_RESUME | {CHANGEABLE_PATHS[name] for name in allow}
     saved_sections = {k.split(".", 1)[0] for k in saved}
     unrecorded = {k for k in current if k.split(".", 1)[0] in LATE_SECTIONS - saved_sections}
     added = {k for k in set(current) - set(saved)
@@ -159,10 +229,8 @@ def check_resume_config(saved: Mapping[str, Any] | None, current: Mapping[str, A
     if not diffs:
         return
     lines = "\n".join(f"  {k}: checkpoint {a!r} -> now {b!r}" for k, a, b in diffs)
-    changeable = sorted(k.split(".", 1)[1] for k, _, _ in diffs
-                        if k.startswith("loop.") and k.split(".", 1)[1] in CHANGEABLE_ON_RESUME)
-    fixed = [k for k, _, _ in diffs
-             if not (k.startswith("loop.") and k.split(".", 1)[1] in CHANGEABLE_ON_RESUME)]
+    changeable = sorted(CHANGEABLE_NAMES[k] for k, _, _ in diffs if k in CHANGEABLE_NAMES)
+    fixed = [k for k, _, _ in diffs if k not in CHANGEABLE_NAMES]
     hint = []
     if changeable:
         hint.append(f"to change {', '.join(changeable)} on purpose, pass "

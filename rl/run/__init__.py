@@ -25,7 +25,8 @@ The top of the import direction inside rl: may import every rl subpackage, model
 kernels; nothing in rl imports rl.run (experiments/ does).
 """
 from rl.loops.config import (  # noqa: I001
-    AsyncConfig, LoggingConfig, LoopConfig, ModelSpec, Resume, RewardConfig, RunConfig, RunHooks,
+    AsyncConfig, LoggingConfig, LoopConfig, ModelSpec, Resume, RewardConfig, RolloutOptions,
+    RunConfig, RunHooks,
     TaskSpec)
 from rl.loops.harness import RunResult
 from rl.run.presets import DEFAULT_PRESET, PRESETS, get_preset, register
@@ -37,6 +38,7 @@ from rl.run.summary import format_summary, summarize
 
 __all__ = [
     "AsyncConfig", "LoggingConfig", "LoopConfig", "ModelSpec", "Resume", "RewardConfig",
+    "RolloutOptions",
     "RunConfig", "RunHooks",
     "TaskSpec", "RunResult", "DEFAULT_PRESET", "PRESETS", "get_preset", "register",
     "check_context", "load_policy", "make_task", "RunDirError", "RunPolicy", "load_run",

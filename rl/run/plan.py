@@ -15,7 +15,7 @@ the param dtype):
   snapshots   the asynchronous loop's param ring: ring_capacity copies of the trained params
               (snapshot_store "disk": at most 2 in memory, the rest on disk)
   kv_cache    the sampler's keys and values: B rows x L positions x layers x 2 x kv_heads
-              x head_dim, in the rollouts' compute dtype (loop.rollout_dtype, else the
+              x head_dim, in the rollouts' compute dtype (rollout.dtype, else the
               model's; the evals' cache is in the model's)
   activations the learner's saved activations for one micro-batch, by the remat policy
               (train.remat, else the model config's): "none" keeps per layer tokens x
@@ -133,7 +133,7 @@ def estimate_memory(model_config: ModelConfig, cfg: Any, task: Any) -> MemoryEst
     prompt, response = int(task.max_prompt_len), int(task.max_new_tokens)
     length = prompt + response
     kv = (rows * length * c.num_layers * 2 * c.num_kv_heads * c.head_dim
-          * _BYTES[loop.rollout_dtype or c.dtype])
+          * _BYTES[cfg.rollout.dtype or c.dtype])
     if train.packed:
         tokens = loop.prompts_per_step * (prompt + loop.group_size * response)
     else:

@@ -13,7 +13,8 @@ Change one with `PRESETS[name].override("loop.steps", 50)` or, on the command li
 from __future__ import annotations
 
 from rl.learner.config import OptimizerConfig, TrainConfig
-from rl.loops.config import LoggingConfig, LoopConfig, ModelSpec, RewardConfig, RunConfig, TaskSpec
+from rl.loops.config import (LoggingConfig, LoopConfig, ModelSpec, RewardConfig, RolloutOptions,
+                             RunConfig, TaskSpec)
 from rl.objectives import AdvantageConfig, LossConfig
 
 DEFAULT_PRESET = "tiny-synthetic"
@@ -57,7 +58,8 @@ register(RunConfig(
                                   min_lr_ratio=0.1),
         temperature=1.0,
     ),
-    loop=LoopConfig(steps=800, prompts_per_step=8, group_size=8, segment_len=4,
+    rollout=RolloutOptions(segment_len=4),
+    loop=LoopConfig(steps=800, prompts_per_step=8, group_size=8,
                     eval_every=50, eval_prompts=64, eval_greedy=True, save_every=200),
     logging=OFFLINE,
     headline_target=3.0,
@@ -90,7 +92,8 @@ register(RunConfig(
         # accuracy 0.17 -> 0.05 in 8 steps) instead of computing the sum
         reward_weights={"correct": 1.0, "format": 0.0},
     ),
-    loop=LoopConfig(steps=200, prompts_per_step=8, group_size=8, segment_len=16,
+    rollout=RolloutOptions(segment_len=16),
+    loop=LoopConfig(steps=200, prompts_per_step=8, group_size=8,
                     eval_every=8, eval_prompts=256, eval_greedy=True, eval_sampled_prompts=64,
                     save_every=8, time_limit_s=30 * 60.0),
     logging=OFFLINE,
@@ -115,8 +118,8 @@ register(RunConfig(
                                   b2=0.99, max_grad_norm=1.0),
         temperature=1.0,
     ),
-    # one-token turns: segment_len 1 steps the environment after every token
-    loop=LoopConfig(steps=500, prompts_per_step=32, group_size=8, segment_len=1,
+    rollout=RolloutOptions(segment_len=1),  # one-token turns: the environment steps each token
+    loop=LoopConfig(steps=500, prompts_per_step=32, group_size=8,
                     eval_every=25, eval_prompts=64, eval_greedy=True, save_every=100),
     logging=OFFLINE,
     headline_target=2.0,
@@ -143,7 +146,8 @@ register(RunConfig(
         # 543-token rows
         micro_batches=4,
     ),
-    loop=LoopConfig(steps=200, prompts_per_step=4, group_size=8, segment_len=16,
+    rollout=RolloutOptions(segment_len=16),
+    loop=LoopConfig(steps=200, prompts_per_step=4, group_size=8,
                     eval_every=5, eval_prompts=64, eval_greedy=True, save_every=5,
                     eval_sampled_prompts=16, time_limit_s=20 * 60.0),
     logging=OFFLINE,

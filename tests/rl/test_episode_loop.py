@@ -19,7 +19,7 @@ from experiments.common.train_cli import main
 from experiments.evaluate import main as evaluate_main
 from rl.envs.base import StepResult
 from rl.learner import OptimizerConfig, TrainConfig
-from rl.loops import AsyncConfig, LoopConfig, run_async
+from rl.loops import AsyncConfig, LoopConfig, RolloutOptions, run_async
 from rl.loops.episodes import EnvTask, EpisodeOptions, take_episode_metrics
 from rl.objectives import LossConfig
 from rl.tasks.base import Prompt
@@ -142,7 +142,8 @@ def test_async_deterministic_runs_episodes(scripted, tmp_path):
         task=TaskSpec("env:scripted", {"max_turns": 3}),
         train=TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
                           optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3)),
-        loop=LoopConfig(steps=3, prompts_per_step=2, group_size=4, segment_len=1, eval_every=0,
+        rollout=RolloutOptions(segment_len=1),
+        loop=LoopConfig(steps=3, prompts_per_step=2, group_size=4, eval_every=0,
                         eval_prompts=4),
         asynchronous=AsyncConfig(max_staleness=1, mode="deterministic", proximal="exact"),
         run_dir=str(tmp_path / "a"), logging=LoggingConfig(progress=False))

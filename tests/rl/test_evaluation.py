@@ -228,7 +228,7 @@ def test_eval_in_chunks_of_rows_draws_the_same_samples(tmp_path, monkeypatch):
     from models.decoder import init_params
     from rl.learner import TrainConfig
     from rl.loops import evaluation
-    from rl.loops.config import LoopConfig
+    from rl.loops.config import LoopConfig, RolloutOptions, RunConfig
     from rl.loops.evaluation import ReportOptions, eval_report, make_evaluator
     from rl.loops.rollouts import RolloutSpec, rollout_spec
     from rl.rollout.sampler_state import SamplingConfig
@@ -246,9 +246,11 @@ def test_eval_in_chunks_of_rows_draws_the_same_samples(tmp_path, monkeypatch):
 
     def record(rows, name):
         batches.clear()
-        loop = LoopConfig(eval_prompts=7, eval_greedy=True, segment_len=3, eval_max_rows=rows)
+        run_cfg = RunConfig(train=train, rollout=RolloutOptions(segment_len=3), loop=LoopConfig(
+            eval_prompts=7, eval_greedy=True, eval_max_rows=rows))
+        loop = run_cfg.loop
         logger = MetricsLogger(tmp_path / name, wandb_mode="disabled")
-        rec = make_evaluator(rollout_spec(cfg, task, train, loop), loop, logger,
+        rec = make_evaluator(rollout_spec(cfg, task, run_cfg), loop, logger,
                              reward_weights={}, clock=lambda: 0.0)(5, params, 0)
         return {k: v for k, v in rec.items() if k != "time_s"}
 
@@ -280,7 +282,7 @@ def test_eval_clear_programs_drops_the_compiled_programs_and_changes_no_number(t
     from models.config import get_config
     from models.decoder import init_params
     from rl.learner import TrainConfig
-    from rl.loops.config import LoopConfig
+    from rl.loops.config import LoopConfig, RolloutOptions, RunConfig
     from rl.loops.evaluation import make_evaluator
     from rl.loops.rollouts import rollout_spec
     from rl.rollout import sampler_core
@@ -294,11 +296,12 @@ def test_eval_clear_programs_drops_the_compiled_programs_and_changes_no_number(t
     def record(clear, name):
         step_like(jnp.ones(3))  # "the train step", compiled before the eval
         assert step_like._cache_size() == 1
-        loop = LoopConfig(eval_prompts=5, eval_greedy=True, segment_len=3,
-                          eval_clear_programs=clear)
+        run_cfg = RunConfig(train=TrainConfig(temperature=1.0), rollout=RolloutOptions(
+            segment_len=3), loop=LoopConfig(eval_prompts=5, eval_greedy=True,
+                                            eval_clear_programs=clear))
+        loop = run_cfg.loop
         logger = MetricsLogger(tmp_path / name, wandb_mode="disabled")
-        train = TrainConfig(temperature=1.0)
-        rec = make_evaluator(rollout_spec(cfg, task, train, loop), loop, logger,
+        rec = make_evaluator(rollout_spec(cfg, task, run_cfg), loop, logger,
                              reward_weights={}, clock=lambda: 0.0)(3, params, 0)
         return {k: v for k, v in rec.items() if k != "time_s"}
 

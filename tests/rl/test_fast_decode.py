@@ -150,11 +150,11 @@ def test_slot_bucket_sizes_and_one_program_for_several_batch_sizes(tiny_params):
 
 
 def test_the_loops_rollouts_take_the_decode_options(tiny_params, monkeypatch):
-    """LoopConfig.layer_loop / bucket_slots reach the train rollouts (rl.loops.rollouts
+    """RolloutOptions.layer_loop / bucket_slots reach the train rollouts (rl.loops.rollouts
     sample_groups -> RolloutConfig): 3 groups x 2 samples (6 rows in an 8-slot state) with
     unrolled layers give the default rollout's trajectory."""
     import rl.loops.rollouts as rollouts
-    from rl.loops.config import LoopConfig
+    from rl.loops.config import RolloutOptions
     from rl.loops.rollouts import RolloutSpec, sample_groups
     from rl.rollout import RolloutEngine
     from rl.tasks.synthetic import SyntheticTask
@@ -180,7 +180,7 @@ def test_the_loops_rollouts_take_the_decode_options(tiny_params, monkeypatch):
                                np.asarray(slow.behaviour_logprobs), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(fast.group_ids), np.asarray(slow.group_ids))
     assert {(s.layer_loop, s.num_slots) for s in states} == {("scan", 6), ("unrolled", 8)}
-    with pytest.raises(ValueError, match="LoopConfig.layer_loop"):
-        LoopConfig(layer_loop="fori")
-    with pytest.raises(ValueError, match="LoopConfig.bucket_slots"):
-        LoopConfig(bucket_slots=1)
+    with pytest.raises(ValueError, match="RolloutOptions.layer_loop"):
+        RolloutOptions(layer_loop="fori")
+    with pytest.raises(ValueError, match="RolloutOptions.bucket_slots"):
+        RolloutOptions(bucket_slots=1)

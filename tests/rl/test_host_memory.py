@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from experiments.common.flags import config_from_argv
-from rl.loops.config import LoopConfig, RunConfig
+from rl.loops.config import LoopConfig, RolloutOptions, RunConfig
 from rl.loops.validation import ConfigError, check_resume_config, config_record
 from rl.runtime import host_memory
 
@@ -162,8 +162,9 @@ def test_an_eval_leaves_no_arrays_in_reference_cycles(tmp_path):
     raw = arrays_in_cycles(lambda: sample_groups(params, 0, greedy, task.eval_prompts(11),
                                                  seed=0))
     assert raw, "a compiling sampler call left no arrays in cycles: nothing to check"
-    loop = LoopConfig(eval_prompts=13, segment_len=3)
-    do_eval = make_evaluator(rollout_spec(cfg, task, TrainConfig(), loop), loop,
+    run_cfg = RunConfig(loop=LoopConfig(eval_prompts=13), rollout=RolloutOptions(segment_len=3))
+    loop = run_cfg.loop
+    do_eval = make_evaluator(rollout_spec(cfg, task, run_cfg), loop,
                              MetricsLogger(tmp_path, wandb_mode="disabled"),
                              reward_weights={}, clock=lambda: 0.0)
     assert arrays_in_cycles(lambda: do_eval(1, params, 0)) == []

@@ -71,7 +71,7 @@ def test_run_starts_as_the_base_checkpoints_adapters_and_resumes_bit_exact(
         policy, straight, tmp_path):  # noqa: F811
     config, params, task = policy
     # B = 0: the step-0 eval is an eval of the plain base params, sample for sample
-    spec = RolloutSpec(task, config, group_size=1, segment_len=LOOP.segment_len,
+    spec = RolloutSpec(task, config, group_size=1, segment_len=PRESET.rollout.segment_len,
                        sampling=SamplingConfig(temperature=TRAIN.temperature))
     want = eval_metrics(params, 0, spec, task.eval_prompts(LOOP.eval_prompts),
                         seed=(LOOP.seed * 7919) % (2 ** 31),
@@ -119,7 +119,7 @@ def test_merged_sampler_params_and_composed_sample_alike(policy):  # noqa: F811
         np.testing.assert_allclose(np.asarray(merged["layers"][parent][name]["kernel"]), want,
                                    atol=1e-5, rtol=1e-5)
     prompts = task.eval_prompts(LOOP.prompts_per_step)  # the loop's sampler geometry
-    spec = RolloutSpec(task, config, group_size=LOOP.group_size, segment_len=LOOP.segment_len,
+    spec = RolloutSpec(task, config, group_size=LOOP.group_size, segment_len=PRESET.rollout.segment_len,
                        sampling=SamplingConfig(temperature=1.0))
     kw = dict(seed=3)
     got = sample_groups(merged, 1, spec, prompts, **kw)

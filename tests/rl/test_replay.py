@@ -131,7 +131,7 @@ def test_replayed_group_keeps_its_versions_and_logprobs_and_gets_the_clipped_rat
                                 config=BEHAVIOUR)
     step_fn = make_train_step(BEHAVIOUR, config)
     state = init_train_state(jax.tree.map(jnp.array, params), BEHAVIOUR, 0)
-    spec = rollout_spec(config, task, BEHAVIOUR, LOOP)
+    spec = rollout_spec(config, task, dataclasses.replace(PRESET, train=BEHAVIOUR, loop=LOOP))
     sampler = StreamSampler(spec, BEHAVIOUR, LOOP, source=source)
     first, state, pos, stats = sample_batch_groups(state, 0, sampler)
     assert stats["replayed_groups"] == 0 and pos == 2 and len(source.replay) >= 1

@@ -1,4 +1,4 @@
-"""LoopConfig.rollout_dtype: the train rollouts sample at another compute dtype than the
+"""RolloutOptions.dtype: the train rollouts sample at another compute dtype than the
 learner (a bf16 inference engine beside an fp32 learner), so the behaviour log-probs carry
 a real train/inference mismatch; evals stay at the model's dtype.
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from models.decoder import forward
-from rl.loops import (AsyncConfig, LoopConfig, RolloutSpec, rollout_model_config, run, run_async,
+from rl.loops import (AsyncConfig, LoopConfig, RolloutOptions, RolloutSpec, rollout_model_config, run, run_async,
                       sample_groups)
 from rl.rollout import SamplingConfig
 from rl.run import PRESETS, LoggingConfig, load_policy
@@ -59,7 +59,7 @@ def test_bf16_rollouts_record_the_bf16_engines_logprobs(policy):
     prompts = task.train_prompts(0, 2)
     gaps = {}
     for dtype in (None, "bfloat16"):
-        spec = RolloutSpec(task, config, group_size=4, segment_len=PRESET.loop.segment_len,
+        spec = RolloutSpec(task, config, group_size=4, segment_len=PRESET.rollout.segment_len,
                            sampling=SamplingConfig(temperature=T), compute_dtype=dtype)
         traj = sample_groups(params, 0, spec, prompts, seed=3)
         mu = np.asarray(traj.behaviour_logprobs, np.float64)
@@ -80,7 +80,8 @@ def test_loop_logs_the_mismatch_and_evals_at_the_models_dtype(policy, tmp_path):
     results = {}
     for dtype in (None, "bfloat16"):
         run_dir = tmp_path / str(dtype)
-        cfg = dataclasses.replace(PRESET, loop=dataclasses.replace(loop, rollout_dtype=dtype),
+        cfg = dataclasses.replace(PRESET, loop=loop,
+                                  rollout=dataclasses.replace(PRESET.rollout, dtype=dtype),
                                   run_dir=str(run_dir),
                                   logging=LoggingConfig(wandb="disabled", progress=False))
         run(config, params, task, cfg)
@@ -106,7 +107,8 @@ def test_async_eta_zero_equals_sync_with_bf16_rollouts(policy, tmp_path):
                                eval_prompts=4, eval_every=0, save_every=0)
 
     def cfg(name, dtype="bfloat16", **sections):
-        return dataclasses.replace(PRESET, loop=dataclasses.replace(loop, rollout_dtype=dtype),
+        return dataclasses.replace(PRESET, loop=loop,
+                                   rollout=dataclasses.replace(PRESET.rollout, dtype=dtype),
                                    run_dir=str(tmp_path / name),
                                    logging=LoggingConfig(wandb="disabled", progress=False),
                                    **sections)
@@ -126,6 +128,9 @@ def test_async_eta_zero_equals_sync_with_bf16_rollouts(policy, tmp_path):
 
 
 def test_rollout_dtype_is_validated():
-    assert LoopConfig(rollout_dtype="bfloat16").rollout_dtype == "bfloat16"
-    with pytest.raises(ValueError, match="rollout_dtype"):
-        LoopConfig(rollout_dtype="float16")
+    assert RolloutOptions(dtype="bfloat16").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="RolloutOptions.dtype"):
+        RolloutOptions(dtype="float16")
+    # the path it had before it was the rollout section's still works
+    old = PRESET.override("loop.rollout_dtype", "bfloat16")
+    assert old.rollout.dtype == "bfloat16" and old == PRESET.override("rollout.dtype", "bfloat16")

@@ -281,7 +281,7 @@ def test_memory_estimate_follows_remat_and_the_eval_rows():
     assert (e.kv_cache, e.eval_kv_cache) == (rows * kv_row, 10 * kv_row)
     assert e.eval_total == e.params + e.optimizer + e.runtime + 10 * kv_row
     assert e.peak == max(e.total, e.eval_total)
-    bf16 = estimate_memory(c, base.override("loop.rollout_dtype", "bfloat16"), task)
+    bf16 = estimate_memory(c, base.override("rollout.dtype", "bfloat16"), task)
     assert (bf16.kv_cache, bf16.eval_kv_cache) == (rows * kv_row // 2, 10 * kv_row)
     capped = estimate_memory(c, base.override("loop.eval_max_rows", 4), task)
     assert capped.eval_kv_cache == 4 * kv_row and capped.total == e.total

@@ -59,7 +59,8 @@ class _Task(SyntheticTask):
 
 def sampler_of(config, task, loop=LOOP, train=PRESET.train):
     """The StreamSampler the synchronous source samples a step's groups with (uniform)."""
-    return StreamSampler(rollout_spec(config, task, train, loop), train, loop)
+    run_cfg = dataclasses.replace(PRESET, loop=loop, train=train)
+    return StreamSampler(rollout_spec(config, task, run_cfg), train, loop)
 
 
 def committed_state(params, seed):
@@ -154,7 +155,7 @@ def test_non_finite_rewards_raise(policy, tmp_path, value):
 def test_wrong_reward_names_raise(policy):
     config, params, task = policy
     prompts = task.train_prompts(0, 2)
-    spec = rollout_spec(config, task, PRESET.train, LOOP).replace(sampling=SamplingConfig())
+    spec = rollout_spec(config, task, PRESET).replace(sampling=SamplingConfig())
     traj = sample_groups(params, 0, spec, prompts, seed=0)
     renamed = _Task(lambda p, r, base: {"accuracy": base["correct"]})
     with pytest.raises(ValueError, match="expected exactly"):

@@ -109,7 +109,33 @@ def test_resume_config_diff_lists_fields_and_allows_only_what_may_change():
     with pytest.raises(ConfigError, match="only .* may change"):
         check_resume_config(saved, saved, allow=["group_size"])
     check_resume_config(None, changed)  # a checkpoint from before records: not checked
-    assert CHANGEABLE_ON_RESUME <= {f.name for f in dataclasses.fields(LoopConfig)}
+    assert CHANGEABLE_ON_RESUME <= {f.name for f in dataclasses.fields(LoopConfig)} | {
+        "segment_len"}  # the rollout section's
+
+
+def test_a_checkpoint_from_before_the_rollout_section_resumes():
+    """The rollout options were loop fields: a record (and a run_config.json) written then
+    names them loop.*; they are read under their new paths, and a change is still caught."""
+    from rl.loops import RolloutOptions, RunConfig
+
+    rollout = RolloutOptions(segment_len=4, dtype="bfloat16")
+    now = config_record(PRESET.train, LOOP, {"rollout": rollout, "task": "synthetic"})
+    old = {k: v for k, v in now.items() if not k.startswith("rollout.")}
+    old.update({"loop.segment_len": 4, "loop.layer_loop": "scan", "loop.bucket_slots": False,
+                "loop.rollout_dtype": "bfloat16"})
+    check_resume_config(old, now)
+    moved = config_record(PRESET.train, LOOP, {"rollout": dataclasses.replace(
+        rollout, segment_len=8), "task": "synthetic"})
+    with pytest.raises(ConfigError, match="rollout.segment_len: checkpoint 4 -> now 8") as err:
+        check_resume_config(old, moved)
+    assert "--allow-config-change segment_len" in str(err.value)
+    check_resume_config(old, moved, allow=["segment_len"])
+    data = PRESET.to_dict()
+    data["loop"].update(segment_len=2, rollout_dtype="bfloat16")
+    del data["rollout"]
+    cfg = RunConfig.from_dict(data)  # an old run_config.json
+    assert cfg.rollout == RolloutOptions(segment_len=2, dtype="bfloat16")
+    assert PRESET.override("loop.segment_len", 2).rollout.segment_len == 2
 
 
 def test_a_field_added_after_the_checkpoint_matches_at_its_default_only():

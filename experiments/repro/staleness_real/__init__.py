@@ -62,7 +62,7 @@ CHAIN_SETUP = dataclasses.replace(
                                         "max_prompt_len": 400, "max_episode_tokens": 640})
 
 # the train/inference half of "missing old logits": the rg task with the rollouts sampled
-# by a bf16 engine beside the fp32 learner (LoopConfig.rollout_dtype), naive vs decoupled
+# by a bf16 engine beside the fp32 learner (RolloutOptions.dtype), naive vs decoupled
 # at staleness {0, 8}: naive PPO's old policy is then the bf16 engine's μ, decoupled PPO's
 # is the learner's exact π_prox
 MISMATCH_RUNS_DIR = RESULTS_DIR / f"{NAME}_mismatch"

@@ -93,7 +93,7 @@ def cell_config(setup: SweepSetup, method: str, k: int, seed: int, run_dir: str)
         group_size=setup.group_size, eval_every=setup.eval_every,
         eval_prompts=setup.eval_prompts, eval_greedy=True,
         eval_sampled_prompts=setup.eval_sampled_prompts, save_every=setup.save_every,
-        keep_checkpoints=1, seed=seed, time_limit_s=0.0, rollout_dtype=setup.rollout_dtype)
+        keep_checkpoints=1, seed=seed, time_limit_s=0.0)
     return dataclasses.replace(
         preset, name=f"staleness-real-{method}-k{k}", run_dir=run_dir,
         description=f"issue 35 sweep cell: {LABELS[method]}, max staleness {k}, seed {seed}"
@@ -105,6 +105,7 @@ def cell_config(setup: SweepSetup, method: str, k: int, seed: int, run_dir: str)
         reward=RewardConfig(verifier="strict" if (setup.task or "").startswith("reasoning_gym")
                             else None),
         train=method_train(method, preset.train), loop=loop,
+        rollout=dataclasses.replace(preset.rollout, dtype=setup.rollout_dtype),
         # k > 0: the param ring on disk (bit-identical; at k = 32 the in-memory ring would
         # be 34 x 0.54 GB of SmolLM2 weights beside a ~14 GB step)
         asynchronous=AsyncConfig(mode="deterministic", max_staleness=k,

@@ -251,7 +251,7 @@ def missing_old_logits(rows: list[dict], mismatch_rows: list[dict] | tuple,
                     and d0["final_accuracy"]["mean"] - n0["final_accuracy"]["mean"] > TOLERANCE)
         if present and n0 is not None and d0 is not None:  # the k = 0 pair decides
             verdict = "reproduced" if hurt and repaired else "partly"
-        note = ("bf16 rollouts (LoopConfig.rollout_dtype) give the CPU a real train/inference "
+        note = ("bf16 rollouts (RolloutOptions.dtype) give the CPU a real train/inference "
                 "discrepancy; " + note)
     else:
         note += "; the bf16-rollout suite (sweep --suite mismatch) has not run"
