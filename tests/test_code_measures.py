@@ -36,8 +36,8 @@ WIDE_EXCEPTIONS = {
         "plain generation in one call for notebooks and scripts: the sampler's options as "
         "keywords with defaults (the loops pass a RolloutSpec instead)",
     ("rl/learner/vcpo.py", "per_trajectory_grad_sq_norms"):
-        "a pure function of params and the batch's arrays (tokens, positions, masks, "
-        "advantages, weights) with the ghost-norm chunking as keywords",
+        "a pure function of params and the rows' arrays (tokens, positions, mask), then the "
+        "temperature, chunk, attention kernel and method with defaults",
 }
 
 

@@ -187,7 +187,7 @@ def test_smoke_mismatch_suite_samples_in_bf16(tmp_path):
           "--seeds", "0", "--steps", "2", "--runs-dir", str(runs), "--out",
           str(tmp_path / "mm.json"), "--work-dir", str(work)])
     rec = json.loads((runs / "decoupled_k0_s0.json").read_text())
-    assert rec["run_config"]["loop"]["rollout_dtype"] == "bfloat16"
+    assert rec["run_config"]["rollout"]["dtype"] == "bfloat16"
     assert np.all(column(rec, "mismatch_log_ratio_abs_mean") > 1e-4)
 
 

@@ -160,8 +160,8 @@ class OffPolicyConfig:
             raise ValueError(f"OffPolicyConfig.cap must be > 0 or None, got {self.cap}")
         if fn is not None and self.level not in fn.correction_levels:
             raise ValueError(f"OffPolicyConfig(correction={self.correction!r}) works at level "
-                             f"{' or '.join(map(repr, fn.correction_levels))}: set level to it, "
-                             f"got {self.level!r}")
+                             f"{' or '.join(map(repr, fn.correction_levels))}: set "
+                             f"level={fn.correction_levels[0]!r}, got {self.level!r}")
 
 
 OLD_LOGP_SOURCES = ("current", "behaviour", "proximal", "versions")  # the built-in ones

@@ -208,14 +208,15 @@ def test_pruned_rows_never_reach_the_learner_as_complete(tiny):
 
 PRESET = PRESETS["tiny-synthetic"]
 LOOP = dataclasses.replace(PRESET.loop, steps=2, prompts_per_step=2, group_size=4,
-                           eval_prompts=8, eval_every=0, save_every=0, eval_greedy=False,
-                           segment_len=2)
+                           eval_prompts=8, eval_every=0, save_every=0, eval_greedy=False)
+ROLLOUT = dataclasses.replace(PRESET.rollout, segment_len=2)
 
 
 def cfg(run_dir, loop=LOOP, prune=None):
     """The preset with this loop and online pruning `prune`, writing into run_dir, no
     wandb, no progress bar."""
-    return dataclasses.replace(PRESET, loop=loop, prune=prune, run_dir=str(run_dir),
+    return dataclasses.replace(PRESET, loop=loop, rollout=ROLLOUT, prune=prune,
+                               run_dir=str(run_dir),
                                logging=LoggingConfig(wandb="disabled", progress=False))
 
 

@@ -54,7 +54,7 @@ BASE = TrainConfig(loss=LossConfig(name="ppo_clip", params={"clip_low": 0.2, "cl
 def test_the_names_are_known_and_checked():
     assert "test_two_sided" in available_corrections()
     assert "test_midpoint" in available_old_logp()
-    with pytest.raises(ValueError, match="works at level 'token'"):
+    with pytest.raises(ValueError, match="works at level 'token': set level='token'"):
         OffPolicyConfig("test_two_sided", level="sequence")
     with pytest.raises(ValueError, match="mode for 'test_two_sided'"):
         OffPolicyConfig("test_two_sided", mode="mask")
