@@ -135,13 +135,19 @@ class OffPolicyConfig:
     with the largest (log π_prox - log μ)² are masked until the mean of the rest is <= cap,
     default 0.04, the paper's τ_M2; kept tokens weighted by π_prox/μ, uncapped; level
     "token" only). The mask is taken over one loss call's tokens: the whole batch with
-    micro_batches=1 (the paper's form), else each micro-batch's own.
+    micro_batches=1 (the paper's form), else each micro-batch's own. "icepop": IcePop's
+    two-sided token mask (rl.objectives.rejection.icepop_weights: ρ kept in [low, cap],
+    default [0.5, 5]); "rejection": masked importance sampling's rejection
+    (rl.objectives.rejection.rejection_weights: weight 1 inside [low, cap], level "token",
+    "sequence" or "geometric"; cap default 2 / 8 / 1.01, low default 1 / cap). low: the lower
+    bound of the two-sided corrections (None: their default).
     The weights multiply the per-token loss (aggregated over the original mask)."""
 
-    correction: str = "none"  # "none" | "truncated_is" | "behaviour" | "m2po" | registered
-    level: str = "token"  # "token" | "sequence"
+    correction: str = "none"  # "none" | "truncated_is" | "behaviour" | "m2po" | "icepop" | ...
+    level: str = "token"  # "token" | "sequence" (| "geometric": rejection)
     cap: float | None = None
     mode: str | None = None
+    low: float | None = None
 
     def __post_init__(self):
         known = ("none", *available_corrections())
@@ -149,15 +155,23 @@ class OffPolicyConfig:
             raise ValueError(f"OffPolicyConfig.correction must be one of {known} (or a name "
                              "registered with rl.objectives.register_correction), got "
                              f"{self.correction!r}")
-        if self.level not in ("token", "sequence"):
-            raise ValueError(f"OffPolicyConfig.level must be 'token' or 'sequence', got {self.level!r}")
         fn = None if self.correction == "none" else get_correction(self.correction)
+        if fn is None and self.level not in ("token", "sequence"):
+            raise ValueError(f"OffPolicyConfig.level must be 'token' or 'sequence', got {self.level!r}")
         modes = (None,) if fn is None else fn.correction_modes
         if self.mode not in modes:
             raise ValueError(f"OffPolicyConfig.mode for {self.correction!r} must be one of {modes}, "
                              f"got {self.mode!r}")
-        if self.cap is not None and not self.cap > 0:
-            raise ValueError(f"OffPolicyConfig.cap must be > 0 or None, got {self.cap}")
+        for name in ("cap", "low"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not v > 0):
+                raise ValueError(f"OffPolicyConfig.{name} must be > 0 or None, got {v!r}")
+        if self.low is not None and not getattr(fn, "correction_two_sided", False):
+            raise ValueError(f"OffPolicyConfig.low is a lower bound of the two-sided "
+                             f"corrections (icepop, rejection); {self.correction!r} takes none")
+        if self.low is not None and self.cap is not None and self.low > self.cap:
+            raise ValueError(f"OffPolicyConfig.low {self.low} exceeds cap {self.cap}")
         if fn is not None and self.level not in fn.correction_levels:
             raise ValueError(f"OffPolicyConfig(correction={self.correction!r}) works at level "
                              f"{' or '.join(map(repr, fn.correction_levels))}: set "

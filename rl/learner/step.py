@@ -237,8 +237,9 @@ def offpolicy_token_weights(config: OffPolicyConfig, prox: jax.Array, behaviour:
     built-ins of rl.objectives.offpolicy, or one registered); (None, {}) with "none"."""
     if config.correction == "none":
         return None, {}
+    bounds = {} if config.low is None else {"low": config.low}  # the two-sided ones'
     ow = get_correction(config.correction)(prox, behaviour, mask, level=config.level,
-                                           cap=config.cap, mode=config.mode)
+                                           cap=config.cap, mode=config.mode, **bounds)
     return ow.weights, ow.metrics
 
 

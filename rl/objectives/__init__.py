@@ -1,5 +1,5 @@
-"""The math of the objectives: advantage estimators, policy losses, off-policy corrections,
-VCPO's ESS / baseline / update scaling, turn-level credit for multi-turn episodes
+"""The math of the objectives: advantage estimators, policy losses, off-policy corrections
+(offpolicy; IcePop and the rejection masks: rejection), VCPO's ESS / baseline / update scaling, turn-level credit for multi-turn episodes
 (turn_credit), and the registries that name them.
 
 Pure functions of arrays ([batch, seq] log-probs, masks, rewards): they jit, vmap and take
@@ -23,6 +23,7 @@ from rl.objectives.offpolicy import (
                                     sequence_log_ratio,
                                     truncated_is_weights,
 )
+from rl.objectives.rejection import icepop_weights, rejection_weights
 from rl.objectives.registry import (
                                     available_advantages,
                                     available_corrections,
@@ -62,5 +63,6 @@ __all__ = [
     "sequence_log_ratio", "truncated_is_weights", "VCPOConfig", "centred_advantages",
     "ess_lr_scale", "ess_ratio", "min_variance_baseline", "scale_by_ess", "sequence_log_weights",
     "truncated_sequence_weights", "vcpo_advantages", "weight_tail_stats", "TurnCreditConfig",
-    "token_turn_advantages", "turn_advantages", "turn_returns",
+    "token_turn_advantages", "turn_advantages", "turn_returns", "icepop_weights",
+    "rejection_weights",
 ]

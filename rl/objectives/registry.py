@@ -41,12 +41,13 @@ class Registry:
 
     Args:
         kind: what is registered, used in error messages ("advantage estimator").
-        builtin_module: module whose import registers the built-in entries.
+        builtin_module: the module (or modules) whose import registers the built-in entries.
     """
 
-    def __init__(self, kind: str, builtin_module: str):
+    def __init__(self, kind: str, builtin_module: str | tuple[str, ...]):
         self.kind = kind
-        self._builtin_module = builtin_module
+        self._builtin_modules = ((builtin_module,) if isinstance(builtin_module, str)
+                                 else tuple(builtin_module))
         self._table: dict[str, Callable[..., Any]] = {}
 
     def register(self, name: str, *, overwrite: bool = False) -> Callable[[Callable], Callable]:
@@ -71,7 +72,8 @@ class Registry:
         return decorator
 
     def _load_builtins(self) -> None:
-        importlib.import_module(self._builtin_module)
+        for name in self._builtin_modules:
+            importlib.import_module(name)
 
     def get(self, name: str) -> Callable[..., Any]:
         """The function registered under ``name``; ValueError listing known names."""
@@ -129,25 +131,29 @@ def available_losses() -> tuple[str, ...]:
     return LOSSES.names()
 
 
-CORRECTIONS = Registry("off-policy correction", "rl.objectives.offpolicy")
+CORRECTIONS = Registry("off-policy correction", ("rl.objectives.offpolicy",
+                                                 "rl.objectives.rejection"))
 
 
 def register_correction(name: str, *, modes: tuple = (None,),
-                        levels: tuple[str, ...] = ("token", "sequence"),
+                        levels: tuple[str, ...] = ("token", "sequence"), two_sided: bool = False,
                         overwrite: bool = False) -> Callable[[Callable], Callable]:
     """Register an off-policy correction (OffPolicyConfig.correction = ``name``).
 
     Signature it must have: ``fn(prox_logp, behaviour_logp, mask, *, level, cap, mode)``
-    with ``[batch, seq]`` log π_prox, log μ and mask, ``cap`` None meaning its own default,
+    (and ``low`` when ``two_sided``) with ``[batch, seq]`` log π_prox, log μ and mask,
+    ``cap`` (the upper bound) and ``low`` (the lower one) None meaning its own defaults,
     returning ``rl.objectives.offpolicy.OffPolicyWeights`` (weights [batch, seq], detached,
     0 where masked or rejected; keep; scalar metrics). ``modes`` / ``levels``: the values
-    of OffPolicyConfig.mode / level it accepts (checked when the config is built)."""
+    of OffPolicyConfig.mode / level it accepts; ``two_sided``: whether it takes
+    OffPolicyConfig.low (all checked when the config is built)."""
     if name == "none":
         raise ValueError("'none' means no correction; register under another name")
 
     def decorator(fn: Callable) -> Callable:
         fn.correction_modes = tuple(modes)
         fn.correction_levels = tuple(levels)
+        fn.correction_two_sided = bool(two_sided)
         return CORRECTIONS.register(name, overwrite=overwrite)(fn)
 
     return decorator
