@@ -220,7 +220,10 @@ def make_evaluator(spec: RolloutSpec, loop: Any, logger: MetricsLogger, *,
     """do_eval(step, params, version) -> the logged eval record: eval_report's main pass
     (flat_metrics: reward, each named reward, accuracy, accuracy_stderr, mean_length,
     truncated_frac) sampled at the train temperature, plus the same with prefix "greedy_"
-    with loop.eval_greedy (seed from loop.seed and step), and time_s (clock()). `spec`: the
+    with loop.eval_greedy (seed from loop.seed and step), and time_s (clock()). Each pass's
+    per-problem accuracy goes to the logger's per-problem file (eval_problems.jsonl:
+    {"step", "pass": "sampled" | "greedy", "prompt_index", "accuracy"}), for paired
+    comparisons between runs on the same problems. `spec`: the
     run's train rollouts (rollout_spec); evals sample at the learner's dtype (they measure
     its policy). loop.eval_max_rows > 0 samples the prompts in chunks of that many rows (a
     smaller KV cache; the same samples: the rng keys follow the prompt's index)."""
@@ -239,10 +242,14 @@ def make_evaluator(spec: RolloutSpec, loop: Any, logger: MetricsLogger, *,
             prompts = eval_prompts
             if not prefix and loop.eval_sampled_prompts:
                 prompts = eval_prompts[:loop.eval_sampled_prompts]
-            res = eval_metrics(params, version, spec.replace(sampling=sampling), prompts,
-                               seed=(loop.seed * 7919 + step) % (2 ** 31), reward_weights=weights,
-                               max_slots=loop.eval_max_rows or None)
+            options = ReportOptions(reward_weights=weights, max_slots=loop.eval_max_rows or None)
+            report = eval_report(params, version, spec.replace(sampling=sampling), prompts,
+                                 seed=(loop.seed * 7919 + step) % (2 ** 31), options=options)
+            res = flat_metrics(report)
             res.update(episodes.take_episode_metrics(spec.task))  # an environment: its episodes
+            logger.log_problems(step, {"pass": prefix.rstrip("_") or "sampled",
+                                       "prompt_index": [int(p.index) for p in prompts],
+                                       "accuracy": report["per_prompt_accuracy"]})
             rec.update({f"{prefix}{k}": v for k, v in res.items()})
         if loop.eval_clear_programs:  # and the eval's programs not beside the next steps'
             jax.clear_caches()

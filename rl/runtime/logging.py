@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 from rl.runtime.storage import StorageError
 
 WANDB_MODES = ("offline", "online", "disabled")
+PROBLEMS_FILE = "eval_problems.jsonl"  # each eval's per-problem results (MetricsLogger)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -105,15 +106,68 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return out
 
 
+class JsonlFile:
+    """An append-only JSONL file of records {"step", ...}: with `resume_step`, the records
+    after that step (written after the checkpoint being resumed) are dropped first,
+    atomically; `records` holds what was kept and what was appended since. append() is one
+    write of the whole line (no torn record on a crash; a failed write leaves no partial
+    line). writer=False keeps the records in memory only (the other processes of a run)."""
+
+    def __init__(self, path: Path, *, writer: bool, resume_step: int | None, what: str):
+        self.path, self.writer, self.what = Path(path), writer, what
+        self.records: list[dict] = [] if resume_step is None else [
+            r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
+        if self.writer:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+            except OSError as err:
+                raise self.failure(err, f"the {what}") from err
+
+    def append(self, record: dict, what: str) -> None:
+        self.records.append(record)
+        if not self.writer:
+            return
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                end = os.fstat(fd).st_size
+                try:  # one write of the whole line: no torn records on a crash
+                    if os.write(fd, line) != len(line):
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+                except OSError:
+                    with contextlib.suppress(OSError):  # no torn line left behind
+                        os.ftruncate(fd, end)
+                    raise
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise self.failure(err, what) from err
+
+    def failure(self, err: OSError, what: str) -> Exception:
+        return StorageError.of(err, what=what, path=self.path) or err
+
+    def fsync(self) -> None:
+        if self.writer and self.path.exists():
+            with contextlib.suppress(OSError):
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+
 class MetricsLogger:
     """log(step, metrics, kind) appends {"step", "kind", **metrics} to run_dir/metrics.jsonl
-    (one write per record) and to wandb under "<kind>/<name>".
+    (one write per record) and to wandb under "<kind>/<name>"; log_problems(step, record)
+    appends an eval's per-problem results to run_dir/eval_problems.jsonl (not to wandb).
 
     With `resume_step`, records after that step (written after the checkpoint being
-    resumed) are dropped first, atomically, so the file matches the resumed run;
+    resumed) are dropped first, atomically, so the files match the resumed run;
     `records` holds what was kept.
 
-    writer: whether this process writes the file and wandb (default: it is JAX process 0;
+    writer: whether this process writes the files and wandb (default: it is JAX process 0;
     every other process of a multi-process run only keeps `records`).
     """
 
@@ -129,20 +183,21 @@ class MetricsLogger:
             writer = jax.process_index() == 0
         self.writer = bool(writer)
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / "metrics.jsonl"
-        if resume_step is None:
-            self.records: list[dict] = []
-        else:
-            self.records = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
-        if self.writer:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
-            except OSError as err:
-                raise self._failure(err, "the metrics file") from err
+        self.metrics = JsonlFile(self.run_dir / "metrics.jsonl", writer=self.writer,
+                                 resume_step=resume_step, what="metrics file")
+        self.problems = JsonlFile(self.run_dir / PROBLEMS_FILE, writer=self.writer,
+                                  resume_step=resume_step, what="per-problem eval file")
         self._wandb = None
         if wandb_mode != "disabled" and self.writer:
             self._wandb = self._init_wandb(wandb_mode, project, run_name, config, resume_step)
+
+    @property
+    def path(self) -> Path:
+        return self.metrics.path
+
+    @property
+    def records(self) -> list[dict]:
+        return self.metrics.records
 
     def _init_wandb(self, mode, project, run_name, config, resume_step):
         import wandb  # imported lazily: slow, and not needed with wandb disabled
@@ -159,42 +214,23 @@ class MetricsLogger:
     def log(self, step: int, metrics: Mapping[str, Any], kind: str = "train") -> dict:
         """Record scalar metrics at `step`; returns the record written."""
         record = {"step": int(step), "kind": kind, **_clean(metrics)}
-        self.records.append(record)
-        if not self.writer:
-            return record
-        line = (json.dumps(record) + "\n").encode("utf-8")
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                end = os.fstat(fd).st_size
-                try:  # one write of the whole line: no torn records on a crash
-                    if os.write(fd, line) != len(line):
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
-                except OSError:
-                    with contextlib.suppress(OSError):  # no torn line left behind
-                        os.ftruncate(fd, end)
-                    raise
-            finally:
-                os.close(fd)
-        except OSError as err:
-            raise self._failure(err, f"the {kind} record of step {int(step)}") from err
+        self.metrics.append(record, f"the {kind} record of step {int(step)}")
         if self._wandb is not None:
             self._wandb.log({f"{kind}/{k}": v for k, v in record.items()
                              if k not in ("step", "kind") and v is not None}, step=int(step))
         return record
 
-    def _failure(self, err: OSError, what: str) -> Exception:
-        return StorageError.of(err, what=what, path=self.path) or err
+    def log_problems(self, step: int, record: Mapping[str, Any]) -> dict:
+        """Append an eval's per-problem record {"step", **record} (e.g. the pass, the
+        prompts' indices and each one's accuracy); returns it."""
+        out = {"step": int(step), **record}
+        self.problems.append(out, f"the per-problem eval of step {int(step)}")
+        return out
 
     def close(self) -> None:
-        """Flush metrics.jsonl to the disk (fsync) and finish wandb."""
-        if self.writer and self.path.exists():
-            with contextlib.suppress(OSError):
-                fd = os.open(self.path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        """Flush the files to the disk (fsync) and finish wandb."""
+        self.metrics.fsync()
+        self.problems.fsync()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -54,7 +54,7 @@ def timeline(policy, tmp_path_factory):
     in_eval, marks = [False], []
     with pytest.MonkeyPatch.context() as mp:
         counter = CallCounter(mp, RolloutEngine, "step")
-        original_step, original_eval = RolloutEngine.step, evaluation_module.eval_metrics
+        original_step, original_eval = RolloutEngine.step, evaluation_module.eval_report
 
         def step(self, *a, **k):
             marks.append(in_eval[0])
@@ -68,7 +68,7 @@ def timeline(policy, tmp_path_factory):
                 in_eval[0] = False
 
         mp.setattr(RolloutEngine, "step", step)
-        mp.setattr(evaluation_module, "eval_metrics", evaluate)
+        mp.setattr(evaluation_module, "eval_report", evaluate)
         run_dir = tmp_path_factory.mktemp("timeline")
         res = run(config, params, task, cfg(run_dir, SAVING))
     assert counter.calls == len(marks) and any(marks) and not all(marks)

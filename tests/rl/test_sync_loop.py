@@ -177,3 +177,21 @@ def test_loop_config_validation():
         LoopConfig(group_size=0)
     with pytest.raises(ValueError, match="steps"):
         LoopConfig(steps=-1)
+
+
+def test_evals_save_per_problem_results_that_resume_cleanly(policy, tmp_path):
+    """Every eval pass writes each problem's accuracy to eval_problems.jsonl; their mean is
+    the eval record's accuracy; a resumed run drops what came after its checkpoint."""
+    config, params, task = policy
+    loop = dataclasses.replace(LOOP, steps=2, eval_every=1, eval_greedy=True)
+    run(config, params, task, cfg(tmp_path / "r", dataclasses.replace(loop, steps=1)))
+    res = run(config, params, task, cfg(tmp_path / "r", loop), resume=True)
+    lines = [json.loads(x) for x in (tmp_path / "r" / "eval_problems.jsonl").read_text()
+             .splitlines()]
+    assert [(r["step"], r["pass"]) for r in lines] == [
+        (s, p) for s in (0, 1, 2) for p in ("sampled", "greedy")]
+    evals = {r["step"]: r for r in res.eval}
+    for r in lines:
+        assert r["prompt_index"] == list(range(LOOP.eval_prompts))
+        key = "accuracy" if r["pass"] == "sampled" else "greedy_accuracy"
+        assert np.mean(r["accuracy"]) == pytest.approx(evals[r["step"]][key])
