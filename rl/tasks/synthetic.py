@@ -1,11 +1,15 @@
 """A symbol-sequence task the `tiny` model learns from scratch by RL, tokenizer-free.
 
-Prompt: [BOS, s_1 .. s_k, SEP] with k symbols from an alphabet of A; the response is k
-tokens (the sampler's budget; no stop id) and should be f(s): "copy" (s itself),
-"reverse" (s_k .. s_1) or "shift" (s_i + 1 mod A, position-wise). Reward "correct" =
-fraction of the k positions right, so a random policy earns partial, per-position credit:
-1 / vocab_size per position for a uniform policy over the whole vocabulary (the
-vocabulary is the alphabet plus 4 special ids, kept tiny on purpose).
+Prompt: [BOS, s_1 .. s_k, SEP] with k symbols from an alphabet of A; the response is
+k·repeats tokens (the sampler's budget; no stop id) and should be f(s) written `repeats`
+times: f = "copy" (s itself), "reverse" (s_k .. s_1) or "shift" (s_i + 1 mod A,
+position-wise); "count" counts on from s_1 instead (s_1 + 1, s_1 + 2, ... mod A for all
+k·repeats tokens: each token follows from the one before, a rule a tiny model learns fast). Reward "correct" = fraction of the k·repeats positions right, so a random
+policy earns partial, per-position credit: 1 / vocab_size per position for a uniform
+policy over the whole vocabulary (the vocabulary is the alphabet plus 4 special ids, kept
+tiny on purpose). repeats > 1 makes long responses (32-128 tokens) from short prompts:
+the off-policy testbed (experiments/repro/staleness_testbed.py), where log-ratio tails
+grow with the response.
 
 Token ids: 0 pad, 1 BOS, 2 EOS (unused by the task), 3 SEP, symbols 4 .. 4 + A - 1.
 """
@@ -21,14 +25,15 @@ from rl.tasks.base import Prompt, check_count, in_eval_split
 
 PAD, BOS, EOS, SEP = 0, 1, 2, 3
 FIRST_SYMBOL = 4
-KINDS = ("copy", "reverse", "shift")
+KINDS = ("copy", "reverse", "shift", "count")
 
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticTask:
-    """kind: "copy" | "reverse" | "shift"; length: k symbols; alphabet: A symbols;
+    """kind: "copy" | "reverse" | "shift" | "count"; length: k symbols; alphabet: A symbols;
     seed: fixes the train/eval split and both streams; eval_fraction: share of all A^k
-    sequences held out for eval."""
+    sequences held out for eval; repeats: f(s) written this many times (the response is
+    k·repeats tokens)."""
 
     kind: str = "reverse"
     length: int = 4
@@ -36,12 +41,14 @@ class SyntheticTask:
     seed: int = 0
     eval_fraction: float = 0.125
     name: str = "synthetic"
+    repeats: int = 1
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"SyntheticTask.kind must be one of {KINDS}, got {self.kind!r}")
         check_count("SyntheticTask.length", self.length, 1)
         check_count("SyntheticTask.alphabet", self.alphabet, 2)
+        check_count("SyntheticTask.repeats", self.repeats, 1)
         if self.alphabet ** self.length > 1_000_000:
             raise ValueError("SyntheticTask: alphabet ** length must be <= 1e6 (the eval split "
                              f"is enumerated); got {self.alphabet}**{self.length}")
@@ -68,7 +75,7 @@ class SyntheticTask:
 
     @property
     def max_new_tokens(self) -> int:
-        return self.length
+        return self.length * self.repeats
 
     def random_baseline(self) -> float:
         """Expected reward of a policy uniform over the whole vocabulary."""
@@ -76,13 +83,17 @@ class SyntheticTask:
 
     # ------------------------------------------------------------------ data
     def target(self, symbols: Sequence[int]) -> tuple[int, ...]:
-        """f(s) for symbols given as 0-based alphabet indices."""
+        """f(s) written `repeats` times, for symbols given as 0-based alphabet indices."""
         s = tuple(int(x) for x in symbols)
+        if self.kind == "count":
+            return tuple((s[0] + 1 + j) % self.alphabet for j in range(self.max_new_tokens))
         if self.kind == "copy":
-            return s
-        if self.kind == "reverse":
-            return s[::-1]
-        return tuple((x + 1) % self.alphabet for x in s)
+            f = s
+        elif self.kind == "reverse":
+            f = s[::-1]
+        else:
+            f = tuple((x + 1) % self.alphabet for x in s)
+        return f * self.repeats
 
     def _is_eval(self, symbols: tuple[int, ...]) -> bool:
         return in_eval_split(bytes(symbols), self.seed, self.eval_fraction)
@@ -124,14 +135,15 @@ class SyntheticTask:
 
     # ------------------------------------------------------------------ verifier
     def reward(self, prompt: Prompt, response: Sequence[int] | str) -> dict[str, float]:
-        """{"correct": fraction of the k positions where response token == target};
+        """{"correct": fraction of the k·repeats positions where response token == target};
         missing positions count as wrong, extra tokens are ignored."""
         if isinstance(response, str):
             raise ValueError("SyntheticTask.reward takes response token ids, not text")
-        resp = [int(t) for t in response][:self.length]
+        n = self.max_new_tokens
+        resp = [int(t) for t in response][:n]
         want = [FIRST_SYMBOL + x for x in prompt.answer]
         hits = sum(int(a == b) for a, b in zip(resp, want))
-        return {"correct": hits / self.length}
+        return {"correct": hits / n}
 
     def describe(self, prompt: Prompt, response: Sequence[int]) -> str:
         def sym(t):
