@@ -1,4 +1,5 @@
-"""The sweep's methods and the one run config every cell starts from.
+"""The sweep's methods and the one run config every cell starts from (the methods'
+definitions are shared with the toy testbed: experiments.common.offpolicy_methods).
 
 Each method is a change to the `smollm2-rg` preset's learner (PPO-clip 0.2 / 0.28,
 token-mean, GRPO advantages, AdamW 2e-5 with 3 warm-up steps, temperature 0.8, packed),
@@ -29,17 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from rl.learner import OffPolicyConfig, TrainConfig
+from experiments.common.offpolicy_methods import COLORS, LABELS, method_train  # noqa: F401
 from rl.loops import AsyncConfig
 from rl.loops.config import LoggingConfig, RewardConfig, RunConfig, TaskSpec
-from rl.objectives import VCPOConfig
 from rl.run import PRESETS
 
-METHODS = ("naive", "decoupled", "m2po", "vcpo")
-VCPO_CHUNK = 8  # rows per batched pass of VCPO's exact (ghost) gradient norms
-LABELS = {"naive": "naive PPO (old = behaviour μ)", "decoupled": "decoupled PPO (AReaL)",
-          "m2po": "M2PO", "vcpo": "VCPO"}
-COLORS = {"naive": "tab:gray", "decoupled": "tab:green", "m2po": "tab:blue", "vcpo": "tab:red"}
+METHODS = ("naive", "decoupled", "m2po", "vcpo")  # of experiments.common.offpolicy_methods
 BASE_PRESET = "smollm2-rg"
 
 
@@ -62,27 +58,6 @@ class SweepSetup:
     task_seed: int = 0
     preset: str = BASE_PRESET  # the learner, loop and model every method starts from
     rollout_dtype: str | None = None  # the sampler's compute dtype (None: the model's, fp32)
-
-
-def method_train(method: str, base: TrainConfig) -> TrainConfig:
-    """The base learner with `method`'s correction (module docstring); every method logs ρ."""
-    monitor = VCPOConfig(monitor=True)
-    if method == "naive":
-        return dataclasses.replace(base, old_logp="behaviour", vcpo=monitor)
-    if method == "decoupled":
-        return dataclasses.replace(base, old_logp="current", vcpo=monitor, offpolicy=OffPolicyConfig(
-            correction="behaviour", level="token", cap=5.0, mode="mask"))
-    if method == "m2po":
-        return dataclasses.replace(base, old_logp="current", vcpo=monitor,
-                                   offpolicy=OffPolicyConfig(correction="m2po", cap=0.04))
-    if method == "vcpo":
-        # the ghost norms (one batched pass, models.ghost_norms). vcpo_k8_s0 ran with the
-        # vmap(grad) twin at 2 rows a chunk (at 8 it held 8 gradient copies of 0.54 GB and
-        # reached 20 GB resident); the two agree to float rounding, and the choice is free on
-        # resume
-        return dataclasses.replace(base, old_logp="current", vcpo=VCPOConfig(
-            enabled=True, grad_norms="ghost", chunk=VCPO_CHUNK))
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
 def cell_config(setup: SweepSetup, method: str, k: int, seed: int, run_dir: str) -> RunConfig:
