@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -83,8 +84,12 @@ class Estimate:
         return not self.low <= x <= self.high
 
     def as_dict(self) -> dict:
-        return {"value": self.value, "low": self.low, "high": self.high, "level": self.level,
-                "half_width": self.half_width}
+        """JSON: a statistic that is undefined (e.g. a share of a zero gain) is None."""
+        def clean(x):
+            return float(x) if math.isfinite(x) else None
+
+        return {"value": clean(self.value), "low": clean(self.low), "high": clean(self.high),
+                "level": self.level, "half_width": clean(self.half_width)}
 
 
 def bootstrap(tables: Sequence[np.ndarray], statistic: Callable[..., float], *,
@@ -104,7 +109,8 @@ def bootstrap(tables: Sequence[np.ndarray], statistic: Callable[..., float], *,
         cols = rng.integers(0, p, p)
         values[b] = statistic(*(t[np.ix_(rows, cols)] for t in tables))
     tail = (1 - level) / 2
-    lo, hi = np.quantile(values, [tail, 1 - tail])
+    finite = values[np.isfinite(values)]
+    lo, hi = np.quantile(finite, [tail, 1 - tail]) if finite.size else (np.nan, np.nan)
     return Estimate(float(statistic(*tables)), float(lo), float(hi), level)
 
 

@@ -1,0 +1,259 @@
+"""The off-policy testbed with power: a tiny policy trained from scratch on long responses,
+where stale data can hurt, many seeds per cell, paired verdicts.
+
+    python -m experiments.repro.staleness_testbed sweep [--methods ...] [--ks 0 4 16 64]
+                                                        [--seeds 0 1 2 3 4] [--max-cells N]
+    python -m experiments.repro.staleness_testbed report
+
+The task: rl.tasks.SyntheticTask (SETUP.task_options: long responses, per-position credit);
+the learner and loop: the tiny-synthetic preset with SETUP's changes. Every cell (method,
+staleness k, seed) trains with the deterministic k-stale source (step v samples with the
+params of version max(v − k, 0); k = 0 is the synchronous run) for SETUP.steps steps, so the
+version-0 warm-up is k / steps of the run; the methods are experiments.common.offpolicy_methods'.
+A finished cell's record (its curves, and each eval problem's count of correct positions at
+the initial and final greedy evals, read from the run's eval_problems.jsonl) goes to
+experiments/results/staleness_testbed/<method>_k<k>_s<seed>.json; a cell with a record is
+skipped, so a stopped sweep continues when the command is run again.
+
+The report and its rule, fixed before the runs (docs/results/staleness-testbed.md): the
+measure is greedy eval reward (the share of correct positions) on SETUP.eval_prompts
+held-out problems at the last step; tables are [seeds, problems], paired by seed and
+problem (experiments.common.paired: 4000 bootstrap replicates drawing seeds and problems).
+  G            the synchronous gain: naive PPO at k = 0 minus the initial policy
+  kept(m, k)   (m at k − initial) / G, with its CI
+  staleness hurts at k   when naive PPO's kept share at k has a CI below 0.8
+  m holds at k when kept(m, k) >= 0.8 and the paired CI of (m − naive) at k excludes 0
+               from below (m beats naive PPO)
+  verdict      reproduced: m holds at every k where staleness hurts; partly: at some;
+               not: at none (and "untested" where staleness hurts nowhere)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments.common.offpolicy_methods import (COLORS, LABELS, METHODS, method_proximal,
+                                                  method_train)
+from experiments.common.paired import gain_kept, paired_bootstrap, problem_results
+from rl.loops import AsyncConfig
+from rl.run import PRESETS, RunConfig, train
+from rl.runtime.host import machine
+from rl.runtime.logging import atomic_write_json
+
+RESULTS = Path("experiments/results")
+CELLS_DIR = RESULTS / "staleness_testbed"
+RESULT = RESULTS / "staleness_testbed.json"
+WORK_DIR = Path("runs/staleness_testbed")
+KEPT = 0.8  # the share of the synchronous gain a method must keep to hold
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every cell shares (recorded in each cell's record)."""
+
+    task_options: tuple = (("kind", "copy"), ("length", 8), ("alphabet", 4), ("repeats", 4))
+    steps: int = 600
+    prompts_per_step: int = 8
+    group_size: int = 8
+    learning_rate: float = 1e-3
+    entropy_coef: float = 0.03
+    segment_len: int = 8
+    eval_every: int = 100
+    eval_prompts: int = 512
+
+    def paths(self) -> dict:
+        return {"task.options": dict(self.task_options), "loop.steps": self.steps,
+                "loop.prompts_per_step": self.prompts_per_step,
+                "loop.group_size": self.group_size, "loop.eval_every": self.eval_every,
+                "loop.eval_prompts": self.eval_prompts, "loop.eval_greedy": True,
+                "loop.eval_sampled_prompts": 64, "loop.save_every": 0,
+                "train.optimizer.learning_rate": self.learning_rate,
+                "train.optimizer.decay_steps": max(self.steps - 10, 1),
+                "train.loss.entropy_coef": self.entropy_coef,
+                "rollout.segment_len": self.segment_len,
+                "logging.wandb": "disabled", "logging.progress": False}
+
+
+SETUP = Setup()
+
+
+def cell_name(method: str, k: int, seed: int) -> str:
+    return f"{method}_k{k}_s{seed}"
+
+
+def cell_config(setup: Setup, method: str, k: int, seed: int, run_dir: Path) -> RunConfig:
+    """The RunConfig of one (method, k, seed) cell (module doc)."""
+    cfg = PRESETS["tiny-synthetic"].overrides({**setup.paths(), "loop.seed": seed,
+                                                "model.init_seed": seed,
+                                                "run_dir": str(run_dir)})
+    return dataclasses.replace(
+        cfg, name=f"testbed-{cell_name(method, k, seed)}", train=method_train(method, cfg.train),
+        asynchronous=AsyncConfig(mode="deterministic", max_staleness=k,
+                                 proximal=method_proximal(method)))
+
+
+def cell_record(setup: Setup, method: str, k: int, seed: int, run_dir: Path, wall_s: float
+                ) -> dict:
+    """A finished cell's record: curves and the per-problem correct-position counts."""
+    res = problem_results(run_dir)
+    first, last = min(res), max(res)
+    n = dict(setup.task_options).get("length", 4) * dict(setup.task_options).get("repeats", 1)
+    evals = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_recs = [r for r in evals if r["kind"] == "train"]
+    evals = [r for r in evals if r["kind"] == "eval"]
+
+    def counts(step):
+        probs = res[step]["greedy"]
+        return [int(round(probs[i] * n)) for i in sorted(probs)]
+
+    keys = ("reward_mean", "clip_frac", "behav_kept_frac", "is_kept_frac", "m2po_masked_frac",
+            "icepop_masked_frac", "vcpo_ess", "staleness_log_ratio_abs_mean",
+            "mismatch_log_ratio_abs_mean", "entropy")
+    return {"method": method, "k": k, "seed": seed, "setup": dataclasses.asdict(setup),
+            "positions": n, "initial_step": first, "final_step": last,
+            "initial_correct": counts(first), "final_correct": counts(last),
+            "eval": [[e["step"], e.get("greedy_reward"), e.get("reward")] for e in evals],
+            "train_keys": ["step", *keys],
+            "train": [[r["step"], *(None if r.get(key) is None else round(float(r[key]), 5)
+                                    for key in keys)] for r in train_recs[::10]],
+            "wall_s": round(wall_s, 1), "machine": machine()}
+
+
+def sweep(methods: list[str], ks: list[int], seeds: list[int], max_cells: int | None,
+          setup: Setup = SETUP, cells_dir: Path = CELLS_DIR, work_dir: Path = WORK_DIR) -> None:
+    """Train every missing cell (seed by seed, so each seed's grid completes first)."""
+    todo = [(m, k, s) for s in seeds for k in ks for m in methods
+            if not (cells_dir / f"{cell_name(m, k, s)}.json").is_file()]
+    for i, (m, k, s) in enumerate(todo[:max_cells]):
+        run_dir = work_dir / cell_name(m, k, s)
+        shutil.rmtree(run_dir, ignore_errors=True)  # minutes a cell: an unfinished one restarts
+        t0 = time.perf_counter()
+        train(cell_config(setup, m, k, s, run_dir))
+        rec = cell_record(setup, m, k, s, run_dir, time.perf_counter() - t0)
+        atomic_write_json(cells_dir / f"{cell_name(m, k, s)}.json", rec)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        print(f"[{i + 1}/{len(todo)}] {cell_name(m, k, s)}: reward "
+              f"{np.mean(rec['initial_correct']) / rec['positions']:.3f} -> "
+              f"{np.mean(rec['final_correct']) / rec['positions']:.3f} ({rec['wall_s']} s)",
+              file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- report
+def load_cells(cells_dir: Path = CELLS_DIR) -> dict[tuple[str, int], dict[int, dict]]:
+    """{(method, k): {seed: record}}."""
+    out: dict[tuple[str, int], dict[int, dict]] = {}
+    for f in sorted(cells_dir.glob("*.json")):
+        r = json.loads(f.read_text())
+        out.setdefault((r["method"], r["k"]), {})[r["seed"]] = r
+    return out
+
+
+def table(cell: dict[int, dict], seeds: list[int], key: str = "final_correct") -> np.ndarray:
+    """[seeds, problems] greedy reward of a cell's seeds."""
+    return np.asarray([np.asarray(cell[s][key], np.float64) / cell[s]["positions"]
+                       for s in seeds])
+
+
+def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT) -> dict:
+    """The verdicts by the module doc's rule, from the committed cell records."""
+    cells = load_cells(cells_dir)
+    if ("naive", 0) not in cells:
+        raise SystemExit("no synchronous baseline (naive, k=0) yet: run the sweep first")
+    ks = sorted({k for _, k in cells})
+    rows, verdicts = [], {}
+    base = cells[("naive", 0)]
+    for (m, k), cell in sorted(cells.items(), key=lambda c: (c[0][1], METHODS.index(c[0][0]))):
+        seeds = sorted(set(cell) & set(base))
+        if not seeds:
+            continue
+        init, sync, mine = (table(base, seeds, "initial_correct"), table(base, seeds),
+                            table(cell, seeds))
+        row = {"method": m, "k": k, "seeds": seeds, "final": float(mine.mean()),
+               "kept": gain_kept(mine, sync, init).as_dict()}
+        naive = cells.get(("naive", k), {})
+        both = sorted(set(seeds) & set(naive))
+        if m != "naive" and both:
+            row["vs_naive"] = paired_bootstrap(table(cell, both), table(naive, both)).as_dict()
+        rows.append(row)
+    def below(x, bound):  # an undefined statistic (no gain to keep) decides nothing
+        return x is not None and x < bound
+
+    hurts = {r["k"] for r in rows if r["method"] == "naive" and r["k"] > 0
+             and below(r["kept"]["high"], KEPT)}
+    for m in METHODS:
+        if m == "naive":
+            continue
+        held = {r["k"] for r in rows if r["method"] == m and r["k"] in hurts
+                and not below(r["kept"]["value"], KEPT) and r["kept"]["value"] is not None
+                and not below(r.get("vs_naive", {}).get("low"), 1e-12)
+                and r.get("vs_naive", {}).get("low") is not None}
+        tested = {r["k"] for r in rows if r["method"] == m and r["k"] in hurts}
+        verdicts[m] = ("untested" if not tested else "reproduced" if held == tested and
+                       tested == hurts else "partly" if held else "not")
+    g = float(table(base, sorted(base)).mean() - table(base, sorted(base), "initial_correct").mean())
+    result = {"headline": {"metric": "synchronous gain of greedy reward (naive PPO, k=0)",
+                           "value": round(g, 4), "target": ">= 0.2 lost by naive PPO at the "
+                           "largest k", "machine": machine()},
+              "rule": {"kept": KEPT, "ci": 0.95, "replicates": 4000}, "ks": ks,
+              "staleness_hurts_at": sorted(hurts), "rows": rows, "verdicts": verdicts,
+              "setup": dataclasses.asdict(SETUP),
+              "command": "python -m experiments.repro.staleness_testbed report"}
+    atomic_write_json(out, result)
+    plot(rows, out.with_suffix(".png"))
+    return result
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in METHODS:
+        rs = sorted((r for r in rows if r["method"] == m and None not in (
+            r["kept"]["value"], r["kept"]["low"], r["kept"]["high"])), key=lambda r: r["k"])
+        if not rs:
+            continue
+        ks = [max(r["k"], 0.5) for r in rs]
+        v = [r["kept"]["value"] for r in rs]
+        err = [[r["kept"]["value"] - r["kept"]["low"] for r in rs],
+               [r["kept"]["high"] - r["kept"]["value"] for r in rs]]
+        ax.errorbar(ks, v, yerr=err, fmt="o-", color=COLORS[m], capsize=3, label=LABELS[m])
+    ax.axhline(KEPT, color="k", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max staleness k (k = 0 plotted at 0.5)")
+    ax.set_ylabel("share of the synchronous gain kept")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m experiments.repro.staleness_testbed")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("sweep")
+    s.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    s.add_argument("--ks", nargs="+", type=int, default=[0, 4, 16, 64])
+    s.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    s.add_argument("--max-cells", type=int)
+    sub.add_parser("report")
+    args = p.parse_args(argv)
+    if args.cmd == "sweep":
+        sweep(args.methods, args.ks, args.seeds, args.max_cells)
+    else:
+        r = report()
+        print(json.dumps({"staleness_hurts_at": r["staleness_hurts_at"],
+                          "verdicts": r["verdicts"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
