@@ -26,9 +26,14 @@ Answer parsers for a reference column (`parse_reference(text, answer_format)`):
   boxed    the content of the last \\boxed{...} (MATH-style solutions)
   auto     gsm8k when the text has "####", else boxed when it has a \\boxed{}, else plain
 
-The model's answer in a response: `extract_answer(text, reference)`: the last \\boxed{...};
-without one the last number (numeric reference) or the text after the last "answer is" /
-"answer:" / "=" on the last line.
+The model's answer in a response: `extract_answer(text, reference)`: what the response
+states as its answer, not a stray number: its last \\boxed{...}; else the first value after
+its last explicit answer marker ("answer is", "answer:", "final answer", "####"); else the
+last number (numeric reference) or the last line's text after "=". So "The answer is 86,
+not 85" answers 86, "The answer is 85. Check: 80 + 5 = 85" answers 85, and a LaTeX
+fraction ("\\frac{170}{2}") reaches the math verifier whole. The cases that gamed the
+older last-number rule, and how each reads now, are tests/rl/test_verifiers.py's
+adversarial table (docs/guides/byo.md#what-counts-as-the-answer).
 """
 from __future__ import annotations
 
@@ -42,7 +47,14 @@ from rl.tasks.math_answers import extract_final_boxed, math_equal
 ANSWER_FORMATS = ("auto", "plain", "gsm8k", "boxed")
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
-_ANSWER_IS = re.compile(r"(?:answer\s*(?:is\s*:?|:)|=)\s*(.+?)\s*$", re.IGNORECASE | re.DOTALL)
+# a number (thousands commas, decimals, a/b, a percent sign) or a LaTeX fraction
+_VALUE = re.compile(r"-?\\[dt]?frac\{[^{}]*\}\{[^{}]*\}|-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?")
+# what a response says its answer is; the last one counts
+_MARKER = re.compile(r"(?:final\s+answer|answer|the\s+result)\s*(?:is|:|=)\s*:?|####",
+                     re.IGNORECASE)
+_SENTENCE = re.compile(r"[^\n]*?(?=(?:[.;!?](?:\s|$))|\n|$)")
+_EQUALS = re.compile(r"=\s*(.+?)\s*$", re.DOTALL)
+_ALTERNATIVE = re.compile(rf"({_VALUE.pattern})\s*,?\s*or\s+({_VALUE.pattern})", re.IGNORECASE)
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _TEXT_WRAPPER = re.compile(r"^\\(?:text|textbf|mathrm)\{(.*)\}$", re.DOTALL)
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}$")
@@ -52,21 +64,66 @@ _GSM8K_MARK = "####"
 
 # ----------------------------------------------------------------------------- responses
 def extract_answer(text: str, reference: str) -> str | None:
-    """The response's answer: its last \\boxed{...}; else (no box) the last number if
-    `reference` is a number, else the text after the last "answer is" / "answer:" /
-    "=" on the last non-empty line, else that line; trailing "." and "$" dropped."""
+    """The answer the response states, in this order of precedence (module doc):
+
+      1. its last \\boxed{...}, whole (a LaTeX expression goes to the verifier as written);
+      2. after its last explicit answer marker ("answer is", "answer:", "final answer",
+         "the result is", "####"), the first value: for a numeric reference the first number
+         or \\frac{a}{b} after the marker ("The answer is 86, not 85" states 86), else the
+         rest of that sentence;
+      3. without a marker: the last number or \\frac{a}{b} (numeric reference), else the
+         text after the last "=" on the last non-empty line, else that line.
+
+    A trailing "." and "$" are dropped; a number's thousands commas are dropped."""
     boxed = extract_final_boxed(text)
     if boxed is not None:
         return boxed.strip()
-    if _NUMBER.fullmatch(reference.strip()):
-        numbers = _NUMBER.findall(text)
-        return numbers[-1].replace(",", "") if numbers else None
+    numeric = bool(_NUMBER.fullmatch(reference.strip()))
+    percent = reference.strip().endswith("%")
+    marks = list(_MARKER.finditer(text))
+    if marks:
+        stated = _SENTENCE.match(text[marks[-1].end():].strip())
+        sentence = stated.group(0) if stated else ""
+        if numeric or percent:
+            first = _VALUE.search(sentence) or _VALUE.search(text[marks[-1].end():])
+            if first:
+                return None if hedged(sentence, first) else _clean_number(first.group(0), percent)
+        else:
+            answer = sentence.strip().rstrip(".$").strip()
+            if answer:
+                return answer
+    if numeric or percent:
+        values = list(_VALUE.finditer(text))
+        if not values:
+            return None
+        return None if hedged(text, values[-1]) else _clean_number(values[-1].group(0), percent)
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     if not lines:
         return None
-    m = _ANSWER_IS.search(lines[-1])
+    m = _EQUALS.search(lines[-1])
     answer = (m.group(1) if m else lines[-1]).strip().rstrip(".$").strip()
     return answer or None
+
+
+def hedged(text: str, value: re.Match) -> bool:
+    """Whether the answer `value` (a match in `text`) is one of alternatives offered as
+    "84 or 85" (either side), with different values: such a response states no answer."""
+    for alt in _ALTERNATIVE.finditer(text):
+        a, b = alt.group(1).replace(",", ""), alt.group(2).replace(",", "")
+        if a != b and (alt.start(1) == value.start() or alt.start(2) == value.start()):
+            return True
+    return False
+
+
+def _clean_number(value: str, percent: bool) -> str:
+    """A matched value as the verifiers read it: thousands commas dropped, a final period
+    gone (a \\frac kept whole); a percent sign kept only for a reference in percent ("85%"
+    answers "85" as the number written)."""
+    v = value.strip()
+    if v.lstrip("-").startswith("\\"):
+        return v
+    v = v.replace(",", "").rstrip(".")
+    return v if percent else v.rstrip("%")
 
 
 # ----------------------------------------------------------------------------- references

@@ -86,3 +86,51 @@ def test_response_extraction():
     assert extract_answer("3 + 4 = 7, minus 1 is 6.", "6") == "6"
     assert extract_answer("The answer is: Paris.", "Paris") == "Paris"
     assert extract_answer("", "5") is None
+
+
+# response, reference, the answer it states (None: it states none), its verdict
+ADVERSARIAL = [
+    ("The answer is 86, not 85", "85", "86", 0.0),  # the last number is not the answer
+    ("The answer is 85. Check: 80 + 5 = 85", "85", "85", 1.0),
+    ("The answer is 85. Check: 85 = 80 + 5", "85", "85", 1.0),  # a number after the answer
+    ("I first thought 85, but the answer is 86.", "85", "86", 0.0),  # a restated wrong one
+    ("85. Wait, no: 86", "85", "86", 0.0),
+    ("It could be 84 or 85", "85", None, 0.0),  # a hedge states no answer
+    ("The answer is 84 or 85.", "85", None, 0.0),
+    ("The answer is 85 or 84.", "85", None, 0.0),
+    ("We get 7. So 3 or 4 were eaten, and 7 remain.", "7", "7", 1.0),  # "or" elsewhere
+    ("so it is \\frac{170}{2}", "85", "\\frac{170}{2}", 1.0),  # LaTeX whole, not its "2"
+    ("Final answer: 1,234 apples", "1234", "1234", 1.0),
+    ("That is 85% of them", "85", "85", 1.0),  # percent: the number as written
+    ("That is 85% of them", "85%", "85%", 1.0),
+    ("answer: 12 dollars", "12", "12", 1.0),  # units
+    ("#### 72", "72", "72", 1.0),
+    ("The result is -3.", "-3", "-3", 1.0),
+]
+
+
+@pytest.mark.parametrize("text, reference, stated, verdict", ADVERSARIAL)
+def test_extraction_reads_what_the_response_states(text, reference, stated, verdict):
+    assert extract_answer(text, reference) == stated
+    assert verify("numeric", extract_answer(text, reference), reference) == verdict
+    assert verify("math", extract_answer(text, reference), reference) == verdict
+
+
+def test_the_committed_smollm2_examples_score_as_recorded():
+    """Re-check of the committed real-model evals under today's extraction: every example
+    completion of the smollm2-rg base and final evals keeps the rewards it was recorded with
+    (their responses state one number; none of them games the older rule)."""
+    import json
+    from pathlib import Path
+
+    from rl.tasks import make_task
+
+    root = Path(__file__).resolve().parents[2] / "experiments" / "results"
+    for name in ("smollm2_rg_eval_base.json", "smollm2_rg_eval_s0_final.json"):
+        d = json.loads((root / name).read_text())
+        options = {k: v for k, v in d["task_options"].items()
+                   if k in ("max_digits", "max_terms", "min_terms")}
+        task = make_task("reasoning_gym:chain_sum", seed=0, verifier="dataset", **options)
+        assert len(d["examples"]) == 32
+        for e in d["examples"]:
+            assert task.rewards_of_text(e["response"], e["answer"]) == pytest.approx(e["rewards"])
