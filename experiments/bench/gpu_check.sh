@@ -59,10 +59,11 @@ header() {  # header LOG TAG: commit, device, jax (and torch, when present) into
 }
 
 step() {  # step NAME TIMEOUT COMMAND...: one step under its timeout; its tail into once.log
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$2 rc=0; shift 2
   echo "== $(date -u +%T) $name" | tee -a "$OUT/once.log"
-  timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
-  echo "== $(date -u +%T) $name exit $?" | tee -a "$OUT/once.log"
+  timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1 || rc=$?  # before anything resets $?
+  echo "== $(date -u +%T) $name exit $rc$([ "$rc" = 124 ] && echo ' (timed out)')" \
+    | tee -a "$OUT/once.log"
   tail -40 "$LOGS/$name.log" | tee -a "$OUT/once.log"
 }
 

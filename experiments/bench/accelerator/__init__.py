@@ -253,11 +253,18 @@ def write_json(path: Path, probe: dict, rows: list[dict], args, started: float,
         by_part.setdefault(row.get("part", "?"), []).append(row)
     head = (speed_headline if args.speed else headline)(rows, probe.get("machine") or "?",
                                                          args.smoke)
+    status: dict[str, int] = {}
+    for row in rows:
+        if row.get("part") != "probe":
+            status[row.get("status", "?")] = status.get(row.get("status", "?"), 0) + 1
     result = {"device": probe.get("device_kind"), "platform": probe.get("platform"),
               "jax_version": probe.get("jax_version"), "machine": probe.get("machine"),
               "smoke": args.smoke, "speed": args.speed, "budget_s": args.budget,
               "parts": list(args.parts),
-              "complete": done, "total_seconds": round(time.perf_counter() - started, 1),
+              # complete: the run reached its end AND every row ran (none skipped on budget
+              # or memory, none failed or timed out): row_status counts them
+              "complete": done and set(status) <= {"ok"}, "row_status": status,
+              "total_seconds": round(time.perf_counter() - started, 1),
               "date": time.strftime("%Y-%m-%d"), "headline": head, **by_part, "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
