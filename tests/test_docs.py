@@ -161,3 +161,13 @@ def test_the_command_check_can_fail():
         ["experiments.bench.sampler"]
     assert not module_exists("experiments.no_such_script")
     assert module_exists("experiments.train")
+
+
+def test_docstrings_hold_no_sphinx_roles():
+    """mkdocstrings renders a Sphinx role (:func:`x`) as raw text: the API pages would show
+    it; a name in backticks renders as code."""
+    role = re.compile(r":(?:func|class|meth|mod|attr|data|obj):`")
+    found = [f"{path.relative_to(ROOT)}:{n}" for pkg in ("rl", "models", "kernels")
+             for path in sorted((ROOT / pkg).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if role.search(line)]
+    assert not found, f"Sphinx roles in docstrings (write `name` instead): {found}"

@@ -2,7 +2,7 @@
 
 Every estimator is a pure function of ``rewards [batch]`` and a group layout, and
 returns advantages ``[batch]`` (one per response; broadcast over the response's
-tokens with :func:`token_advantages`). Groups are given either as
+tokens with `token_advantages`). Groups are given either as
 ``group_size: int`` (contiguous groups of equal size; the main API) or as
 ``group_ids [batch]`` (any integer labels; costs O(batch^2) memory).
 
@@ -255,7 +255,7 @@ def dr_grpo_advantages(
     rewards: Array, group_size: int | None = None, *, group_ids: Array | None = None
 ) -> Array:
     """Dr. GRPO: A_i = R_i - mean_g, no std division (Liu et al. 2025,
-    "Understanding R1-Zero-Like Training"). Shapes as :func:`grpo_advantages`."""
+    "Understanding R1-Zero-Like Training"). Shapes as `grpo_advantages`."""
     r, groups = grouped_rewards(rewards, group_size, group_ids)
     return groups.centered(r)
 
@@ -266,7 +266,7 @@ def rloo_advantages(
 ) -> Array:
     """RLOO: A_i = R_i - mean_{j != i} R_j = n/(n-1) (R_i - mean_g)
     (Ahmadian et al. 2024, "Back to Basics"). A group of size 1 has no other
-    sample to compare with and gets 0. Shapes as :func:`grpo_advantages`."""
+    sample to compare with and gets 0. Shapes as `grpo_advantages`."""
     r, groups = grouped_rewards(rewards, group_size, group_ids)
     n = groups.count()
     return groups.centered(r) * jnp.where(n > 1, n / jnp.maximum(n - 1, 1), 0.0)
@@ -299,7 +299,7 @@ def mc_grpo_advantages(
     one real sample (the paper only uses odd groups).
 
     Args:
-        rewards: [batch]; group_size / group_ids as in :func:`grpo_advantages`.
+        rewards: [batch]; group_size / group_ids as in `grpo_advantages`.
         scale: "std" (default) or "mad".
         eps, unbiased_std: std denominator (used when scale="std").
         mad_eps: added to the MAD (used when scale="mad").
@@ -347,7 +347,7 @@ def gdpo_advantages(
 
     Args:
         rewards: {name: [batch]} named rewards, or a [batch, K] array.
-        group_size / group_ids: as in :func:`grpo_advantages`.
+        group_size / group_ids: as in `grpo_advantages`.
         weights: {name: w} with exactly the rewards' names (for a mapping) or K floats
             (for an array); default all 1.
         eps: 1e-4 in both normalisations (source default).
@@ -436,7 +436,7 @@ class AdvantageConfig:
 
     @classmethod
     def preset(cls, algorithm: str) -> "AdvantageConfig":
-        """Advantage settings of a published recipe; see :data:`ADVANTAGE_PRESETS`."""
+        """Advantage settings of a published recipe; see `ADVANTAGE_PRESETS`."""
         if algorithm not in ADVANTAGE_PRESETS:
             raise ValueError(
                 f"unknown preset {algorithm!r}; known: {', '.join(sorted(ADVANTAGE_PRESETS))}"

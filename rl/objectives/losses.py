@@ -3,9 +3,9 @@
 A loss is computed in two steps:
   1. a per-token loss ``ℓ [batch, seq]`` (PPO-clip, GSPO, CISPO, or a registered one),
      returned with per-token statistics (clip indicators, ratios);
-  2. :func:`aggregate` reduces it with one of four modes.
+  2. `aggregate` reduces it with one of four modes.
 ``ppo_clip_loss`` / ``gspo_loss`` / ``cispo_loss`` do both and return
-``(loss, metrics)``; :func:`compute_loss` does both from a :class:`LossConfig` and
+``(loss, metrics)``; `compute_loss` does both from a `LossConfig` and
 adds the KL and entropy terms and off-policy token weights.
 
 Conventions: ``logp``, ``old_logp`` (proximal / old policy), ``ref_logp`` and
@@ -355,7 +355,7 @@ def ppo_clip_loss(
     clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = 3.0,
     aggregation: str = "token-mean", max_len: int | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """PPO-clip loss (see :func:`ppo_clip_token_loss`) aggregated with :func:`aggregate`.
+    """PPO-clip loss (see `ppo_clip_token_loss`) aggregated with `aggregate`.
 
     Returns:
         (scalar loss, metrics: clip_frac_low/high/dual, clip_frac, ratio_mean,
@@ -371,7 +371,7 @@ def gspo_loss(
     clip_low: float = 3e-4, clip_high: float = 4e-4,
     aggregation: str = "seq-mean-token-mean", max_len: int | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """GSPO loss (see :func:`gspo_token_loss`); returns (scalar loss, metrics)."""
+    """GSPO loss (see `gspo_token_loss`); returns (scalar loss, metrics)."""
     per_token, stats = gspo_token_loss(logp, old_logp, advantages, mask,
                                        clip_low=clip_low, clip_high=clip_high)
     return reduce_loss(per_token, stats, logp, old_logp, mask, aggregation, max_len)
@@ -382,7 +382,7 @@ def cispo_loss(
     clip_high: float = 0.28, clip_low: float | None = None,
     aggregation: str = "token-mean", max_len: int | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """CISPO loss (see :func:`cispo_token_loss`); returns (scalar loss, metrics)."""
+    """CISPO loss (see `cispo_token_loss`); returns (scalar loss, metrics)."""
     per_token, stats = cispo_token_loss(logp, old_logp, advantages, mask,
                                         clip_high=clip_high, clip_low=clip_low)
     return reduce_loss(per_token, stats, logp, old_logp, mask, aggregation, max_len)
@@ -402,7 +402,7 @@ class LossConfig:
         name: registered per-token loss ("ppo_clip", "gspo", "cispo", or your own).
         params: the loss's hyper-parameters (dict or pairs; unset ones take the loss
             function's defaults). Unknown names raise ValueError at construction.
-        aggregation: one of :data:`AGGREGATIONS`.
+        aggregation: one of `AGGREGATIONS`.
         max_len: C of "seq-mean-token-sum-norm" (default: padded length).
         kl_estimator / kl_coef: KL-to-reference term (off by default; 0.001 is the
             usual coefficient when on).
@@ -434,7 +434,7 @@ class LossConfig:
 
     @classmethod
     def preset(cls, algorithm: str) -> "LossConfig":
-        """Loss settings of a published recipe; see :data:`LOSS_PRESETS`."""
+        """Loss settings of a published recipe; see `LOSS_PRESETS`."""
         if algorithm not in LOSS_PRESETS:
             raise ValueError(
                 f"unknown preset {algorithm!r}; known: {', '.join(sorted(LOSS_PRESETS))}"
@@ -490,10 +490,10 @@ def compute_loss(
     the kept tokens only; the clip / ratio metrics describe the kept tokens.
 
     Args:
-        config: a :class:`LossConfig`.
+        config: a `LossConfig`.
         logp, old_logp, mask: [batch, seq]; advantages [batch] or [batch, seq].
         ref_logp: [batch, seq], required when ``config.kl_coef > 0``.
-        entropy: [batch, seq] token entropies (e.g. :func:`token_entropy`), required
+        entropy: [batch, seq] token entropies (e.g. `token_entropy`), required
             when ``config.entropy_coef != 0``; otherwise only logged if given.
         token_weights: [batch, seq] off-policy weights (detached here).
     Returns:

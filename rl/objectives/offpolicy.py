@@ -158,14 +158,14 @@ def decoupled_ppo_loss(
     invariance for policy optimization").
 
     ℓ_t = sg[w_t] · PPO-clip(u_t = π_θ/π_prox, A) with the behaviour weight w of
-    :func:`behaviour_weights`; summed over the kept tokens and divided by the ORIGINAL
+    `behaviour_weights`; summed over the kept tokens and divided by the ORIGINAL
     mask's count ("token-mean"; other aggregation modes also use the original mask).
     AReaL applies no dual clip by default (``dual_clip=None``).
 
     Args:
         logp, prox_logp, behaviour_logp, mask: [batch, seq]; advantages [batch] or
             [batch, seq]. ``prox_logp`` is a constant (recomputed with the step's
-            starting params, or :func:`approx_proximal_logp`).
+            starting params, or `approx_proximal_logp`).
     Returns:
         (scalar loss, metrics: PPO clip fractions and ratio stats, behav_* stats).
     """
@@ -254,7 +254,7 @@ def m2po_weights(
     prox_logp: Array, behaviour_logp: Array, mask: Array, *, threshold: float = 0.04,
 ) -> OffPolicyWeights:
     """M2PO's per-token weights: w_t = M_t · sg[π_prox / μ], M the second-moment mask of
-    :func:`m2po_mask`. With π_prox the step's starting params (one update per batch, the
+    `m2po_mask`. With π_prox the step's starting params (one update per batch, the
     PPO ratio π_θ/π_prox = 1 in value, its clip inactive), the loss's gradient is the
     paper's -Σ_t M_t r_t A_t ∇log π_θ / N with r_t = π_θ/μ and no clip: the mask is the
     whole trust region. The kept tokens' weights are not capped (the paper's form).
@@ -276,7 +276,7 @@ def m2po_correction(
     prox_logp: Array, behaviour_logp: Array, mask: Array, *,
     level: str = "token", cap: float | None = None, mode: str | None = None,
 ) -> OffPolicyWeights:
-    """:func:`m2po_weights` as the registered correction "m2po": ``cap`` is its threshold
+    """`m2po_weights` as the registered correction "m2po": ``cap`` is its threshold
     τ_M2 (None: the paper's 0.04); token level only, no modes."""
     return m2po_weights(prox_logp, behaviour_logp, mask,
                         **({} if cap is None else {"threshold": cap}))

@@ -4,9 +4,9 @@ Variance-Controlled Off-Policy RL for LLMs").
 Stale rollouts give heavy-tailed sequence importance weights w_i = π_θ(τ_i)/μ(τ_i); a
 few trajectories then dominate the update. VCPO (i) measures the effective sample size
 ρ = ESS/M = (Σ w)² / (M Σ w²) of the optimizer minibatch and scales the update by √s or
-s, s = min(1, ρ/ρ_base) (:func:`scale_by_ess`, chained AFTER the optimizer), and (ii)
+s, s = min(1, ρ/ρ_base) (`scale_by_ess`, chained AFTER the optimizer), and (ii)
 centres each group's rewards on the minimum-variance off-policy baseline
-b_g = Σ W_i R_i / (Σ W_i + 1e-8), W_i = w_i² ‖∇_θ log π(τ_i)‖² (:func:`min_variance_baseline`),
+b_g = Σ W_i R_i / (Σ W_i + 1e-8), W_i = w_i² ‖∇_θ log π(τ_i)‖² (`min_variance_baseline`),
 with per-trajectory gradient norms computed exactly, by default from one batched backward
 pass ("ghost norms", `models.ghost_norms`), or by its slow twin ``vmap(grad)`` in chunks
 (`rl.learner.vcpo.per_trajectory_grad_sq_norms`: both need the model, so they live on the
@@ -16,7 +16,7 @@ min(exp(clamp(log w, -20, 20)), 8), detached.
 Everything here works on log weights, so no weight is ever exponentiated to inf: ESS and
 the baseline are ratios of sums, computed after shifting by the largest log weight.
 `rl.learner.vcpo.vcpo_terms` wires it into the train step through ``TrainConfig.vcpo``
-(a :class:`VCPOConfig`).
+(a `VCPOConfig`).
 """
 from __future__ import annotations
 
