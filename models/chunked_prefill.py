@@ -11,6 +11,7 @@ computed. The last chunk is padded to C (masked), so every chunk has one shape: 
 program whatever T is, and the chunk offset is a traced scalar.
 
 Two drivers of the same step:
+
   * `chunked_prefill` / `prefill_chunks_host`: a host loop over a jitted chunk step (the
     cache donated, updated in place), with a progress callback (experiments.generate's bar);
   * `prefill_chunks`: a pure, traceable lax.scan over chunks, for callers inside a jit

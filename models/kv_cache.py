@@ -7,6 +7,7 @@ per-layer writes, which cached keys a query may see) so the decoder only dispatc
                     kernels.segment_decode (the group's N queries read the prompt once).
 
 Decode has two paths with the same result (tests/models/test_bounded_decode.py):
+
   * masked (kv_bound=None, the exact slow twin): each layer writes the new token into a
     copy of its row / response segment and attends, masked, to every allocated slot;
   * bounded (kv_bound=int, what the sampler runs): each layer reads only the first

@@ -6,6 +6,7 @@ The logit at position t predicts token t+1, so the log-probs of a [B, T] row are
 (the sampler's). The packed shared-prefix twins are in `models.packed`.
 
 Two paths with the same results (to float rounding; tests/models/test_logprobs.py):
+
   * `token_logprobs` (the slow twin): the full logits [B, T-1, V] in float32, then
     log-softmax and a gather. With V = 49,152 (SmolLM2) that is 200 KB per token, and the
     backward holds several such arrays: gigabytes for a few thousand tokens.

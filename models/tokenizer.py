@@ -1,6 +1,7 @@
 """Tokenizer: a thin wrapper over `tokenizers.Tokenizer` plus the model's chat template.
 
 Two sources:
+
   * `Tokenizer.from_file("tokenizer.json", "tokenizer_config.json")` for HF checkpoints;
   * `Tokenizer.from_gguf_metadata(metadata)` for GGUF files, which carry no tokenizer.json:
     the byte-level BPE is rebuilt from tokenizer.ggml.tokens / merges / token_type, with the

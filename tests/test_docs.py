@@ -9,6 +9,7 @@ Also: every module of models/, kernels/ and rl/ has its API reference entry, eve
 committed results figure is shown on a page, and every `python -m experiments...` command
 of the README and the docs names a module that exists and is in the command index."""
 import os
+import ast
 import re
 import subprocess
 import sys
@@ -171,3 +172,26 @@ def test_docstrings_hold_no_sphinx_roles():
              for path in sorted((ROOT / pkg).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if role.search(line)]
     assert not found, f"Sphinx roles in docstrings (write `name` instead): {found}"
+
+
+def test_docstring_lists_start_after_a_blank_line():
+    """Markdown renders "text\n* item" as one paragraph: a docstring's list must follow a
+    blank line to render as a list on the API pages."""
+    item = re.compile(r"^\s*[*-] \S")
+    found = []
+    for pkg in ("rl", "models", "kernels"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef,
+                                         ast.AsyncFunctionDef)):
+                    continue
+                in_list, prev = False, ""
+                for line in (ast.get_docstring(node, clean=True) or "").splitlines():
+                    if item.match(line):
+                        if prev.strip() and not in_list:
+                            found.append(f"{path.relative_to(ROOT)}: {line.strip()[:40]}")
+                        in_list = True
+                    elif not line.strip():
+                        in_list = False
+                    prev = line
+    assert not found, f"lists glued to the line before them: {found}"

@@ -1,6 +1,7 @@
 """Mosaic-TPU shared-prefix attention (DualKV): forward and backward kernels, one custom_vjp.
 
 The same six launches as `pallas.py` (the Triton kernels), written for the TPU tiling rules:
+
   * heads-major layout inside the kernels, `[S, H, L, D]` (transposed in the wrapper), so
     every block's last two dims are (rows, head_dim) with rows a multiple of 16 and
     head_dim the full array dim (no head-dim padding);

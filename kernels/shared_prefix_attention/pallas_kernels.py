@@ -1,6 +1,7 @@
 """Kernel bodies of the Pallas-Triton shared-prefix attention (launched by `pallas.py`).
 
 Conventions shared by every body:
+
   * scores in base 2: s2 = (q . k) * scale * log2(e), probabilities exp2(s2 - m2); the
     softmax scale is folded into that one multiply. The forward stores the base-2
     log-sum-exp lse2 = m2 + log2(l) as the backward's residual, and +inf for query rows

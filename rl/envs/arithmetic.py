@@ -10,6 +10,7 @@ name, or cost more than a bounded amount of time and memory.
 
 What it accepts. The text is parsed by Python's `ast` (mode="eval") and the tree is walked
 by hand; allowed are only
+
   * numbers: int and float literals (not bool, complex, strings, ...);
   * binary operators + - * / // % ** and unary + -; parentheses (they are only grouping).
 Before parsing, the spellings models use are normalised: a comma between digit groups
@@ -23,6 +24,7 @@ comparisons, containers, strings and the rest are not arithmetic. Arithmetic is 
 (fractions.Fraction; a float literal is its exact binary value), except a non-integer power,
 which is a float. Exact numbers can grow without end (9 ** 9 ** 9 has 370 million digits),
 so bounds, each checked before the work it guards, keep every call fast:
+
   * MAX_CHARS characters of input, MAX_NODES tree nodes, MAX_DIGITS digits per integer
     literal;
   * an integer exponent of at most MAX_EXPONENT in size, and a power whose result would

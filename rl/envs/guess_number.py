@@ -21,6 +21,7 @@ Reward ("score", once per episode; the turn that finds x carries it, other turns
 
 Baselines, exact (`random_expected_score`, `consistent_random_expected_score`,
 `optimal_expected_score`; all averaged over the uniform hidden number):
+
   * a policy guessing uniformly among `choices` tokens every turn, ignoring feedback,
     of which exactly one is x (choices = K: uniform over the numbers; choices =
     vocab_size: uniform over the whole vocabulary, an untrained model's policy): the

@@ -2,6 +2,7 @@
 
 A LoRA run (TrainConfig.lora set) trains adapters only (models.lora); `LoraRun` holds the
 rest, built once by `lora_run` inside rl.loops.context.open_run:
+
   * base: the frozen base params (stored int8 / int4 with LoraConfig.qlora), shared by
     the learner (the step's third argument; with a KL term it is also the reference:
     the base with adapters off, no second copy), the sampler and every async snapshot;

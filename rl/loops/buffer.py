@@ -16,6 +16,7 @@ Consumption. `get_batch(b, v)` takes the b oldest groups (FIFO) whose tokens are
 within η versions of v, i.e. every token version ≥ v − η. A group with an older token
 (possible when groups finish out of order, or with partial rollouts resumed across
 versions) is handled by `stale_policy`:
+
   - "drop": the whole group is removed and counted (dropped_stale_groups / _tokens);
   - "downweight": the group is kept and each STALE TOKEN (not the whole group: tokens
     produced after an in-flight weight swap are fresh) gets loss weight `stale_weight`,

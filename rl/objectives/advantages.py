@@ -7,6 +7,7 @@ tokens with `token_advantages`). Groups are given either as
 ``group_ids [batch]`` (any integer labels; costs O(batch^2) memory).
 
 Conventions shared by all estimators:
+
   * group statistics are computed on values shifted by the group max, so a group
     whose rewards are all equal gets advantage exactly 0 (no rounding residue);
   * a group of size 1 gets advantage 0 (its mean is itself; Bessel's ``n - 1`` is

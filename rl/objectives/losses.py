@@ -121,6 +121,7 @@ def aggregate(per_token_loss: Array, mask: Array, mode: str = "token-mean", *,
     """Reduce a per-token loss [batch, seq] over ``mask`` [batch, seq] to a scalar.
 
     With L_i = sum_t M_it and B = number of sequences with L_i > 0:
+
       * "token-mean":              sum ℓM / sum M                  (DAPO; veRL default)
       * "seq-mean-token-mean":     (1/B) sum_i (sum_t ℓM) / L_i    (GRPO paper, GSPO)
       * "seq-mean-token-sum":      (1/B) sum_i sum_t ℓM

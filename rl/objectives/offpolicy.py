@@ -5,6 +5,7 @@ register_correction): "truncated_is" (truncated_is_weights), "behaviour" (AReaL'
 behaviour_weights, the weights of the decoupled PPO objective), "m2po" (m2po_correction).
 
 Three log-probs per token, all ``[batch, seq]``:
+
   * ``logp``           log π_θ, the learner being optimised (carries the gradient);
   * ``prox_logp``      log π_prox, the proximal (old) policy of the PPO clip;
   * ``behaviour_logp`` log μ, recorded by the sampler that produced the token.

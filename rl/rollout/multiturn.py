@@ -19,6 +19,7 @@ Trajectory row is everything after the prompt, with env_mask True on observation
 (behaviour log-prob 0, version = that of the turn they answer).
 
 Two ways to add an observation (`MultiTurnConfig.mode`), the same tokens for the same seed:
+
   * "append" (default): `rl.rollout.append.append_tokens` runs just the k new tokens at the
     slot's position (the pending last turn token + obs[:-1]; obs[-1] becomes pending);
     earlier tokens are never recomputed, so an episode of L tokens costs L - 1 token

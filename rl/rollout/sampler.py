@@ -5,6 +5,7 @@ cache rows, the token to feed next, its response so far, the behaviour log-prob 
 policy version of every response token, a token budget, and its own rng key.
 
 KV layouts (`kv_layout`, fixed when the state is made):
+
   * "segmented" (the default when the group size N is known): slots are organised as
     [groups, N] (slot s = sample s % N of group-slot s // N) and the cache is a
     models.kv_cache.SegmentedKVCache: each group's prompt keys/values are stored ONCE and
@@ -31,6 +32,7 @@ segments or which slot the sample occupies, so an extracted sample resumed later
 key, same t) continues the same stream.
 
 Behaviour log-probs (what the learner needs as log μ):
+
   * sampling with temperature T > 0: log_softmax(logits / T)[token];
   * greedy: log_softmax(logits)[argmax] (the T = 1 distribution; greedy itself is the
     T -> 0 limit, whose log-prob would be 0);

@@ -13,6 +13,7 @@ train step's TrainConfig, the loop's LoopConfig, ...), each validating itself in
     parse_value("1e-5")              a command-line string as a Python value
 
 Conventions the round trip relies on (all configs here follow them):
+
   * a field typed `X | None` where X is a dataclass is a section that may be off;
     overriding a field inside it while it is None first builds `X()`;
   * a field typed `Any` may hold a frozen mapping, a tuple of (str, value) pairs (e.g.

@@ -7,6 +7,7 @@ each with its own verifier, generated locally (no download).
 
 A prompt is the dataset's question plus `instruction` (which fixes the answer form:
 one final `\\boxed{...}`), rendered with the tokenizer's chat template. Rewards:
+
   * "correct": the verdict of the task's verifier on the extracted answer
     (`extract_answer`: the content of the response's last `\\boxed{...}`; without
     one, the last number when the reference is a number, else what follows the last
