@@ -446,3 +446,23 @@ def test_gpu_check_steps_log_their_own_exit_status(tmp_path):
     log = (tmp_path / "once.log").read_text()
     assert " ok exit 0\n" in log and " bad exit 1\n" in log
     assert " slow exit 124 (timed out)\n" in log
+
+
+def test_train_flops_is_the_hand_count_of_what_the_step_computes():
+    """A hand count for a small config, matmul by matmul (2 FLOPs a multiply-add, the
+    backward twice the forward): no vocabulary head on prompt positions."""
+    from types import SimpleNamespace
+
+    from experiments.bench.accelerator.model_parts import train_flops
+
+    cfg = SimpleNamespace(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                          intermediate_size=16, num_layers=3, vocab_size=11)
+    g, n, p, r = 2, 3, 5, 4
+    per_token_fwd = (2 * 8 * 8 + 2 * 8 * 4 + 2 * 8 * 4 + 2 * 8 * 8  # q, k, v, o
+                     + 2 * 8 * 16 * 2 + 2 * 16 * 8)                 # gate, up, down
+    tokens = g * (p + n * r)                                        # 34 packed tokens
+    head_fwd = 2 * 8 * 11 * (g * n * r)                             # 24 scored positions
+    pairs = g * (15 + n * (4 * 5 + 10))                             # 1+..+5; 20 + 1+..+4
+    attn_fwd = pairs * 2 * (2 * 4 + 2 * 4)                          # 2 heads: QK, PV
+    want = 3 * (3 * per_token_fwd * tokens + head_fwd + 3 * attn_fwd)
+    assert train_flops(cfg, g, n, p, r) == want

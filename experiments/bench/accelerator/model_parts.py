@@ -84,15 +84,21 @@ def sampler(emit, *, model: str, groups: int, group_size: int, prompt: int,
 
 
 def train_flops(cfg, groups: int, n: int, p: int, r: int) -> float:
-    """Model FLOPs of one packed step: 6 x matmul params x tokens (+ vocab head) plus the
-    attention of the packed layout (prompt causal once, each response over prompt + own)."""
+    """Model FLOPs of one packed train step (forward + backward = 3 x the forward's 2 FLOPs
+    per multiply-add), counting what the step computes: the layers' matmuls on every packed
+    token (each prompt once, then its n responses), the vocabulary head only where a
+    log-prob is taken (the n·r positions whose next token is a response token, not the
+    prompt's), and the attention of the packed layout: the prompt causal once (p(p+1)/2
+    query-key pairs), each response over the prompt and its own causal part
+    (r·p + r(r+1)/2), 4·d FLOPs a pair and head forward (scores and values)."""
     e, h, k, d, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                      cfg.intermediate_size)
-    layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f
+    layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f  # q, k, v, o, gate, up, down
     tokens = groups * (p + n * r)
-    dense = 6 * (cfg.num_layers * layer + e * cfg.vocab_size) * tokens
-    pairs = groups * (p * p / 2 + n * (r * p + r * r / 2))   # attended (query, key) pairs
-    return dense + 12 * pairs * h * d * cfg.num_layers
+    scored = groups * n * r  # the head's positions
+    dense = 6 * (cfg.num_layers * layer * tokens + e * cfg.vocab_size * scored)
+    pairs = groups * (p * (p + 1) / 2 + n * (r * p + r * (r + 1) / 2))
+    return dense + 3 * 4 * d * h * pairs * cfg.num_layers
 
 
 def train(emit, *, model: str, groups: int, group_size: int, prompt: int, response: int,
