@@ -466,3 +466,30 @@ def test_train_flops_is_the_hand_count_of_what_the_step_computes():
     attn_fwd = pairs * 2 * (2 * 4 + 2 * 4)                          # 2 heads: QK, PV
     want = 3 * (3 * per_token_fwd * tokens + head_fwd + 3 * attn_fwd)
     assert train_flops(cfg, g, n, p, r) == want
+
+
+def test_the_h100_mfu_quoted_in_the_docs_is_the_corrected_count():
+    """The H100 train row's MFU as printed (28.45 %) used a FLOP count with the head on
+    prompt tokens; the docs quote it rescaled by train_flops' count of what the step
+    computes: 27.6 %."""
+    from models.config import get_config
+
+    from experiments.bench.accelerator.model_parts import train_flops
+
+    raw = json.loads((ROOT / "experiments/results/accelerator_speed_nvidia_h100_80gb_hbm3.json")
+                     .read_text())
+    row = next(r for r in raw["rows"] if r.get("part") == "train" and r.get("packed", True)
+               and r.get("model") == "qwen2.5-0.5b")
+    cfg = get_config("qwen2.5-0.5b")
+    g, n, p, r = 8, 8, row["P"], row["R"]
+    e, h, k, d, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                     cfg.intermediate_size)
+    layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f
+    printed = (6 * (cfg.num_layers * layer + e * cfg.vocab_size) * g * (p + n * r)
+               + 12 * g * (p * p / 2 + n * (r * p + r * r / 2)) * h * d * cfg.num_layers)
+    mfu = row["mfu"] * train_flops(cfg, g, n, p, r) / printed
+    quoted = f"{100 * mfu:.1f} %"
+    assert quoted == "27.6 %"
+    for page in ("docs/results/gpu-h100.md", "docs/results/index.md", "README.md"):
+        assert f"MFU {quoted}" in (ROOT / page).read_text() or \
+            f"{quoted} MFU" in (ROOT / page).read_text(), page
