@@ -47,20 +47,22 @@ def test_summary_of_known_records():
     assert s["steps_timed"] == 2 and s["steps_per_hour"] == 1800.0
     assert s["host_transfer_other_share"] == pytest.approx(0.05)
     assert s["decode_tokens_per_s"] == 1000.0 and s["first_step_s"] == 9.0
-    assert s["steady_steps"] == 1 and s["steady_steps_per_hour"] == 1800.0
+    assert s["steady_steps"] == 1 and s["all_timed_steps_per_hour"] == 1800.0
     with pytest.raises(ValueError, match="steps >= 2"):
         summarize(recs[:1], 10)
 
 
 def test_steady_state_skips_the_batches_sampled_ahead():
     """Async at K = 2: the first K steps after the compiling one take pre-made data (fast);
-    the steady state starts after them and one more."""
+    the steady state (the headline) starts after them and one more; the mean over every
+    timed step is reported apart."""
     step_s = [30.0, 0.1, 0.1, 0.8, 0.7, 0.9]
     recs = [{"step_s": x, "reward_mean": 0.0} for x in step_s]
     s = summarize(recs, 10, staleness=2)
-    assert s["steady_steps"] == 2 and s["steady_steps_per_hour"] == pytest.approx(3600 / 0.8)
-    assert s["steps_per_hour"] == pytest.approx(3600 / (2.6 / 5))
-    assert summarize(recs[:3], 10, staleness=2)["steady_steps_per_hour"] is None
+    assert s["steady_steps"] == 2 and s["steps_per_hour"] == pytest.approx(3600 / 0.8)
+    assert s["all_timed_steps_per_hour"] == pytest.approx(3600 / (2.6 / 5))
+    short = summarize(recs[:3], 10, staleness=2)  # nothing steady: all timed, and says so
+    assert short["steady_steps"] == 0 and short["steps_per_hour"] == pytest.approx(3600 / 0.1)
 
 
 def test_smoke_runs_the_whole_step_without_optional_packages(tmp_path):
@@ -87,7 +89,8 @@ def test_smoke_runs_the_whole_step_without_optional_packages(tmp_path):
     eager = {"gather", "broadcast_in_dim", "convert_element_type", "select_n", "add"}
     assert not eager & set(launched), launched
     assert trace["host_launches"]["per_step"] <= 12, launched
-    assert res["steps_per_hour"] == pytest.approx(3600 / mean)
+    assert res["all_timed_steps_per_hour"] == pytest.approx(3600 / mean)
+    assert res["steps_per_hour"] == pytest.approx(3600 / res["steps"][3]["step_s"])  # steady
     assert res["headline"]["value"] == pytest.approx(res["steps_per_hour"], abs=0.1)
     assert res["tokens_per_step"] == 2 * 2 * 6 and res["decode_tokens_per_s"] > 0
     assert res["process_peak_rss_mb"] > 100 and res["peak_device_bytes"] is None  # CPU

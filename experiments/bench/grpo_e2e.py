@@ -128,24 +128,29 @@ def device_peak_bytes() -> int | None:
 
 
 def summarize(records: list[dict], tokens_per_step: int, staleness: int = 0) -> dict:
-    """Steps/hour, per-phase means and shares, and decode tokens/s over the records after
-    the first (which compiles); ValueError with fewer than two steps. The steady state
-    (`steady_*`) skips 2 + `staleness` records: the compiling step, the up-to-K batches the
-    async producer sampled ahead while it compiled (steps that take pre-made data), and one
-    more; it is the figure that compares the async loop with the sync one (staleness 0).
-    None when no record is left."""
+    """Steps/hour, per-phase means and shares and decode tokens/s of the steady state: the
+    records after 2 + `staleness` (the compiling step, the up-to-K batches the async
+    producer sampled ahead while it compiled, steps that take pre-made data, and one more),
+    the figure that compares the async loop with the sync one; the mean over every step
+    but the compiling one is reported apart (`all_timed_*`). ValueError with fewer than two
+    steps; the steady figures fall back to all timed steps when no record is left (and
+    `steady_steps` says 0)."""
     timed = records[1:]
     if not timed:
         raise ValueError("one step only: nothing to time after the compiling step; use "
                          "--steps >= 2")
-    mean = {k: statistics.fmean(float(r.get(k) or 0.0) for r in timed)
-            for k in ("step_s", *PHASES, "other_s")}
-    share = {k: mean[k] / mean["step_s"] for k in (*PHASES, "other_s")}
     late = records[2 + staleness:]
-    steady = statistics.fmean(float(r["step_s"]) for r in late) if late else None
-    return {"steps_timed": len(timed), "steps_per_hour": 3600.0 / mean["step_s"],
-            "steady_steps_per_hour": 3600.0 / steady if steady else None,
-            "steady_steps": len(late),
+    basis = late or timed
+
+    def means(recs):
+        return {k: statistics.fmean(float(r.get(k) or 0.0) for r in recs)
+                for k in ("step_s", *PHASES, "other_s")}
+
+    mean = means(basis)
+    share = {k: mean[k] / mean["step_s"] for k in (*PHASES, "other_s")}
+    return {"steps_timed": len(timed), "steady_steps": len(late),
+            "steps_per_hour": 3600.0 / mean["step_s"],
+            "all_timed_steps_per_hour": 3600.0 / means(timed)["step_s"],
             "first_step_s": float(records[0]["step_s"]), "phases_mean_s": mean,
             "phases_share": share, "host_transfer_other_share": sum(share[k] for k in OVERHEAD),
             "decode_tokens_per_s": tokens_per_step / mean["decode_s"] if mean["decode_s"] else None,
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     loop_name = ("sync" if args.async_staleness is None
                  else f"threaded async, max staleness {args.async_staleness}")
     payload = {
-        "headline": {"metric": f"GRPO steps/hour ({loop_name}), {args.model} random weights, "
+        "headline": {"metric": f"steady-state GRPO steps/hour ({loop_name}), {args.model} random weights, "
                                f"{args.prompts_per_step}x{args.group_size}, "
                                f"P={args.prompt_len} R={args.response_len}",
                      "value": round(summary["steps_per_hour"], 1), "target": None,
@@ -340,9 +345,9 @@ class StepTracer:
 
 def format_summary(p: dict) -> str:
     lines = [f"{p['headline']['metric']} on {p['device']}: {p['steps_per_hour']:.1f} steps/hour "
-             f"({p['phases_mean_s']['step_s']:.3f} s/step over {p['steps_timed']} steps; first "
-             f"{p['first_step_s']:.1f} s); steady state (last {p['steady_steps']} steps) "
-             f"{p['steady_steps_per_hour'] or float('nan'):.1f} steps/hour"]
+             f"({p['phases_mean_s']['step_s']:.3f} s/step over the last {p['steady_steps']} "
+             f"steps; first {p['first_step_s']:.1f} s); over all {p['steps_timed']} timed steps "
+             f"{p['all_timed_steps_per_hour']:.1f} steps/hour"]
     for k in (*PHASES, "other_s"):
         lines.append(f"  {k[:-2]:<9} {p['phases_mean_s'][k]:8.4f} s {100 * p['phases_share'][k]:5.1f} %")
     lines.append(f"  host + transfer + other {100 * p['host_transfer_other_share']:.1f} % "
