@@ -287,6 +287,14 @@ def test_speed_plan_is_model_by_model_with_the_torch_peers_beside():
     peer = next(t for t in tasks if t["item"] == "qwen2.5-0.5b train")["args"]
     assert all(train[k] == peer[k] for k in ("model", "groups", "group_size", "prompt",
                                              "response"))
+    # the torch peers run in their own processes with JAX off the accelerator (on the H100
+    # JAX's preallocation took the memory the torch step ran out of)
+    for t in tasks:
+        if t["part"] == "torch":
+            assert t["env"]["JAX_PLATFORMS"] == "cpu"
+            assert t["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+        else:
+            assert "JAX_PLATFORMS" not in t.get("env", {})
     cpu = speed.plan_speed_tasks(["decode_step"], speed.SPEED_SMOKE, "cpu", None)
     assert [t["item"] for t in cpu] == ["tiny rows=4 scan+unrolled", "tiny rows=8 unrolled"]
     with pytest.raises(SystemExit):   # the speed parts need --speed

@@ -40,6 +40,12 @@ SPEED_SMOKE = dict(models=("tiny",), decode_rows=(4, 8), group_size=2, decode_pr
                    seconds=0.05, remat=("full",), command_buffer_flags=None)
 
 
+# the torch peer's process: JAX kept off the accelerator there (its default preallocation
+# took the memory the torch step then ran out of, on the H100), and no preallocation if it
+# is touched at all
+TORCH_ENV = {"JAX_PLATFORMS": "cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
 def _task(part, item, fn, cap_s, env=None, **args):
     task = {"part": part, "item": item, "fn": fn, "args": args, "cap_s": cap_s}
     if env:
@@ -84,13 +90,14 @@ def plan_speed_tasks(parts, sz: dict, platform: str, peak) -> list[dict]:
             train(model, True, trace=first_model)
         if "torch" in parts:
             tasks.append(_task("torch", f"{model} train", f"{TORCH}:train", cap(120),
-                               model=model, groups=g, group_size=n, prompt=p, response=r,
-                               peak_tflops=peak))
+                               env=TORCH_ENV, model=model, groups=g, group_size=n, prompt=p,
+                               response=r, peak_tflops=peak))
         if "sampler" in parts:
             sampler(model, "scan", False)
         if "torch" in parts:
             tasks.append(_task("torch", f"{model} generate", f"{TORCH}:generate", cap(150),
-                               model=model, groups=sg, group_size=sn, prompt=sp, response=sr))
+                               env=TORCH_ENV, model=model, groups=sg, group_size=sn, prompt=sp,
+                               response=sr))
         if "sampler" in parts:  # unrolled: one compile per kv bound, each longer
             sampler(model, "unrolled", True)
         if "train" in parts:
