@@ -153,8 +153,11 @@ def test_malformed_tuned_table_raises_with_its_path(tmp_path):
 
 
 def test_committed_tuned_tables_name_their_device_and_measurement():
-    """Tables come from `--parts tune` on the GPU they describe; each names its device."""
+    """Tables come from `--parts tune` on the GPU they describe; each names its device. The
+    folder is committed (its README says which tables exist), so a moved or deleted folder
+    fails here instead of leaving the loop below with nothing to check."""
     from kernels.shared_prefix_attention.tuned import TUNED_DIR
+    assert TUNED_DIR.is_dir() and (TUNED_DIR / "README.md").is_file(), TUNED_DIR
     for path in TUNED_DIR.glob("*.json"):
         table = json.loads(path.read_text())
         assert device_file_name(table["device_kind"]) == path.name
