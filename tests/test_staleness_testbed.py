@@ -43,3 +43,22 @@ def test_sweep_records_cells_and_the_report_reads_them(tmp_path):
     assert {(r["method"], r["k"]) for r in out["rows"]} == {
         ("naive", 0), ("naive", 2), ("icepop", 0), ("icepop", 2)}
     assert set(out["verdicts"]) >= {"icepop"} and (tmp_path / "r.png").is_file()
+
+
+def test_the_committed_page_and_rows_are_generated_from_the_committed_json():
+    """Every number of the testbed's page, README row and results-index row comes from
+    experiments/results/staleness_testbed.json (and the regime search's JSON)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = json.loads((root / tb.RESULT).read_text())
+    regime = json.loads((root / tb.REGIME).read_text())
+    assert (root / tb.PAGE).read_text() == tb.render_page(result, regime)
+    readme = (root / "README.md").read_text().splitlines()
+    index = (root / "docs/results/index.md").read_text().splitlines()
+    assert tb.summary_row(result, "docs/results/staleness-testbed.md") in readme
+    assert tb.summary_row(result, "staleness-testbed.md", index=True) in index
+    # the verdicts follow from the rows by the page's rule
+    rows = {(r["method"], r["k"]): r for r in result["rows"]}
+    hurts = [k for k in result["ks"] if k > 0 and rows[("naive", k)]["kept"]["high"] < tb.KEPT]
+    assert result["staleness_hurts_at"] == hurts
