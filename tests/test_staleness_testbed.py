@@ -53,7 +53,9 @@ def test_the_committed_page_and_rows_are_generated_from_the_committed_json():
     root = Path(__file__).resolve().parents[1]
     result = json.loads((root / tb.RESULT).read_text())
     regime = json.loads((root / tb.REGIME).read_text())
-    assert (root / tb.PAGE).read_text() == tb.render_page(result, regime)
+    mismatch = (json.loads((root / tb.MISMATCH_RESULT).read_text())
+                if (root / tb.MISMATCH_RESULT).is_file() else None)
+    assert (root / tb.PAGE).read_text() == tb.render_page(result, regime, mismatch)
     readme = (root / "README.md").read_text().splitlines()
     index = (root / "docs/results/index.md").read_text().splitlines()
     assert tb.summary_row(result, "docs/results/staleness-testbed.md") in readme

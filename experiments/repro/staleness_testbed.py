@@ -71,9 +71,11 @@ class Setup:
     segment_len: int = 8
     eval_every: int = 50
     eval_prompts: int = 512
+    rollout_dtype: str | None = None  # "bfloat16": a bf16 sampler beside the fp32 learner
 
     def paths(self) -> dict:
         return {"task.options": dict(self.task_options), "loop.steps": self.steps,
+                "rollout.dtype": self.rollout_dtype,
                 "loop.prompts_per_step": self.prompts_per_step,
                 "loop.group_size": self.group_size, "loop.eval_every": self.eval_every,
                 "loop.eval_prompts": self.eval_prompts, "loop.eval_greedy": True,
@@ -86,6 +88,12 @@ class Setup:
 
 
 SETUP = Setup()
+# the train/inference half (Missing Old Logits' claim): a bf16 sampler beside the fp32
+# learner, so π_prox at a token's own version is not μ; the methods that differ there
+MISMATCH = dataclasses.replace(SETUP, rollout_dtype="bfloat16")
+MISMATCH_METHODS = ["naive", "decoupled", "exact"]
+MISMATCH_CELLS = RESULTS / "staleness_testbed_mismatch"
+MISMATCH_RESULT = RESULTS / "staleness_testbed_mismatch.json"
 
 
 def cell_name(method: str, k: int, seed: int) -> str:
@@ -192,7 +200,7 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT) -> dict:
     hurts = {r["k"] for r in rows if r["method"] == "naive" and r["k"] > 0
              and below(r["kept"]["high"], KEPT)}
     for m in METHODS:
-        if m == "naive":
+        if m == "naive" or not any(r["method"] == m for r in rows):
             continue
         held = {r["k"] for r in rows if r["method"] == m and r["k"] in hurts
                 and not below(r["kept"]["value"], KEPT) and r["kept"]["value"] is not None
@@ -218,7 +226,10 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT) -> dict:
     plot(rows, out.with_suffix(".png"))
     if out == RESULT:  # the committed result: its page and summary rows are generated from it
         regime_result = json.loads(REGIME.read_text()) if REGIME.is_file() else None
-        PAGE.write_text(render_page(result, regime_result))
+        mismatch = None
+        if (MISMATCH_CELLS / f"{cell_name('naive', 0, 0)}.json").is_file():
+            mismatch = report(MISMATCH_CELLS, MISMATCH_RESULT)
+        PAGE.write_text(render_page(result, regime_result, mismatch))
         replace_row(README, summary_row(result, "docs/results/staleness-testbed.md"))
         replace_row(INDEX, summary_row(result, "staleness-testbed.md", index=True))
     return result
@@ -276,7 +287,8 @@ def fmt(e: dict | None) -> str:
     return f"{e['value']:.3f} [{lo:.3f}, {hi:.3f}]" if lo is not None else f"{e['value']:.3f}"
 
 
-def render_page(result: dict, regime_result: dict | None = None) -> str:
+def render_page(result: dict, regime_result: dict | None = None,
+                mismatch: dict | None = None) -> str:
     """docs/results/staleness-testbed.md from the report's JSON (and the regime search's)."""
     setup = result["setup"]
     lines = ["# Off-policy testbed: stale data on a task with power", "",
@@ -319,6 +331,21 @@ def render_page(result: dict, regime_result: dict | None = None) -> str:
               "up to rounding: its row measures staleness, which it does not claim to repair. "
               "Its claim needs a real discrepancy (bf16 rollouts beside the fp32 learner, "
               "`rollout.dtype`), the real-model study's mismatch suite."]
+    if mismatch:
+        lines += ["", "## The train/inference half: bf16 rollouts", "",
+                  "The same cells with a bf16 sampler beside the fp32 learner "
+                  "(`rollout.dtype = \"bfloat16\"`, `sweep --suite mismatch`): π_prox at a "
+                  "token's own version is no longer μ, which is what the exact proximal "
+                  "policy repairs.", "",
+                  "| method | k | seeds | final greedy reward | kept share of G [95 % CI] | "
+                  "− naive PPO [95 % CI] |", "|---|---|---|---|---|---|"]
+        for r in mismatch["rows"]:
+            lines.append(f"| {LABELS[r['method']]} | {r['k']} | {len(r['seeds'])} | "
+                         f"{r['final']:.3f} | {fmt(r['kept'])} | {fmt(r.get('vs_naive'))} |")
+        lines += ["", "| method | verdict (same rule) |", "|---|---|"]
+        lines += [f"| {LABELS[m]} | {v} |" for m, v in mismatch["verdicts"].items()]
+        lines += ["", "![kept share against k, bf16 rollouts]"
+                  "(../../experiments/results/staleness_testbed_mismatch.png)"]
     lines += ["", "![kept share against k](../../experiments/results/staleness_testbed.png)",
               "", f"Machine: {result['headline']['machine']}. Command: `{result['command']}`."]
     return "\n".join(lines) + "\n"
@@ -383,12 +410,20 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--ks", nargs="+", type=int, default=[0, 4, 16, 64])
     s.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     s.add_argument("--max-cells", type=int)
+    s.add_argument("--suite", choices=("main", "mismatch"), default="main",
+                   help="mismatch: bf16 rollouts beside the fp32 learner, naive / decoupled / "
+                        "exact only (default methods), k 0 and 16, 3 seeds")
     sub.add_parser("report")
     g = sub.add_parser("regime")
     g.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 3e-3])
     g.add_argument("--ks", nargs="+", type=int, default=[0, 16, 64])
     args = p.parse_args(argv)
-    if args.cmd == "sweep":
+    if args.cmd == "sweep" and args.suite == "mismatch":
+        methods = MISMATCH_METHODS if args.methods == list(METHODS) else args.methods
+        sweep(methods, [0, 16] if args.ks == [0, 4, 16, 64] else args.ks,
+              args.seeds[:3] if args.seeds == [0, 1, 2, 3, 4] else args.seeds, args.max_cells,
+              MISMATCH, MISMATCH_CELLS, WORK_DIR / "mismatch")
+    elif args.cmd == "sweep":
         sweep(args.methods, args.ks, args.seeds, args.max_cells)
     elif args.cmd == "regime":
         r = regime(args.lrs, args.ks)
