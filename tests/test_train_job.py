@@ -5,7 +5,6 @@ wandb files, and CLI mistakes give clear errors.
 
 Same geometry as tests/rl/test_sync_loop.py (2 groups of 4, 8 eval prompts), so the
 compiled sampler and train step are shared within one pytest process."""
-import dataclasses
 import json
 
 import jax

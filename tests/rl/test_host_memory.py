@@ -132,7 +132,6 @@ def test_an_eval_leaves_no_arrays_in_reference_cycles(tmp_path):
 
     from models.config import get_config
     from models.decoder import init_params
-    from rl.learner import TrainConfig
     from rl.loops.evaluation import make_evaluator
     from rl.loops.rollouts import RolloutSpec, rollout_spec, sample_groups
     from rl.rollout.sampler_state import SamplingConfig

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from models.decoder import forward
-from rl.loops import (AsyncConfig, LoopConfig, RolloutOptions, RolloutSpec, rollout_model_config, run, run_async,
+from rl.loops import (AsyncConfig, RolloutOptions, RolloutSpec, rollout_model_config, run, run_async,
                       sample_groups)
 from rl.rollout import SamplingConfig
 from rl.run import PRESETS, LoggingConfig, load_policy
