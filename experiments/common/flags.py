@@ -58,6 +58,8 @@ SIMPLE_FLAGS = {
     "save_every_minutes": "loop.save_every_minutes",
     "env_step_timeout": "loop.env_step_timeout_s", "episode_timeout": "loop.episode_timeout_s",
     "host_malloc": "loop.host_malloc", "rollout_dtype": "rollout.dtype",
+    "max_concurrent_tool_calls": "loop.max_concurrent_tool_calls",
+    "tool_latency": "loop.tool_latency",
 }
 # --low-memory: the learner and host options that bring the smollm2-rg step under 4 GB
 # resident on CPU (docs/results/learner-memory.md), at a learner time cost (and a recompile
@@ -270,8 +272,18 @@ def add_prune_flags(p: argparse.ArgumentParser) -> None:
 
 def add_env_flags(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("environments (multi-turn episodes, rl.loops.episodes)")
-    e.add_argument("--env", choices=sorted(ENVS),
-                   help="train on an environment instead of a task (= --task env:NAME)")
+    e.add_argument("--env", metavar="NAME|MODULE:FACTORY",
+                   help="train on an environment instead of a task (= --task env:SPEC): a "
+                        f"registered one ({', '.join(sorted(ENVS))}) or your own, "
+                        "'module:factory' / 'file.py:factory' (a callable returning an "
+                        "rl.envs.Environment; checked before anything compiles)")
+    e.add_argument("--max-concurrent-tool-calls", type=int, metavar="M",
+                   help="environment calls of different episodes run at once on M threads "
+                        "while the other slots decode (loop.max_concurrent_tool_calls; default "
+                        "32; 0 = one after another)")
+    e.add_argument("--tool-latency", metavar="SPEC",
+                   help="add an emulated latency to every environment step (loop.tool_latency): "
+                        "'fixed:0.5' or 'lognormal:P50,P99' seconds, e.g. 'lognormal:0.5,3'")
     e.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment option (repeatable), e.g. k=16 or max_turns=5")
     e.add_argument("--turn-credit", choices=TURN_CREDITS,

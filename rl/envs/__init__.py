@@ -12,6 +12,8 @@ split helpers, nothing else from `rl`).
                 <calc>EXPR</calc> tool (`arithmetic.calculate`)
   tools         `ToolWorker`: a tool function run in a worker process with a hard
                 timeout (`ToolTimeout`), for tools that may hang
+  latency       `with_latency(env, "lognormal:0.5,3")`: a seeded, emulated tool latency
+                on every step (benchmarks without a network)
 
 Environments are plain Python objects that step on the host between decode segments.
 
@@ -19,9 +21,12 @@ Environments are plain Python objects that step on the host between decode segme
     env = make_env("guess_number", k=8, max_turns=4)
     env = make_env("guess_number:k=16,max_turns=5")
     env = make_env("calculator", tokenizer=tok)
+    env = make_env("my_envs:make_maze:size=5")   # your own factory, checked on build
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -32,10 +37,13 @@ from rl.envs.base import (
     Episode,
     StepResult,
     ToolTimeout,
+    check_environment,
     check_step_result,
 )
 from rl.envs.calculator import CalculatorEnv
 from rl.envs.guess_number import GuessNumberEnv
+from rl.envs.latency import LatencyModel, parse_latency, with_latency
+from rl.tasks.callables import is_callable_spec, load_callable
 
 ENVS: dict[str, Callable[..., Any]] = {"guess_number": GuessNumberEnv, "calculator": CalculatorEnv}
 
@@ -54,9 +62,14 @@ def _option(text: str) -> Any:
 
 
 def parse_env_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """"name" or "name:key=value,key=value" -> (name, options); values are ints, floats,
-    true/false, strings, or '+'-joined tuples (kinds=mul+add)."""
-    name, _, rest = spec.replace(" ", "").partition(":")
+    """"name", "name:key=value,key=value", "module:factory" or "module:factory:key=value,..."
+    ("file.py:factory" too) -> (name, options); values are ints, floats, true/false,
+    strings, or '+'-joined tuples (kinds=mul+add)."""
+    parts = spec.replace(" ", "").split(":")
+    if parts[0] not in ENVS and len(parts) >= 2 and parts[1] and "=" not in parts[1]:
+        name, rest = f"{parts[0]}:{parts[1]}", ":".join(parts[2:])
+    else:
+        name, rest = parts[0], ":".join(parts[1:])
     options: dict[str, Any] = {}
     for part in filter(None, rest.split(",")):
         key, eq, value = part.partition("=")
@@ -68,22 +81,51 @@ def parse_env_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, options
 
 
+def env_factory(name: str) -> Callable[..., Any]:
+    """What builds environment `name`: a registered class, or the callable a
+    'module:factory' / 'file.py:factory' spec names (rl.tasks.callables)."""
+    if name in ENVS:
+        return ENVS[name]
+    if is_callable_spec(name):
+        return load_callable(name, "environment factory")
+    raise ValueError(f"unknown environment {name!r}; available: {sorted(ENVS)}, or your own "
+                     "as 'module:factory' / 'path/to/file.py:factory'")
+
+
+def factory_fields(factory: Callable[..., Any]) -> set[str] | None:
+    """The keyword arguments a factory takes: a dataclass's fields, a callable's named
+    parameters; None when it takes **kwargs (any name)."""
+    if dataclasses.is_dataclass(factory):
+        return {f.name for f in dataclasses.fields(factory)}
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
 def make_env(spec: str, **kwargs) -> Environment:
-    """Build an environment from a spec: a registered name ("guess_number", "calculator")
-    or "name:key=value,..." (e.g. "guess_number:k=16,max_turns=5"); kwargs are more
-    options (the tokenizer, ...) and may not repeat a spec option."""
+    """Build an environment from a spec: a registered name ("guess_number", "calculator"),
+    "name:key=value,..." (e.g. "guess_number:k=16,max_turns=5") or your own factory,
+    "module:factory[:key=value,...]"; kwargs are more options (the tokenizer, ...) and may
+    not repeat a spec option. What it builds is checked against the protocol
+    (check_environment)."""
     name, options = parse_env_spec(spec)
-    if name not in ENVS:
-        raise ValueError(f"unknown environment {name!r}; available: {sorted(ENVS)}")
+    factory = env_factory(name)
     both = set(options) & set(kwargs)
     if both:
         raise ValueError(f"options {sorted(both)} given both in the spec {spec!r} and as keywords")
     try:
-        return ENVS[name](**options, **kwargs)
+        env = factory(**options, **kwargs)
     except TypeError as err:
         raise ValueError(f"environment {name!r} rejected its options: {err}") from None
+    check_environment(env, name)
+    return env
 
 
 __all__ = ["ENVS", "CalculatorEnv", "EndReason", "Environment", "Episode", "GuessNumberEnv",
-           "StepResult", "ToolTimeout", "calculate", "check_step_result", "make_env",
-           "parse_env_spec"]
+           "LatencyModel", "StepResult", "ToolTimeout", "calculate", "check_environment",
+           "check_step_result", "env_factory", "factory_fields", "make_env", "parse_env_spec",
+           "parse_latency", "with_latency"]

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -136,3 +137,33 @@ def check_step_result(result: Any) -> str | None:
     if not isinstance(result.done, bool):
         return f"done must be a bool, got {result.done!r}"
     return None
+
+
+ENV_ATTRIBUTES = ("name", "reward_names", "stop_ids", "max_turns", "max_turn_tokens",
+                  "max_prompt_len", "max_episode_tokens")
+ENV_METHODS = ("train_prompts", "eval_prompts", "reset", "decode_turn", "encode_observation")
+
+
+def check_environment(env: Any, what: str | None = None) -> None:
+    """ValueError naming every attribute or method of the Environment protocol `env`
+    lacks (or has of the wrong kind), before anything is built around it."""
+    label = what or type(env).__name__
+    missing = [a for a in ENV_ATTRIBUTES if not hasattr(env, a)]
+    missing += [f"{m}()" for m in ENV_METHODS if not callable(getattr(env, m, None))]
+    if missing:
+        raise ValueError(f"environment {label!r} built a {type(env).__name__}, which is not an "
+                         f"rl.envs.Environment: it has no {', '.join(missing)} (the protocol: "
+                         "rl/envs/base.py)")
+    for a in ("max_turns", "max_turn_tokens", "max_prompt_len", "max_episode_tokens"):
+        v = getattr(env, a)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"environment {label!r}: {a} must be an int >= 1, got {v!r}")
+    if isinstance(env.reward_names, str) or not env.reward_names \
+            or not all(isinstance(n, str) for n in env.reward_names):
+        raise ValueError(f"environment {label!r}: reward_names must be a non-empty tuple of "
+                         f"strings, got {env.reward_names!r}")
+    stops = env.stop_ids
+    if isinstance(stops, (str, int)) or not all(isinstance(t, numbers.Integral)
+                                                and not isinstance(t, bool) for t in stops):
+        raise ValueError(f"environment {label!r}: stop_ids must be a tuple of int token ids, "
+                         f"got {stops!r}")

@@ -49,6 +49,7 @@ from models.config import DTYPES
 from models.decoder import LAYER_LOOPS
 from rl.learner.config import TrainConfig
 from rl.loops.buffer import STALE_POLICIES
+from rl.envs.latency import parse_latency
 from rl.loops.episodes import ENV_PREFIX
 from rl.loops.scheduling import SchedulerOptions
 from rl.loops.validation import LEGACY_PATHS
@@ -83,6 +84,11 @@ class LoopConfig:
     limit per call (a turn's step, reset, outcome; 0 = the environment's own
     `step_timeout_s`, if any) and episode_timeout_s: the wall-time limit of one episode (0
     = none): an episode past either ends with EndReason.TIMEOUT (rl.rollout.multiturn).
+    max_concurrent_tool_calls: how many environment calls (tool calls) of different
+    episodes run at once, on a pool of threads, while the other slots decode (0 = one
+    after another on the rollout thread); tool_latency: a latency model added to every
+    environment step ("", "fixed:S" or "lognormal:P50,P99", seconds; rl.envs.latency),
+    to emulate a slow tool in benchmarks.
     host_malloc: how the host's C allocator returns
     freed memory (rl.runtime.host_memory: "default", or "lean" for a lower resident peak on
     CPU at some system time); it changes no computed value. eval_max_rows: rows an eval
@@ -111,6 +117,8 @@ class LoopConfig:
     save_every_minutes: float = 0.0
     env_step_timeout_s: float = 0.0
     episode_timeout_s: float = 0.0
+    max_concurrent_tool_calls: int = 32
+    tool_latency: str = ""
     host_malloc: str = "default"
     eval_max_rows: int = 0
     eval_clear_programs: bool = False
@@ -128,7 +136,8 @@ class LoopConfig:
                     or v == float("inf"):
                 raise ValueError(f"LoopConfig.{name} must be a finite number >= 0 (0 = off), "
                                  f"got {v!r}")
-        for name, low in (("eval_sampled_prompts", 0), ("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
+        parse_latency(self.tool_latency)
+        for name, low in (("max_concurrent_tool_calls", 0), ("eval_sampled_prompts", 0), ("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
                           ("eval_every", 0), ("eval_prompts", 1),
                           ("save_every", 0), ("keep_checkpoints", 1), ("max_resample_rounds", 0),
                           ("seed", 0), ("eval_max_rows", 0)):

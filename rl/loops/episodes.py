@@ -42,8 +42,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from rl.envs import ENVS, make_env
-from rl.envs.base import EndReason, Environment
+from rl.envs import env_factory, factory_fields, make_env, parse_env_spec
+from rl.envs.base import EndReason, Environment, check_environment
+from rl.envs.latency import with_latency
 from rl.objectives.turn_credit import TurnCreditConfig
 from rl.rollout.episodes import EpisodeRecord
 from rl.rollout.multiturn import MODES, MultiTurnConfig, MultiTurnEngine
@@ -87,22 +88,19 @@ def make_env_task(spec: str, *, tokenizer: Any = None, seed: int = 0,
     """EnvTask of rl.envs.make_env(spec without "env:", **env_options), the tokenizer and
     seed passed when the environment's class has those fields."""
     name = spec[len(ENV_PREFIX):] if is_env_spec(spec) else spec
-    base = name.partition(":")[0]
-    if base not in ENVS:
-        raise ValueError(f"unknown environment {base!r}; available: {sorted(ENVS)}")
-    fields = env_fields(base)
+    fields = env_fields(parse_env_spec(name)[0])
     kw = dict(env_options)
-    if "seed" in fields:
+    if fields is None or "seed" in fields:
         kw.setdefault("seed", int(seed))
-    if "tokenizer" in fields and tokenizer is not None:
+    if (fields is None or "tokenizer" in fields) and tokenizer is not None:
         kw.setdefault("tokenizer", tokenizer)
     return EnvTask(make_env(name, **kw), options)
 
 
-def env_fields(name: str) -> set[str]:
-    """The constructor fields of registered environment `name` (empty if not a dataclass)."""
-    cls = ENVS[name]
-    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+def env_fields(name: str) -> set[str] | None:
+    """The keyword arguments environment `name` (registered, or 'module:factory') takes;
+    None when its factory takes any (**kwargs)."""
+    return factory_fields(env_factory(name))
 
 
 class EnvTask:
@@ -113,12 +111,7 @@ class EnvTask:
     episodic = True
 
     def __init__(self, env: Environment, options: EpisodeOptions = EpisodeOptions()):
-        for attr in ("name", "reward_names", "stop_ids", "max_turns", "max_turn_tokens",
-                     "max_prompt_len", "max_episode_tokens", "train_prompts", "eval_prompts",
-                     "reset", "decode_turn", "encode_observation"):
-            if not hasattr(env, attr):
-                raise ValueError(f"{type(env).__name__} is not an rl.envs.Environment: it has "
-                                 f"no {attr!r}")
+        check_environment(env)
         if not isinstance(options, EpisodeOptions):
             raise ValueError(f"options must be an EpisodeOptions, got {type(options).__name__}")
         if int(env.max_episode_tokens) <= int(env.max_prompt_len):
@@ -136,6 +129,7 @@ class EnvTask:
                 setattr(self, attr, getattr(env, attr))
         self._lock = threading.Lock()
         self._records: list[tuple[EpisodeRecord, int, int]] = []  # (record, obs, model tokens)
+        self._engine_stats: list[dict[str, float]] = []  # MultiTurnEngine.stats() per rollout
 
     def train_prompts(self, start: int, count: int) -> list[Prompt]:
         return self.env.train_prompts(start, count)
@@ -164,9 +158,19 @@ class EnvTask:
         with self._lock:
             self._records += rows
 
+    def record_engine(self, stats: dict[str, float]) -> None:
+        """Keep one rollout's engine stats (MultiTurnEngine.stats) for the metrics."""
+        with self._lock:
+            self._engine_stats.append(dict(stats))
+
     def take_records(self) -> list[tuple[EpisodeRecord, int, int]]:
         with self._lock:
             out, self._records = self._records, []
+        return out
+
+    def take_engine_stats(self) -> list[dict[str, float]]:
+        with self._lock:
+            out, self._engine_stats = self._engine_stats, []
         return out
 
 
@@ -187,20 +191,20 @@ def sample_episodes(params: Any, version: int, spec: Any, prompts: Sequence[Prom
         raise ValueError("no prompts to sample: the prompt list is empty")
     task, group_size = spec.task, spec.group_size
     t0 = time.perf_counter()
-    cfg = MultiTurnConfig(num_slots=len(prompts) * group_size, group_size=group_size,
-                          segment_len=spec.segment_len, sampling=spec.sampling, seed=int(seed),
-                          first_group_id=int(first_group_id), kv_layout=task.options.kv_layout,
-                          mode=task.options.mode, time_limits=spec.time_limits)
-    engine = MultiTurnEngine(spec.sampler_config, task.env, cfg)
+    engine = episode_engine(spec, len(prompts) * group_size, seed, first_group_id)
     engine.submit(list(prompts))
     parts, records = [], []
-    while not engine.idle:
-        abandon_point()  # a stop request ends an abandonable phase here (rl.runtime.preemption)
-        engine.step(params, int(version))
-        got = engine.harvest()
-        if got is not None:
-            parts.append(got.trajectory)
-            records += list(got.episodes)
+    try:
+        while not engine.idle:
+            abandon_point()  # a stop request ends an abandonable phase (rl.runtime.preemption)
+            engine.step(params, int(version))
+            got = engine.harvest()
+            if got is not None:
+                parts.append(got.trajectory)
+                records += list(got.episodes)
+    finally:
+        engine.close()
+    task.record_engine(engine.stats())
     abandon_point()
     traj = parts[0] if len(parts) == 1 else concat_trajectories(parts)
     order = np.argsort(np.asarray(traj.group_ids), kind="stable")
@@ -212,6 +216,22 @@ def sample_episodes(params: Any, version: int, spec: Any, prompts: Sequence[Prom
     profile.add("decode_s", t["decode_s"] + t["append_s"])
     profile.add("host_s", time.perf_counter() - t0 - t["prefill_s"] - t["decode_s"] - t["append_s"])
     return traj
+
+
+def episode_engine(spec: Any, num_slots: int, seed: int, first_group_id: int = 0
+                   ) -> MultiTurnEngine:
+    """The multi-turn engine of one rollout of spec.task (an EnvTask) over `num_slots`
+    slots: the spec's segment length, sampling, time limits and concurrent tool calls, the
+    task's KV layout / mode, its environment behind the spec's emulated tool latency
+    (seeded by `seed`)."""
+    task = spec.task
+    cfg = MultiTurnConfig(num_slots=int(num_slots), group_size=spec.group_size,
+                          segment_len=spec.segment_len, sampling=spec.sampling, seed=int(seed),
+                          first_group_id=int(first_group_id), kv_layout=task.options.kv_layout,
+                          mode=task.options.mode, time_limits=spec.time_limits,
+                          max_concurrent_tool_calls=spec.max_concurrent_tool_calls)
+    env = with_latency(task.env, spec.tool_latency, seed=int(seed))
+    return MultiTurnEngine(spec.sampler_config, env, cfg)
 
 
 def episode_rewards(task: EnvTask, traj: Trajectory) -> dict[str, np.ndarray]:
@@ -239,7 +259,7 @@ def take_episode_metrics(task: Any) -> dict[str, float]:
     and forget them; {} for a task or when there were none."""
     if not is_episodic(task):
         return {}
-    rows = task.take_records()
+    rows, engines = task.take_records(), task.take_engine_stats()
     if not rows:
         return {}
     recs = [r for r, _, _ in rows]
@@ -255,14 +275,28 @@ def take_episode_metrics(task: Any) -> dict[str, float]:
              for r in recs]
     if any(isinstance(i, dict) and "tool_calls" in i for r in recs for i in r.infos):
         out["episode_tool_calls"] = float(np.mean(calls))
-    return out
+    return {**out, **engine_metrics(engines)}
+
+
+def engine_metrics(stats: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Rollouts' MultiTurnEngine.stats() combined, weighted by their wall time: tool_wait_share,
+    tool_calls_in_flight, slot_occupancy, slot_held, tokens_per_s_tools_running; {} if none."""
+    wall = sum(s["wall_s"] for s in stats)
+    if not stats or wall <= 0:
+        return {}
+    keys = ("tool_wait_share", "tool_calls_in_flight", "slot_occupancy", "slot_held",
+            "tokens_per_s_tools_running")
+    return {k: float(sum(s[k] * s["wall_s"] for s in stats) / wall) for k in keys}
+
+
+EPISODE_ROLLOUTS = ("static", "continuous")  # the async rollouts that run episodes
 
 
 def check_episode_loop(task: Any, mode: str, rollout: str) -> None:
     """ValueError unless the asynchronous loop's `mode` / `rollout` can run `task`'s
-    episodes (an environment needs mode "deterministic" with rollout "static")."""
-    if is_episodic(task) and (mode, rollout) != ("deterministic", "static"):
-        raise ValueError(f"{task.name}: environments run in the synchronous loop and in the "
-                         "asynchronous loop's deterministic mode with static rollouts, not "
-                         f"mode={mode!r} rollout={rollout!r}; pass --async-mode deterministic "
-                         "(and no --rollout)")
+    episodes: static rollouts in either mode, continuous ones in the threaded mode; not
+    APRIL (its rounds cut and resume single-turn samples, not episodes)."""
+    if is_episodic(task) and rollout not in EPISODE_ROLLOUTS:
+        raise ValueError(f"{task.name}: environments run with static or continuous rollouts "
+                         f"(--rollout static|continuous), not --rollout {rollout}: APRIL's "
+                         "rounds cut and resume single-turn samples, not episodes")

@@ -22,7 +22,10 @@ from rl.loops.rollouts import RolloutSpec, rollout_seed, take_rows
 from rl.loops.scoring import score, total_reward
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.april import AprilConfig, AprilRollout, offpolicy_prefix_mask
+from rl.loops import episodes
 from rl.rollout.engine import RolloutEngine
+from rl.rollout.episodes import EpisodeBatch
+from rl.rollout.multiturn import MultiTurnEngine
 
 
 # ----------------------------------------------------------------------------- producer
@@ -129,7 +132,7 @@ class RolloutProducer:
         self.error: BaseException | None = None
         self.sampled_tokens = 0
         self.filtered_in_a_row = 0
-        self._engine: RolloutEngine | None = None
+        self._engine: RolloutEngine | MultiTurnEngine | None = None
         self._prompts: dict[int, Any] = {}
 
     # -------------------------------------------------------------- shared state
@@ -169,9 +172,26 @@ class RolloutProducer:
         return self._stop.is_set() or self.buffer.closed
 
     # -------------------------------------------------------------- pieces
-    def _engine_for(self, seed: int) -> RolloutEngine:
-        rc = self.spec.engine(self.loop.prompts_per_step * self.spec.group_size, seed)
-        return RolloutEngine(self.spec.sampler_config, rc)
+    def _engine_for(self, seed: int) -> RolloutEngine | MultiTurnEngine:
+        """A fresh engine (an environment's: the multi-turn engine) for b groups; the last
+        one's tool pool is closed and its stats kept for the metrics."""
+        self._retire_engine()
+        slots = self.loop.prompts_per_step * self.spec.group_size
+        if episodes.is_episodic(self.task):
+            return episodes.episode_engine(self.spec, slots, seed)
+        return RolloutEngine(self.spec.sampler_config, self.spec.engine(slots, seed))
+
+    def _retire_engine(self) -> None:
+        if isinstance(self._engine, MultiTurnEngine):
+            self._engine.close()
+            self.task.record_engine(self._engine.stats(reset=True))
+        self._engine = None
+
+    def _submit(self, prompts: list) -> None:
+        """Queue prompts in the engine (ids, or Prompt objects for episodes); keep them by
+        group id for scoring."""
+        form = prompts if episodes.is_episodic(self.task) else [p.ids for p in prompts]
+        self._prompts.update(zip(self._engine.submit(form), prompts))
 
     def _admit(self, most: int, block: bool) -> int:
         """Reserve up to `most` groups (blocking until at least one fits if `block`)."""
@@ -191,6 +211,10 @@ class RolloutProducer:
         part = self._engine.harvest()
         if part is None:
             return []
+        if isinstance(part, EpisodeBatch):  # episodes: records and stats to the metrics
+            self.task.record(part.episodes, part.trajectory)
+            self.task.record_engine(self._engine.stats(reset=True))
+            part = part.trajectory
         self.sampled_tokens += part.num_tokens()
         rewards = score(self.task, self._prompts, part)
         for g in np.unique(np.asarray(part.group_ids)):
@@ -220,8 +244,8 @@ class RolloutProducer:
         if n == 0:
             return
         seed, prompts = self._take_prompts(n)
-        self._engine = self._engine_for(seed)
-        self._prompts = dict(zip(self._engine.submit([p.ids for p in prompts]), prompts))
+        self._engine, self._prompts = self._engine_for(seed), {}
+        self._submit(prompts)
         done: list[tuple[int, ScoredGroup]] = []
         while not self._engine.idle and not self.stopping:
             done += self._segment()
@@ -235,8 +259,8 @@ class RolloutProducer:
             if n == 0:
                 return
             seed, prompts = self._take_prompts(n)
-            self._engine = self._engine_for(seed)
-            self._prompts = dict(zip(self._engine.submit([p.ids for p in prompts]), prompts))
+            self._engine, self._prompts = self._engine_for(seed), {}
+            self._submit(prompts)
         else:  # refill free slots while the admission rule allows
             free = self._engine.num_free_slots // self.loop.group_size - self._engine.num_queued
             n = self._admit(free, block=False) if free > 0 else 0
@@ -244,7 +268,7 @@ class RolloutProducer:
                 with self._lock:
                     prompts = self.task.train_prompts(self._pos, n)
                     self._pos += n
-                self._prompts.update(zip(self._engine.submit([p.ids for p in prompts]), prompts))
+                self._submit(prompts)
         for _, group in self._segment():
             self._offer(group)
 
@@ -265,6 +289,7 @@ class RolloutProducer:
             self.error = err
             self.buffer.close()
         finally:
+            self._retire_engine()
             running = self.buffer.stats()["running_groups"]
             if running:
                 self.buffer.release(running, "cancelled")

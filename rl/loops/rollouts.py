@@ -58,7 +58,8 @@ class RolloutSpec:
     """What every rollout of one kind shares (module doc). model_config is the learner's,
     compute_dtype the sampler's own (None: the model's; `sampler_config` applies it);
     max_new_tokens the response budget (the task's unless an eval overrides it);
-    time_limits an environment's per-call and per-episode limits."""
+    time_limits an environment's per-call and per-episode limits; max_concurrent_tool_calls
+    and tool_latency how its calls run (rl.rollout.multiturn, rl.envs.latency)."""
 
     task: Task
     model_config: ModelConfig
@@ -70,6 +71,8 @@ class RolloutSpec:
     bucket_slots: bool = False
     time_limits: TimeLimits = TimeLimits()
     compute_dtype: str | None = None
+    max_concurrent_tool_calls: int = 0
+    tool_latency: str = ""
 
     @property
     def sampler_config(self) -> ModelConfig:
@@ -95,14 +98,16 @@ class RolloutSpec:
 def rollout_spec(model_config: ModelConfig, task: Task, config: Any) -> RolloutSpec:
     """The train rollouts' spec of a run, from its RunConfig `config`: the rollout section
     (segment length, decode options, dtype), train.temperature (the learner's log-probs are
-    at the sampler's temperature), loop.group_size and an environment's time limits."""
+    at the sampler's temperature), loop.group_size and how an environment's calls run
+    (time limits, concurrency, emulated latency)."""
     ro, loop = config.rollout, config.loop
     return RolloutSpec(
         task=task, model_config=model_config, compute_dtype=ro.dtype,
         group_size=loop.group_size, segment_len=ro.segment_len,
         sampling=SamplingConfig(temperature=config.train.temperature),
         layer_loop=ro.layer_loop, bucket_slots=ro.bucket_slots,
-        time_limits=TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s))
+        time_limits=TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s),
+        max_concurrent_tool_calls=loop.max_concurrent_tool_calls, tool_latency=loop.tool_latency)
 
 
 def rollout_seed(rng: jax.Array) -> tuple[int, jax.Array]:

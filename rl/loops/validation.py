@@ -41,6 +41,9 @@ MIN_TRAIN_TEMPERATURE = 0.05
 # limits): the resume itself says it may change.
 FREE_ON_RESUME = frozenset({"loop.steps", "loop.time_limit_s", "loop.save_every_minutes",
                             "loop.env_step_timeout_s", "loop.episode_timeout_s",
+                            # how many tool calls overlap, and an emulated tool latency:
+                            # when a call returns, never which tokens are drawn
+                            "loop.max_concurrent_tool_calls", "loop.tool_latency",
                             "loop.host_malloc", "loop.eval_max_rows", "loop.eval_clear_programs",
                             # how VCPO's exact gradient norms are computed (ghost or vmap,
                             # rows per pass): the same values, so free as well
@@ -103,11 +106,10 @@ def check_sources(cfg: Any) -> None:
     if a is not None and cfg.distributed.enabled:
         raise ValueError("asynchronous training runs its producer, buffer and param ring in "
                          "one process; drop the async settings or the multi-process ones")
-    if cfg.task.is_env and producer:
-        raise ValueError(f"{cfg.task.spec}: environments run their episodes in the "
-                         "synchronous loop and with --async-mode deterministic (static "
-                         "rollouts); the threaded producer and APRIL drive the "
-                         f"single-turn engine, not --async-mode {a.mode} --rollout {a.rollout}")
+    if cfg.task.is_env and a is not None and a.rollout == "april":
+        raise ValueError(f"{cfg.task.spec}: environments run with static or continuous "
+                         "rollouts (--rollout static|continuous), not --rollout april: "
+                         "APRIL's rounds cut and resume single-turn samples, not episodes")
     if cfg.task.is_env and p is not None:
         raise ValueError(f"{cfg.task.spec}: --prune (online rollout pruning) is for "
                          "single-turn tasks; drop it for an environment")

@@ -9,11 +9,26 @@ version)`:
   2. every live slot decodes at most `segment_len` tokens (`decode_segment`, stamped
      `version`); a slot's turn ends on one of `env.stop_ids` or after
      `env.max_turn_tokens` tokens of this turn (its budget), which makes it `done`;
-  3. on the host, each slot whose turn ended: the turn is decoded (`env.decode_turn`) and
-     the episode stepped (`Episode.step`); unless the episode ends (done, max_turns, the
-     budget, or a misbehaving environment: rl.rollout.episodes), the observation's ids
-     (`env.encode_observation`) are appended to the slot and it goes live again for the
-     next turn, while every other slot just keeps decoding in the next step.
+  3. each slot whose turn ended is handed to the tool pool: the turn is decoded
+     (`env.decode_turn`) and the episode stepped (`Episode.step`, where a tool call
+     blocks); unless the episode ends (done, max_turns, the budget, or a misbehaving
+     environment: rl.rollout.episodes), the observation's ids (`env.encode_observation`)
+     are appended to the slot, at the first step after the call returns, and it goes live
+     again for the next turn, while every other slot just keeps decoding.
+Concurrent tool calls (`MultiTurnConfig.max_concurrent_tool_calls`): with 0 every turn
+boundary runs at once on the calling thread, one after another (the exact slow twin);
+with M >= 1 they run on a pool of M threads, so the calls of different episodes overlap
+each other and the decoding of every slot whose episode is not waiting. A slot whose
+episode waits stays reserved (`done` in the sampler, not decoded) until its call returns;
+when no slot is left to decode, `step` waits for the first call to return. Tokens do not
+depend on when a call returns: a sample's rng stream is keyed by its group, index and
+position (rl.rollout.sampler_state), so under one params version both settings give the
+same tokens, log-probs and records (tested). An environment written the plain way, with
+a blocking `Episode.step`, gets this concurrency unchanged; its calls of *different*
+episodes run at the same time, so `reset` / `step` / `decode_turn` /
+`encode_observation` must be safe to call from several threads (the tokenizers library
+is). `stats()`: tool wait share of wall time, calls in flight, slot occupancy, tokens per
+second while tools run.
 An episode's tokens: prompt + turn_1 + obs_1 + turn_2 + ... ; the "response" of its
 Trajectory row is everything after the prompt, with env_mask True on observation tokens
 (behaviour log-prob 0, version = that of the turn they answer).
@@ -32,15 +47,18 @@ counted): "prefill" (new groups; replicated: the prompt, once per group; segment
 prompt but its last token, which the first decode step feeds), "decode" (one per token
 sampled), "append" (append mode) and "reprefill" (reprefill mode's rebuilds). `timings`:
 "prefill_s", "decode_s", "append_s" (appends or rebuilds, waited for), "env_s" (host
-time in environment code and bookkeeping at turn boundaries).
+time at turn boundaries on the calling thread: with M = 0 the environment's code too),
+"tool_s" (seconds inside turn boundaries, summed over calls, wherever they ran),
+"tool_wait_s" (blocked on tool calls with no slot left to decode).
 
 Time limits (`MultiTurnConfig.time_limits`, a `TimeLimits`; 0 = none): `step_s` bounds
 every call into the environment (reset, decode_turn, step, encode_observation, outcome;
 default: the environment's own `step_timeout_s`, if it has one; rl.rollout.episodes runs
 the call in a daemon thread), `episode_s` the wall time of an episode from its reset
 (decoding included: checked after every engine step and at every turn boundary; the
-episodes decoding together share that time, environment calls being made one after
-another on the host, so a slow episode also ages its batch mates). An
+episodes decoding together share that time, and with max_concurrent_tool_calls = 0 the
+calls are made one after another, so a slow episode also ages its batch mates; an
+episode waiting on a call is bounded by the call's limit and checked when it returns). An
 episode past either ends with EndReason.TIMEOUT: its slot stops decoding, its group
 leaves when its other episodes end, the rest of the batch is untouched, and its rewards
 are its outcome() (0 when a call into it is still running).
@@ -54,6 +72,7 @@ Unlike `RolloutEngine` there is no extract / resume of unfinished episodes.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import math
 import time
@@ -135,6 +154,7 @@ class MultiTurnConfig:
     mode: str = "append"
     first_group_id: int = 0
     time_limits: TimeLimits = TimeLimits()
+    max_concurrent_tool_calls: int = 0
 
     def __post_init__(self):
         for name in ("num_slots", "group_size", "segment_len"):
@@ -153,6 +173,10 @@ class MultiTurnConfig:
                 or self.first_group_id < 0:
             raise ValueError(f"MultiTurnConfig.first_group_id must be an int >= 0, got "
                              f"{self.first_group_id!r}")
+        m = self.max_concurrent_tool_calls
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"MultiTurnConfig.max_concurrent_tool_calls must be an int >= 0 "
+                             f"(0 = one after another on this thread), got {m!r}")
         if not isinstance(self.time_limits, TimeLimits):
             raise ValueError(f"MultiTurnConfig.time_limits must be a TimeLimits, got "
                              f"{type(self.time_limits).__name__}")
@@ -170,6 +194,32 @@ class MultiTurnStepInfo:
     turns_ended: int
     episodes_ended: int
     live_slots: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _TurnResult:
+    """A turn boundary's job done: the slot's sample as read at submission, the
+    observation ids to append (None: the episode ended), the job's seconds."""
+
+    smp: PartialSample
+    obs: list[int] | None
+    seconds: float
+
+
+class InlinePool:
+    """The pool of max_concurrent_tool_calls = 0: each job runs at once on the calling
+    thread (today's one-after-another order) and returns a finished future."""
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - re-raised by result()
+            future.set_exception(err)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        return None
 
 
 def _check_env(env: Any, config: ModelConfig) -> None:
@@ -223,8 +273,15 @@ class MultiTurnEngine(GroupSlots):
         limits = rollout.time_limits
         self.step_timeout_s = float(limits.step_s or getattr(env, "step_timeout_s", 0) or 0)
         self.episode_timeout_s = float(limits.episode_s)
-        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "append_s": 0.0, "env_s": 0.0}
+        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "append_s": 0.0, "env_s": 0.0,
+                        "tool_s": 0.0, "tool_wait_s": 0.0}
         self.token_counts = {"prefill": 0, "decode": 0, "append": 0, "reprefill": 0}
+        workers = rollout.max_concurrent_tool_calls
+        self._pool: Any = (InlinePool() if workers == 0 else concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="tandem-tool"))
+        self._pending: dict[int, concurrent.futures.Future] = {}  # slot -> its turn's job
+        self.tool_calls = 0  # turn boundaries handed to the pool
+        self._open_window()
 
     # ------------------------------------------------------------------ queue
     def _new_group(self, prompt: Prompt) -> int:
@@ -290,21 +347,35 @@ class MultiTurnEngine(GroupSlots):
         return len(gids)
 
     def step(self, params: Any, version: int) -> MultiTurnStepInfo:
-        """Refill free slots with new groups, decode one segment of at most segment_len
-        tokens per live slot with `params` (stamping `version`), then step the episodes
-        whose turn ended and append their observations (see the module docstring)."""
+        """Refill free slots with new groups, resume the episodes whose tool calls have
+        returned (appending their observations; waiting for the first one when no slot is
+        left to decode), decode one segment of at most segment_len tokens per live slot
+        with `params` (stamping `version`), then hand the episodes whose turn ended to the
+        tool pool (see the module docstring)."""
         t0 = time.perf_counter()
         counts0 = dict(self.token_counts)
         started = self._fill(params)
+        done = np.asarray(jax.device_get(self.state.done))
+        turns = ended = 0
+        if self._pending:
+            ended += self._resume(params, block=bool(done.all()))
+            done = np.asarray(jax.device_get(self.state.done))
         before = int(np.asarray(self.state.num_generated).sum())  # waits for the fill
         t1 = time.perf_counter()
-        self.state = decode_segment(params, self.state, self.rollout.segment_len, version)
-        n_gen, done = jax.device_get((self.state.num_generated, self.state.done))
+        running = sum(not f.done() for f in self._pending.values())
+        in_flight = min(running, self.rollout.max_concurrent_tool_calls)
+        live = int((~done).sum())
+        if live:
+            self.state = decode_segment(params, self.state, self.rollout.segment_len, version)
+            n_gen, done = jax.device_get((self.state.num_generated, self.state.done))
+            done = np.asarray(done)
+            self.token_counts["decode"] += int(n_gen.sum()) - before
         t2 = time.perf_counter()
         self.timings["prefill_s"] += t1 - t0
         self.timings["decode_s"] += t2 - t1
-        self.token_counts["decode"] += int(n_gen.sum()) - before
-        turns, ended = self._boundaries(params, np.asarray(done))
+        self._account(t2 - t1, live, in_flight, self.token_counts["decode"] - counts0["decode"])
+        turns = self._submit_turns(done)
+        ended += self._resume(params, block=False)
         ended += self._expire(time.monotonic())
         done = np.asarray(jax.device_get(self.state.done))
         c = self.token_counts
@@ -315,71 +386,155 @@ class MultiTurnEngine(GroupSlots):
             started_groups=started, turns_ended=turns, episodes_ended=ended,
             live_slots=int((~done).sum()))
 
-    def _boundaries(self, params, done: np.ndarray) -> tuple[int, int]:
-        """Step every episode whose turn has just ended; append (or re-prefill) the
-        observations of those that go on. Returns (turns ended, episodes ended)."""
-        t0 = time.perf_counter()
-        slots = sorted(s for s, rec in self._records.items() if done[s] and not rec.ended)
+    def _open_window(self) -> None:
+        """Start a new window of the counters stats() reads."""
+        self._acct = dict.fromkeys(("wall_s", "slot_s", "decoding_slot_s", "held_slot_s",
+                                    "in_flight_s", "tool_wall_s", "tool_tokens", "tool_calls",
+                                    "tool_s", "tool_wait_s"), 0.0)
+        self._window_start = time.perf_counter()
+
+    def _account(self, seconds: float, live: int, in_flight: int, tokens: int) -> None:
+        """Slot-time bookkeeping of one decode (stats()): slots decoding, slots holding an
+        unfinished episode, tool calls in flight, tokens decoded while tools ran."""
+        held = sum(not rec.ended for rec in self._records.values())
+        a = self._acct
+        a["wall_s"] += seconds
+        a["slot_s"] += seconds * self.state.done.shape[0]
+        a["decoding_slot_s"] += seconds * live
+        a["held_slot_s"] += seconds * held
+        a["in_flight_s"] += seconds * in_flight
+        if in_flight:
+            a["tool_wall_s"] += seconds
+            a["tool_tokens"] += tokens
+
+    def _submit_turns(self, done: np.ndarray) -> int:
+        """Hand every episode whose turn has just ended to the tool pool (run inline when
+        max_concurrent_tool_calls = 0). Returns how many turns ended."""
+        slots = sorted(s for s, rec in self._records.items()
+                       if done[s] and not rec.ended and s not in self._pending)
         if not slots:
-            return 0, 0
-        env = self.env
-        go_on: list[tuple[int, PartialSample, list[int]]] = []
-        ended = 0
+            return 0
         for s, smp in zip(slots, read_slots(self.state, slots)):
             rec, ep = self._records[s], self._episodes[s]
             start, n = self._turn_start[s], smp.num_generated
             rec.spans.append(("model", start, n))
-            reason, message, limit = None, None, self.step_timeout_s
-            try:
-                obs_text, env_done = step_episode(env, ep, rec, smp.response_ids[start:].tolist(),
-                                                  limit)
-                if env_done:
-                    reason = EndReason.DONE
-                elif rec.turns >= env.max_turns:
-                    reason = EndReason.MAX_TURNS
-                elif self._past_limit(s, time.monotonic()):
-                    reason, message = EndReason.TIMEOUT, self._limit_message(s)
+            self._pending[s] = self._pool.submit(self._turn_job, s, rec, ep,
+                                                 smp.response_ids[start:].tolist(), smp)
+            self.tool_calls += 1
+            self._acct["tool_calls"] += 1
+        return len(slots)
+
+    def _turn_job(self, s: int, rec: EpisodeRecord, ep: Episode | None, turn_ids: list[int],
+                  smp: PartialSample) -> "_TurnResult":
+        """A turn boundary, run in the tool pool: step the episode, decide whether it goes
+        on, encode the observation, or end it (outcome included). Touches this episode's
+        record only; never raises (the environment is guarded)."""
+        t0 = time.perf_counter()
+        env, limit = self.env, self.step_timeout_s
+        reason, message, obs = None, None, None
+        try:
+            obs_text, env_done = step_episode(env, ep, rec, turn_ids, limit)
+            if env_done:
+                reason = EndReason.DONE
+            elif rec.turns >= env.max_turns:
+                reason = EndReason.MAX_TURNS
+            elif self._past_limit(s, time.monotonic()):
+                reason, message = EndReason.TIMEOUT, self._limit_message(s)
+            else:
+                obs = check_ids("encode_observation",
+                                guarded("encode_observation", env.encode_observation,
+                                        obs_text, timeout_s=limit), self.config.vocab_size)
+                left = env.max_episode_tokens - smp.prompt_ids.size - smp.num_generated
+                if len(obs) + 1 > left:
+                    message = (f"observation of {len(obs)} tokens after turn {rec.turns} "
+                               f"leaves no room for a model token: {left} of "
+                               f"max_episode_tokens={env.max_episode_tokens} left")
+                    reason, obs = EndReason.TOKEN_BUDGET, None
                 else:
-                    obs = check_ids("encode_observation",
-                                    guarded("encode_observation", env.encode_observation,
-                                            obs_text, timeout_s=limit), self.config.vocab_size)
-                    left = env.max_episode_tokens - smp.prompt_ids.size - n
-                    if len(obs) + 1 > left:
-                        reason = EndReason.TOKEN_BUDGET
-                        message = (f"observation of {len(obs)} tokens after turn {rec.turns} "
-                                   f"leaves no room for a model token: {left} of "
-                                   f"max_episode_tokens={env.max_episode_tokens} left")
-                    else:
-                        rec.observations.append(obs_text)
-                        go_on.append((s, smp, obs))
-            except EnvCallError as e:
-                reason, message = e.reason, e.message
-                ep = None if e.hung else ep  # never call into an episode still running
-            if reason is not None:
-                end_episode(rec, reason, message, ep, env.reward_names, limit)
+                    rec.observations.append(obs_text)
+        except EnvCallError as e:
+            reason, message = e.reason, e.message
+            ep = None if e.hung else ep  # never call into an episode still running
+        if reason is not None:
+            end_episode(rec, reason, message, ep, env.reward_names, limit)
+        return _TurnResult(smp=smp, obs=obs, seconds=time.perf_counter() - t0)
+
+    def _resume(self, params, block: bool) -> int:
+        """Take the tool calls that have returned (with block: wait for at least one
+        first); append (or re-prefill) the observations of the episodes that go on.
+        Returns how many episodes ended."""
+        if not self._pending:
+            return 0
+        if block:
+            t0 = time.perf_counter()
+            concurrent.futures.wait(list(self._pending.values()),
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            self.timings["tool_wait_s"] += time.perf_counter() - t0
+            self._acct["tool_wait_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        ready = sorted(s for s, f in self._pending.items() if f.done())
+        go_on: list[tuple[int, PartialSample, list[int]]] = []
+        ended = 0
+        for s in ready:
+            got = self._pending.pop(s).result()
+            self.timings["tool_s"] += got.seconds
+            self._acct["tool_s"] += got.seconds
+            if got.obs is None:
                 self._episodes[s] = None
                 ended += 1
-        t1 = time.perf_counter()
-        self.timings["env_s"] += t1 - t0
-        if go_on:
-            budgets, versions = [], []
-            for s, smp, obs in go_on:
-                n = smp.num_generated + len(obs)
-                rec = self._records[s]
-                rec.spans.append(("env", smp.num_generated, n))
-                self._turn_start[s] = n
-                left = self.env.max_episode_tokens - smp.prompt_ids.size - n
-                budgets.append(n + min(self.env.max_turn_tokens, left))
-                versions.append(int(smp.versions[-1]) if smp.num_generated else 0)
-            if self.rollout.mode == "append":
-                self.state = append_tokens(params, self.state, [g[0] for g in go_on],
-                                           [g[2] for g in go_on], versions, budgets)
-                self.token_counts["append"] += sum(len(g[2]) for g in go_on)
             else:
-                self._reprefill(params, go_on, versions, budgets)
-            jax.block_until_ready(self.state.done)
-        self.timings["append_s"] += time.perf_counter() - t1
-        return len(slots), ended
+                go_on.append((s, got.smp, got.obs))
+        t2 = time.perf_counter()
+        self.timings["env_s"] += t2 - t1
+        if go_on:
+            self._append(params, go_on)
+        self.timings["append_s"] += time.perf_counter() - t2
+        return ended
+
+    def _append(self, params, go_on: list[tuple[int, PartialSample, list[int]]]) -> None:
+        budgets, versions = [], []
+        for s, smp, obs in go_on:
+            n = smp.num_generated + len(obs)
+            rec = self._records[s]
+            rec.spans.append(("env", smp.num_generated, n))
+            self._turn_start[s] = n
+            left = self.env.max_episode_tokens - smp.prompt_ids.size - n
+            budgets.append(n + min(self.env.max_turn_tokens, left))
+            versions.append(int(smp.versions[-1]) if smp.num_generated else 0)
+        if self.rollout.mode == "append":
+            self.state = append_tokens(params, self.state, [g[0] for g in go_on],
+                                       [g[2] for g in go_on], versions, budgets)
+            self.token_counts["append"] += sum(len(g[2]) for g in go_on)
+        else:
+            self._reprefill(params, go_on, versions, budgets)
+        jax.block_until_ready(self.state.done)
+
+    def stats(self, reset: bool = False) -> dict[str, float]:
+        """Since the engine was made or the last stats(reset=True) (which starts a new
+        window): wall_s; tool_calls; tool_s (seconds inside turn
+        boundaries: the tools and the environment's code, summed over calls);
+        tool_wait_share (share of wall time blocked on tools with no slot left to decode);
+        tool_calls_in_flight (mean calls running while the slots decode, weighted by
+        decode time: queued calls beyond the pool's size not counted); slot_occupancy
+        (share of slot-time spent decoding); slot_held (share of slot-time holding an
+        unfinished episode, waiting ones included); tokens_per_s_tools_running (tokens
+        decoded per decode second while at least one call was running; 0 if none was)."""
+        a, wall = self._acct, time.perf_counter() - self._window_start
+        slot_s = a["slot_s"] or 1.0
+        out = {"wall_s": wall, "tool_calls": a["tool_calls"], "tool_s": a["tool_s"],
+                "tool_wait_share": a["tool_wait_s"] / wall if wall > 0 else 0.0,
+                "tool_calls_in_flight": a["in_flight_s"] / (a["wall_s"] or 1.0),
+                "slot_occupancy": a["decoding_slot_s"] / slot_s,
+                "slot_held": a["held_slot_s"] / slot_s,
+                "tokens_per_s_tools_running": (a["tool_tokens"] / a["tool_wall_s"]
+                                               if a["tool_wall_s"] else 0.0)}
+        if reset:
+            self._open_window()
+        return out
+
+    def close(self) -> None:
+        """Stop the tool pool (calls still running finish on their threads, unread)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _past_limit(self, slot: int, now: float) -> bool:
         return 0 < self.episode_timeout_s <= now - self._began[slot]
@@ -394,8 +549,9 @@ class MultiTurnEngine(GroupSlots):
         Returns how many ended."""
         if self.episode_timeout_s <= 0:
             return 0
-        slots = sorted(s for s, rec in self._records.items()
-                       if not rec.ended and self._past_limit(s, now))
+        slots = sorted(s for s, rec in self._records.items()  # waiting on a tool: its call's
+                       if s not in self._pending  # limit, then this one when it returns
+                       and not rec.ended and self._past_limit(s, now))
         if not slots:
             return 0
         for s, smp in zip(slots, read_slots(self.state, slots)):
@@ -441,7 +597,7 @@ class MultiTurnEngine(GroupSlots):
         env_mask / turn_ids / turn_rewards and rewards = the outcomes, rows grouped in group
         id order, plus the episode records); their slots are freed. None if none has."""
         ready = sorted(g for g, slots in self._active.items()
-                       if all(self._records[s].ended for s in slots))
+                       if all(s not in self._pending and self._records[s].ended for s in slots))
         if not ready:
             return None
         slots = [s for g in ready for s in self._active[g]]

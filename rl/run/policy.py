@@ -26,7 +26,7 @@ from typing import Any
 
 from models.config import ModelConfig, get_config
 from models.decoder import init_params
-from rl.envs import ENVS
+from rl.envs import env_factory, parse_env_spec
 from rl.loops.config import RewardConfig, RunConfig, TaskSpec
 from rl.loops.episodes import ENV_PREFIX, EpisodeOptions, env_fields, make_env_task
 from rl.objectives.turn_credit import TurnCreditConfig
@@ -60,7 +60,7 @@ def split_env_options(env_name: str, options: dict[str, Any]) -> tuple[dict, Epi
             credit[key.removeprefix("turn_credit_")] = float(value)
     cls_fields = env_fields(env_name)
     for key in BUDGET_OPTIONS:
-        if key in env_opts and key not in cls_fields:
+        if key in env_opts and cls_fields is not None and key not in cls_fields:
             env_opts.pop(key)
     return env_opts, EpisodeOptions(turn_credit=TurnCreditConfig(**credit), **kw)
 
@@ -90,9 +90,8 @@ def make_task(task: TaskSpec | str, *, tokenizer: Any = None, seed: int = 0,
     if reward.function is not None or reward.task_options:
         raise ValueError(f"{spec}: an environment scores its own episodes; reward.function / "
                          "reward.verifier are for single-turn tasks")
-    name = spec[len(ENV_PREFIX):].partition(":")[0]
-    if name not in ENVS:
-        raise ValueError(f"unknown environment {name!r}; available: {sorted(ENVS)}")
+    name = parse_env_spec(spec[len(ENV_PREFIX):])[0]
+    env_factory(name)  # ValueError now for an unknown name or a factory that cannot load
     env_opts, episode_opts = split_env_options(name, options)
     return make_env_task(spec, tokenizer=tokenizer, seed=seed, options=episode_opts, **env_opts)
 

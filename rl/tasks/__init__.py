@@ -16,6 +16,8 @@ tests/test_layout.py already places: rollout and loops may import it).
   rewards        a user's reward function ("module:function" or registered) with a time
                  limit and checked results, wrapped around any single-turn task
   math_answers   final-\\boxed{} extraction and math-verify equality with a timeout
+  callables      a callable named 'module:name' / 'file.py:name' (reward functions,
+                 environment factories)
 
     from rl.tasks import make_task
     task = make_task("synthetic", kind="reverse", length=4)

@@ -30,17 +30,14 @@ before anything compiles; that call also fixes the reward names.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import numbers
-import sys
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from rl.tasks.base import Prompt
+from rl.tasks.callables import is_callable_spec, load_callable
 
 REWARD_FUNCTIONS: dict[str, Callable[..., Any]] = {}
 DEFAULT_TIMEOUT_S = 10.0
@@ -74,32 +71,6 @@ def reward_spec(fn: Callable[..., Any]) -> str:
     return register_reward(f"{getattr(fn, '__module__', None) or '__main__'}:{qualname}", fn)
 
 
-def _import_module(module: str, spec: str):
-    if module.endswith(".py"):
-        path = Path(module).expanduser()
-        if not path.is_file():
-            raise RewardFunctionError(f"reward function {spec!r}: file {module!r} not found")
-        name = f"_tandem_reward_{abs(hash(str(path.absolute())))}"
-        if name in sys.modules:
-            return sys.modules[name]
-        loader_spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(loader_spec)
-        try:
-            loader_spec.loader.exec_module(mod)
-        except Exception as err:
-            raise RewardFunctionError(f"reward function {spec!r}: loading {module!r} raised "
-                                      f"{type(err).__name__}: {err}") from err
-        sys.modules[name] = mod
-        return mod
-    try:
-        return importlib.import_module(module)
-    except Exception as err:  # ImportError, or the module's own code failing
-        raise RewardFunctionError(f"reward function {spec!r}: cannot import module {module!r} "
-                                  f"({type(err).__name__}: {err}); is it on sys.path (run from "
-                                  "its directory) or give the file: 'path/to/file.py:name'"
-                                  ) from err
-
-
 def load_reward_function(spec: str) -> Callable[..., Any]:
     """The callable a spec names (module docstring); RewardFunctionError otherwise."""
     if not isinstance(spec, str) or not spec.strip():
@@ -107,20 +78,11 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
                                   f"{spec!r}")
     if spec in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[spec]
-    module, colon, attr = spec.rpartition(":")
-    if not colon or not module or not attr:
+    if not is_callable_spec(spec):
         raise RewardFunctionError(
             f"reward function {spec!r} is neither 'module:function', 'file.py:function' nor a "
             f"registered name (registered: {sorted(REWARD_FUNCTIONS) or 'none'})")
-    fn: Any = _import_module(module, spec)
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise RewardFunctionError(f"reward function {spec!r}: {module!r} has no "
-                                      f"{attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise RewardFunctionError(f"reward function {spec!r} is not callable ({fn!r})")
-    return fn
+    return load_callable(spec, "reward function", RewardFunctionError)
 
 
 def call_with_time_limit(fn: Callable[..., Any], args: tuple, timeout_s: float,

@@ -162,15 +162,48 @@ def test_async_deterministic_runs_episodes(scripted, tmp_path):
     assert res.train[-1]["behaviour_version_max"] == 1
     assert res.train[-1]["staleness_log_ratio_abs_mean"] > 1e-6  # π_θ (v=2) vs π_prox (v=1)
     assert take_episode_metrics(task) == {}  # every record drained its episodes
-    with pytest.raises(ValueError, match="deterministic"):
+    with pytest.raises(ValueError, match="APRIL"):
         run_async(cfg, init_params(cfg, 0), task, dataclasses.replace(
-            run_cfg, asynchronous=AsyncConfig(max_staleness=1, mode="threaded"),
+            run_cfg, asynchronous=AsyncConfig(max_staleness=1, mode="threaded", rollout="april"),
             run_dir=str(tmp_path / "b")))
+
+
+@pytest.mark.parametrize("rollout", ["static", "continuous"])
+def test_threaded_producer_runs_episodes(scripted, tmp_path, rollout):
+    """Episodes in the producer thread: every step trains on whole episodes within the
+    staleness bound counted from each episode's oldest model token, observation tokens
+    carry the version of the turn they answer, and the engine's slot / tool metrics are
+    logged. The reference for the rewards is the episodes' own outcomes."""
+    from models.config import get_config
+    from models.decoder import init_params
+    from rl.run import LoggingConfig, RunConfig, TaskSpec, make_task
+
+    eta = 2
+    run_cfg = RunConfig(
+        task=TaskSpec("env:scripted", {"max_turns": 3}),
+        train=TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
+                          optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3)),
+        rollout=RolloutOptions(segment_len=1),
+        loop=LoopConfig(steps=4, prompts_per_step=2, group_size=4, eval_every=0, eval_prompts=4,
+                        max_concurrent_tool_calls=4, tool_latency="fixed:0.01"),
+        asynchronous=AsyncConfig(max_staleness=eta, mode="threaded", rollout=rollout),
+        run_dir=str(tmp_path / rollout), logging=LoggingConfig(progress=False))
+    task = make_task(run_cfg.task, seed=0)
+    cfg = get_config("tiny", vocab_size=16)
+    res = run_async(cfg, init_params(cfg, 0), task, run_cfg)
+    assert [r["step"] for r in res.train] == [1, 2, 3, 4]
+    for rec in res.train:
+        assert 0 <= rec["behaviour_version_max"] <= rec["step"] - 1
+        assert rec["step"] - 1 - rec["behaviour_version_min"] <= eta  # oldest token admitted
+        assert np.isfinite(rec["loss"])
+    got = [r for r in res.train if "episode_turns" in r]
+    assert got and all(r["episode_turns"] >= 1 for r in got)
+    assert any("slot_occupancy" in r and 0 < r["slot_occupancy"] <= 1 for r in got)
 
 
 @pytest.mark.parametrize("extra, match", [
     (["--group-size", "1"], "group_size 1"),
-    (["--max-staleness", "1"], "deterministic"),
+    (["--max-staleness", "1", "--rollout", "april"], "APRIL"),
     (["--task", "synthetic"], "--env and --task"),
     (["--prune"], "--prune"),
 ])

@@ -136,8 +136,10 @@ def test_validate_refuses_what_the_loops_cannot_run():
         with pytest.raises(ValueError, match=match):
             base.overrides(sets.split()).validate()
     env = PRESETS["tiny-guess"]
-    with pytest.raises(ValueError, match="environments run their episodes in the synchronous"):
-        env.override("async.max_staleness", 1).validate()  # threaded
+    with pytest.raises(ValueError, match="environments run with static or continuous"):
+        env.overrides(["async.max_staleness=1", "async.rollout=april"]).validate()
+    env.override("async.max_staleness", 1).validate()  # threaded: episodes in the producer
+    env.overrides(["async.max_staleness=1", "async.rollout=continuous"]).validate()
     # what a source can do, it may: the deterministic source samples what the sync one does
     for sets in ("scheduler.name=dars async.mode=deterministic",
                  "prune.prune_at=2 async.mode=deterministic",
@@ -154,7 +156,8 @@ FLAG_VALUES = {"steps": "7", "group_size": "4", "prompts_per_step": "2", "segmen
                "run_dir": "runs/x", "wandb": "disabled", "model": "smollm2-135m",
                "reward": "my_rewards:score", "verifier": "exact", "reward_timeout": "3.5",
                "save_every_minutes": "10", "env_step_timeout": "5", "episode_timeout": "60",
-               "remat": "full", "host_malloc": "lean", "rollout_dtype": "bfloat16"}
+               "remat": "full", "host_malloc": "lean", "rollout_dtype": "bfloat16",
+               "max_concurrent_tool_calls": "8", "tool_latency": "lognormal:0.5,3"}
 
 
 @pytest.mark.parametrize("dest", sorted(SIMPLE_FLAGS))
