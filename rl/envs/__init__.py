@@ -12,6 +12,11 @@ split helpers, nothing else from `rl`).
                 <calc>EXPR</calc> tool (`arithmetic.calculate`)
   tools         `ToolWorker`: a tool function run in a worker process with a hard
                 timeout (`ToolTimeout`), for tools that may hang
+  sandbox       `run_python(code, SandboxLimits(...))`: model-written code in a fresh
+                process and temp dir with limits (bubblewrap where installed, else
+                rlimits + an audit hook); always an observation back
+  python_tool   `PythonToolEnv`: reasoning-gym word problems with a sandboxed `python`
+                tool, any number of turns, answers checked by math-verify
   latency       `with_latency(env, "lognormal:0.5,3")`: a seeded, emulated tool latency
                 on every step (benchmarks without a network)
 
@@ -43,9 +48,12 @@ from rl.envs.base import (
 from rl.envs.calculator import CalculatorEnv
 from rl.envs.guess_number import GuessNumberEnv
 from rl.envs.latency import LatencyModel, parse_latency, with_latency
+from rl.envs.python_tool import PythonToolEnv
+from rl.envs.sandbox import SandboxLimits, SandboxResult, run_python
 from rl.tasks.callables import is_callable_spec, load_callable
 
-ENVS: dict[str, Callable[..., Any]] = {"guess_number": GuessNumberEnv, "calculator": CalculatorEnv}
+ENVS: dict[str, Callable[..., Any]] = {"guess_number": GuessNumberEnv, "calculator": CalculatorEnv,
+                                       "python": PythonToolEnv}
 
 
 def _option(text: str) -> Any:
@@ -126,6 +134,6 @@ def make_env(spec: str, **kwargs) -> Environment:
 
 
 __all__ = ["ENVS", "CalculatorEnv", "EndReason", "Environment", "Episode", "GuessNumberEnv",
-           "LatencyModel", "StepResult", "ToolTimeout", "calculate", "check_environment",
+           "LatencyModel", "PythonToolEnv", "SandboxLimits", "SandboxResult", "run_python", "StepResult", "ToolTimeout", "calculate", "check_environment",
            "check_step_result", "env_factory", "factory_fields", "make_env", "parse_env_spec",
            "parse_latency", "with_latency"]
