@@ -22,10 +22,14 @@ the learner's rows are max_prompt_len + max_episode_tokens − 1 wide (`EnvTask.
 max_new_tokens` = max_episode_tokens − 1): one compiled step.
 
 Environments by task spec (`make_env_task`): "env:" + an rl.envs.make_env spec, e.g.
-"env:guess_number" (token-level, for the tiny model) or "env:calculator" (needs a
-tokenizer). The synchronous loop and the asynchronous loop's deterministic mode run
-environments with static rollouts; the threaded producer and APRIL drive the single-turn
-engine, so run_async refuses an EnvTask there (`check_episode_loop`).
+"env:guess_number" (token-level, for the tiny model), "env:calculator" (needs a
+tokenizer) or your own factory "env:my_module:make". Every source runs them: the
+synchronous loop and the deterministic source through `sample_episodes`, the threaded
+producer through `episode_engine` (static or continuous rollouts); APRIL does not
+(`check_episode_loop`). `episode_engine` applies the run's concurrent tool calls and
+emulated tool latency (rl.rollout.multiturn, rl.envs.latency); the engine's slot and tool
+metrics (`engine_metrics`: tool_wait_share, tool_calls_in_flight, slot_occupancy,
+slot_held, tokens_per_s_tools_running) join the episode metrics.
 
 Metrics are collected per EnvTask under a lock and drained by the caller: the sync loop
 drains them after sampling a batch and the evaluator after each eval pass, so each record
