@@ -186,7 +186,8 @@ def test_threaded_producer_runs_episodes(scripted, tmp_path, rollout):
         rollout=RolloutOptions(segment_len=1),
         loop=LoopConfig(steps=4, prompts_per_step=2, group_size=4, eval_every=0, eval_prompts=4,
                         max_concurrent_tool_calls=4, tool_latency="fixed:0.01"),
-        asynchronous=AsyncConfig(max_staleness=eta, mode="threaded", rollout=rollout),
+        asynchronous=AsyncConfig(max_staleness=eta, mode="threaded", rollout=rollout,
+                                 proximal="exact" if rollout == "continuous" else "current"),
         run_dir=str(tmp_path / rollout), logging=LoggingConfig(progress=False))
     task = make_task(run_cfg.task, seed=0)
     cfg = get_config("tiny", vocab_size=16)
@@ -196,6 +197,15 @@ def test_threaded_producer_runs_episodes(scripted, tmp_path, rollout):
         assert 0 <= rec["behaviour_version_max"] <= rec["step"] - 1
         assert rec["step"] - 1 - rec["behaviour_version_min"] <= eta  # oldest token admitted
         assert np.isfinite(rec["loss"])
+        if rollout == "continuous":
+            # Missing Old Logits' decomposition over whole episodes, logged per step: log
+            # π_θ/μ = log π_prox/μ + log π_θ/π_prox with π_prox = each token's own
+            # version's snapshot. The mismatch term is not 0 here: after an in-flight swap
+            # the next tokens attend to KV the older version wrote (observations appended
+            # too), which no single snapshot reproduces
+            total = rec["mismatch_log_ratio_mean"] + rec["staleness_log_ratio_mean"]
+            assert total == pytest.approx(rec["total_log_ratio_mean"], abs=1e-5)
+            assert rec["mismatch_log_ratio_abs_mean"] >= 0
     got = [r for r in res.train if "episode_turns" in r]
     assert got and all(r["episode_turns"] >= 1 for r in got)
     assert any("slot_occupancy" in r and 0 < r["slot_occupancy"] <= 1 for r in got)
