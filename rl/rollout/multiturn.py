@@ -362,8 +362,7 @@ class MultiTurnEngine(GroupSlots):
             done = np.asarray(jax.device_get(self.state.done))
         before = int(np.asarray(self.state.num_generated).sum())  # waits for the fill
         t1 = time.perf_counter()
-        running = sum(not f.done() for f in self._pending.values())
-        in_flight = min(running, self.rollout.max_concurrent_tool_calls)
+        in_flight = any(not f.done() for f in self._pending.values())
         live = int((~done).sum())
         if live:
             self.state = decode_segment(params, self.state, self.rollout.segment_len, version)
@@ -373,10 +372,11 @@ class MultiTurnEngine(GroupSlots):
         t2 = time.perf_counter()
         self.timings["prefill_s"] += t1 - t0
         self.timings["decode_s"] += t2 - t1
-        self._account(t2 - t1, live, in_flight, self.token_counts["decode"] - counts0["decode"])
         turns = self._submit_turns(done)
         ended += self._resume(params, block=False)
         ended += self._expire(time.monotonic())
+        self._account(time.perf_counter() - t0, (t2 - t1) * live, in_flight,
+                      self.token_counts["decode"] - counts0["decode"])
         done = np.asarray(jax.device_get(self.state.done))
         c = self.token_counts
         return MultiTurnStepInfo(
@@ -389,20 +389,21 @@ class MultiTurnEngine(GroupSlots):
     def _open_window(self) -> None:
         """Start a new window of the counters stats() reads."""
         self._acct = dict.fromkeys(("wall_s", "slot_s", "decoding_slot_s", "held_slot_s",
-                                    "in_flight_s", "tool_wall_s", "tool_tokens", "tool_calls",
+                                    "tool_wall_s", "tool_tokens", "tool_calls",
                                     "tool_s", "tool_wait_s"), 0.0)
         self._window_start = time.perf_counter()
 
-    def _account(self, seconds: float, live: int, in_flight: int, tokens: int) -> None:
-        """Slot-time bookkeeping of one decode (stats()): slots decoding, slots holding an
-        unfinished episode, tool calls in flight, tokens decoded while tools ran."""
+    def _account(self, seconds: float, decoding_slot_s: float, in_flight: bool,
+                 tokens: int) -> None:
+        """Slot-time bookkeeping of one step of `seconds` wall time (stats()): slot-seconds
+        spent decoding, slots holding an unfinished episode, tokens decoded in steps that
+        began with a tool call running."""
         held = sum(not rec.ended for rec in self._records.values())
         a = self._acct
         a["wall_s"] += seconds
         a["slot_s"] += seconds * self.state.done.shape[0]
-        a["decoding_slot_s"] += seconds * live
+        a["decoding_slot_s"] += decoding_slot_s
         a["held_slot_s"] += seconds * held
-        a["in_flight_s"] += seconds * in_flight
         if in_flight:
             a["tool_wall_s"] += seconds
             a["tool_tokens"] += tokens
@@ -511,19 +512,20 @@ class MultiTurnEngine(GroupSlots):
 
     def stats(self, reset: bool = False) -> dict[str, float]:
         """Since the engine was made or the last stats(reset=True) (which starts a new
-        window): wall_s; tool_calls; tool_s (seconds inside turn
-        boundaries: the tools and the environment's code, summed over calls);
-        tool_wait_share (share of wall time blocked on tools with no slot left to decode);
-        tool_calls_in_flight (mean calls running while the slots decode, weighted by
-        decode time: queued calls beyond the pool's size not counted); slot_occupancy
-        (share of slot-time spent decoding); slot_held (share of slot-time holding an
-        unfinished episode, waiting ones included); tokens_per_s_tools_running (tokens
-        decoded per decode second while at least one call was running; 0 if none was)."""
+        window): wall_s; tool_calls (turn boundaries handed to the pool); tool_s (seconds
+        inside turn boundaries, the tools and the environment's code, summed over calls);
+        tool_wait_share (share of wall time blocked on tools with no slot left to
+        decode); tool_calls_in_flight (mean calls running over wall time: tool_s /
+        wall_s); slot_occupancy (share of slot-time spent decoding: slot-seconds in
+        decode / (slots x the steps' wall seconds)); slot_held (share of slot-time
+        holding an unfinished episode, waiting ones included); tokens_per_s_tools_running
+        (tokens decoded per wall second in steps that began with a call running; 0 if
+        none did)."""
         a, wall = self._acct, time.perf_counter() - self._window_start
         slot_s = a["slot_s"] or 1.0
         out = {"wall_s": wall, "tool_calls": a["tool_calls"], "tool_s": a["tool_s"],
                 "tool_wait_share": a["tool_wait_s"] / wall if wall > 0 else 0.0,
-                "tool_calls_in_flight": a["in_flight_s"] / (a["wall_s"] or 1.0),
+                "tool_calls_in_flight": a["tool_s"] / wall if wall > 0 else 0.0,
                 "slot_occupancy": a["decoding_slot_s"] / slot_s,
                 "slot_held": a["held_slot_s"] / slot_s,
                 "tokens_per_s_tools_running": (a["tool_tokens"] / a["tool_wall_s"]
