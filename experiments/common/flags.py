@@ -59,7 +59,7 @@ SIMPLE_FLAGS = {
     "env_step_timeout": "loop.env_step_timeout_s", "episode_timeout": "loop.episode_timeout_s",
     "host_malloc": "loop.host_malloc", "rollout_dtype": "rollout.dtype",
     "max_concurrent_tool_calls": "loop.max_concurrent_tool_calls",
-    "tool_latency": "loop.tool_latency",
+    "tool_latency": "loop.tool_latency", "park_after": "loop.park_after_s",
 }
 # --low-memory: the learner and host options that bring the smollm2-rg step under 4 GB
 # resident on CPU (docs/results/learner-memory.md), at a learner time cost (and a recompile
@@ -281,6 +281,10 @@ def add_env_flags(p: argparse.ArgumentParser) -> None:
                    help="environment calls of different episodes run at once on M threads "
                         "while the other slots decode (loop.max_concurrent_tool_calls; default "
                         "32; 0 = one after another)")
+    e.add_argument("--park-after", type=float, metavar="S",
+                   help="free the slot of an episode whose tool call has run S seconds for "
+                        "other episodes; it comes back re-prefilled (loop.park_after_s; needs "
+                        "--env-option kv_layout=replicated; default -1: never)")
     e.add_argument("--tool-latency", metavar="SPEC",
                    help="add an emulated latency to every environment step (loop.tool_latency): "
                         "'fixed:0.5' or 'lognormal:P50,P99' seconds, e.g. 'lognormal:0.5,3'")

@@ -88,7 +88,10 @@ class LoopConfig:
     episodes run at once, on a pool of threads, while the other slots decode (0 = one
     after another on the rollout thread); tool_latency: a latency model added to every
     environment step ("", "fixed:S" or "lognormal:P50,P99", seconds; rl.envs.latency),
-    to emulate a slow tool in benchmarks.
+    to emulate a slow tool in benchmarks. park_after_s: free the slot of an episode whose
+    tool call has run this many seconds for other episodes (it comes back, its history
+    re-prefilled, when the call returns; needs the environment's kv_layout=replicated);
+    -1 = never.
     host_malloc: how the host's C allocator returns
     freed memory (rl.runtime.host_memory: "default", or "lean" for a lower resident peak on
     CPU at some system time); it changes no computed value. eval_max_rows: rows an eval
@@ -119,6 +122,7 @@ class LoopConfig:
     episode_timeout_s: float = 0.0
     max_concurrent_tool_calls: int = 32
     tool_latency: str = ""
+    park_after_s: float = -1.0
     host_malloc: str = "default"
     eval_max_rows: int = 0
     eval_clear_programs: bool = False
@@ -137,6 +141,10 @@ class LoopConfig:
                 raise ValueError(f"LoopConfig.{name} must be a finite number >= 0 (0 = off), "
                                  f"got {v!r}")
         parse_latency(self.tool_latency)
+        pk = self.park_after_s
+        if isinstance(pk, bool) or not isinstance(pk, (int, float)) or not (pk == -1 or 0 <= pk < float("inf")):
+            raise ValueError(f"LoopConfig.park_after_s must be -1 (never park) or seconds >= 0, "
+                             f"got {pk!r}")
         for name, low in (("max_concurrent_tool_calls", 0), ("eval_sampled_prompts", 0), ("steps", 0), ("prompts_per_step", 1), ("group_size", 1),
                           ("eval_every", 0), ("eval_prompts", 1),
                           ("save_every", 0), ("keep_checkpoints", 1), ("max_resample_rounds", 0),

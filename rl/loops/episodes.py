@@ -233,7 +233,8 @@ def episode_engine(spec: Any, num_slots: int, seed: int, first_group_id: int = 0
                           segment_len=spec.segment_len, sampling=spec.sampling, seed=int(seed),
                           first_group_id=int(first_group_id), kv_layout=task.options.kv_layout,
                           mode=task.options.mode, time_limits=spec.time_limits,
-                          max_concurrent_tool_calls=spec.max_concurrent_tool_calls)
+                          max_concurrent_tool_calls=spec.max_concurrent_tool_calls,
+                          park_after_s=spec.park_after_s)
     env = with_latency(task.env, spec.tool_latency, seed=int(seed))
     return MultiTurnEngine(spec.sampler_config, env, cfg)
 

@@ -73,6 +73,7 @@ class RolloutSpec:
     compute_dtype: str | None = None
     max_concurrent_tool_calls: int = 0
     tool_latency: str = ""
+    park_after_s: float | None = None
 
     @property
     def sampler_config(self) -> ModelConfig:
@@ -107,7 +108,8 @@ def rollout_spec(model_config: ModelConfig, task: Task, config: Any) -> RolloutS
         sampling=SamplingConfig(temperature=config.train.temperature),
         layer_loop=ro.layer_loop, bucket_slots=ro.bucket_slots,
         time_limits=TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s),
-        max_concurrent_tool_calls=loop.max_concurrent_tool_calls, tool_latency=loop.tool_latency)
+        max_concurrent_tool_calls=loop.max_concurrent_tool_calls, tool_latency=loop.tool_latency,
+        park_after_s=None if loop.park_after_s < 0 else float(loop.park_after_s))
 
 
 def rollout_seed(rng: jax.Array) -> tuple[int, jax.Array]:

@@ -44,6 +44,7 @@ FREE_ON_RESUME = frozenset({"loop.steps", "loop.time_limit_s", "loop.save_every_
                             # how many tool calls overlap, and an emulated tool latency:
                             # when a call returns, never which tokens are drawn
                             "loop.max_concurrent_tool_calls", "loop.tool_latency",
+                            "loop.park_after_s",
                             "loop.host_malloc", "loop.eval_max_rows", "loop.eval_clear_programs",
                             # how VCPO's exact gradient norms are computed (ghost or vmap,
                             # rows per pass): the same values, so free as well
@@ -110,6 +111,11 @@ def check_sources(cfg: Any) -> None:
         raise ValueError(f"{cfg.task.spec}: environments run with static or continuous "
                          "rollouts (--rollout static|continuous), not --rollout april: "
                          "APRIL's rounds cut and resume single-turn samples, not episodes")
+    if cfg.loop.park_after_s >= 0 and (not cfg.task.is_env or cfg.task.kwargs.get(
+            "kv_layout", "segmented") != "replicated" or cfg.loop.max_concurrent_tool_calls < 1):
+        raise ValueError("loop.park_after_s (parking the slot of an episode that waits on a "
+                         "tool) is for environments with --env-option kv_layout=replicated "
+                         "and --max-concurrent-tool-calls >= 1; set those or drop it")
     if cfg.task.is_env and p is not None:
         raise ValueError(f"{cfg.task.spec}: --prune (online rollout pruning) is for "
                          "single-turn tasks; drop it for an environment")

@@ -29,6 +29,11 @@ episodes run at the same time, so `reset` / `step` / `decode_turn` /
 `encode_observation` must be safe to call from several threads (the tokenizers library
 is). `stats()`: tool wait share of wall time, calls in flight, slot occupancy, tokens per
 second while tools run.
+Parking (`park_after_s`, replicated layout): a slot whose episode's call has run that long
+is freed for other work (new groups, returning episodes); when the call returns, the
+episode goes back into a free slot with its history re-prefilled (`load_samples`: the
+rng stream, log-probs and versions kept), so more episodes wait on tools than there are
+slots. None = never park.
 An episode's tokens: prompt + turn_1 + obs_1 + turn_2 + ... ; the "response" of its
 Trajectory row is everything after the prompt, with env_mask True on observation tokens
 (behaviour log-prob 0, version = that of the turn they answer).
@@ -155,6 +160,7 @@ class MultiTurnConfig:
     first_group_id: int = 0
     time_limits: TimeLimits = TimeLimits()
     max_concurrent_tool_calls: int = 0
+    park_after_s: float | None = None
 
     def __post_init__(self):
         for name in ("num_slots", "group_size", "segment_len"):
@@ -177,6 +183,16 @@ class MultiTurnConfig:
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"MultiTurnConfig.max_concurrent_tool_calls must be an int >= 0 "
                              f"(0 = one after another on this thread), got {m!r}")
+        pk = self.park_after_s
+        if pk is not None:
+            if isinstance(pk, bool) or not isinstance(pk, (int, float)) or not 0 <= pk < math.inf:
+                raise ValueError(f"MultiTurnConfig.park_after_s must be None (never park) or a "
+                                 f"finite number of seconds >= 0, got {pk!r}")
+            if self.kv_layout != "replicated" or self.max_concurrent_tool_calls < 1:
+                raise ValueError("MultiTurnConfig.park_after_s (parking a slot whose episode "
+                                 "waits on a tool) needs kv_layout='replicated' (a segmented "
+                                 "slot shares its group's prompt block) and "
+                                 "max_concurrent_tool_calls >= 1")
         if not isinstance(self.time_limits, TimeLimits):
             raise ValueError(f"MultiTurnConfig.time_limits must be a TimeLimits, got "
                              f"{type(self.time_limits).__name__}")
@@ -204,6 +220,19 @@ class _TurnResult:
     smp: PartialSample
     obs: list[int] | None
     seconds: float
+
+
+@dataclasses.dataclass
+class _Parked:
+    """An episode that left its slot while its tool call runs: everything the slot's
+    bookkeeping held, the call's future and, once the call returned, its result."""
+
+    record: EpisodeRecord
+    episode: Any
+    turn_start: int
+    began: float
+    future: concurrent.futures.Future
+    result: "_TurnResult | None" = None
 
 
 class InlinePool:
@@ -280,6 +309,9 @@ class MultiTurnEngine(GroupSlots):
         self._pool: Any = (InlinePool() if workers == 0 else concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="tandem-tool"))
         self._pending: dict[int, concurrent.futures.Future] = {}  # slot -> its turn's job
+        self._submitted: dict[int, float] = {}  # slot -> when its job was handed over
+        self._parked: dict[tuple[int, int], _Parked] = {}  # (group, sample) -> a parked episode
+        self.parked_count = 0  # episodes parked so far
         self.tool_calls = 0  # turn boundaries handed to the pool
         self._open_window()
 
@@ -354,11 +386,13 @@ class MultiTurnEngine(GroupSlots):
         tool pool (see the module docstring)."""
         t0 = time.perf_counter()
         counts0 = dict(self.token_counts)
+        turns = ended = 0
+        ended += self._unpark(params)  # returned calls take free slots before new groups
         started = self._fill(params)
         done = np.asarray(jax.device_get(self.state.done))
-        turns = ended = 0
-        if self._pending:
+        if self._pending or self._parked:
             ended += self._resume(params, block=bool(done.all()))
+            ended += self._unpark(params)
             done = np.asarray(jax.device_get(self.state.done))
         before = int(np.asarray(self.state.num_generated).sum())  # waits for the fill
         t1 = time.perf_counter()
@@ -374,6 +408,7 @@ class MultiTurnEngine(GroupSlots):
         self.timings["decode_s"] += t2 - t1
         turns = self._submit_turns(done)
         ended += self._resume(params, block=False)
+        self._park_waiting()
         ended += self._expire(time.monotonic())
         self._account(time.perf_counter() - t0, (t2 - t1) * live, in_flight,
                       self.token_counts["decode"] - counts0["decode"])
@@ -419,14 +454,16 @@ class MultiTurnEngine(GroupSlots):
             rec, ep = self._records[s], self._episodes[s]
             start, n = self._turn_start[s], smp.num_generated
             rec.spans.append(("model", start, n))
-            self._pending[s] = self._pool.submit(self._turn_job, s, rec, ep,
-                                                 smp.response_ids[start:].tolist(), smp)
+            self._pending[s] = self._pool.submit(self._turn_job, rec, ep,
+                                                 smp.response_ids[start:].tolist(), smp,
+                                                 self._began[s])
+            self._submitted[s] = time.monotonic()
             self.tool_calls += 1
             self._acct["tool_calls"] += 1
         return len(slots)
 
-    def _turn_job(self, s: int, rec: EpisodeRecord, ep: Episode | None, turn_ids: list[int],
-                  smp: PartialSample) -> "_TurnResult":
+    def _turn_job(self, rec: EpisodeRecord, ep: Episode | None, turn_ids: list[int],
+                  smp: PartialSample, began: float) -> "_TurnResult":
         """A turn boundary, run in the tool pool: step the episode, decide whether it goes
         on, encode the observation, or end it (outcome included). Touches this episode's
         record only; never raises (the environment is guarded)."""
@@ -439,8 +476,10 @@ class MultiTurnEngine(GroupSlots):
                 reason = EndReason.DONE
             elif rec.turns >= env.max_turns:
                 reason = EndReason.MAX_TURNS
-            elif self._past_limit(s, time.monotonic()):
-                reason, message = EndReason.TIMEOUT, self._limit_message(s)
+            elif 0 < self.episode_timeout_s <= time.monotonic() - began:
+                reason, message = EndReason.TIMEOUT, (
+                    f"the episode ran {time.monotonic() - began:.1f} s, past its wall time "
+                    f"limit of {self.episode_timeout_s:g} s")
             else:
                 obs = check_ids("encode_observation",
                                 guarded("encode_observation", env.encode_observation,
@@ -464,11 +503,12 @@ class MultiTurnEngine(GroupSlots):
         """Take the tool calls that have returned (with block: wait for at least one
         first); append (or re-prefill) the observations of the episodes that go on.
         Returns how many episodes ended."""
-        if not self._pending:
+        if not self._pending and not self._parked:
             return 0
-        if block:
+        waiting = [p.future for p in self._parked.values() if p.result is None]
+        if block and (self._pending or waiting):
             t0 = time.perf_counter()
-            concurrent.futures.wait(list(self._pending.values()),
+            concurrent.futures.wait(list(self._pending.values()) + waiting,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
             self.timings["tool_wait_s"] += time.perf_counter() - t0
             self._acct["tool_wait_s"] += time.perf_counter() - t0
@@ -476,7 +516,14 @@ class MultiTurnEngine(GroupSlots):
         ready = sorted(s for s, f in self._pending.items() if f.done())
         go_on: list[tuple[int, PartialSample, list[int]]] = []
         ended = 0
+        for p in self._parked.values():  # parked episodes whose call returned
+            if p.result is None and p.future.done():
+                p.result = p.future.result()
+                self.timings["tool_s"] += p.result.seconds
+                self._acct["tool_s"] += p.result.seconds
+                ended += p.result.obs is None
         for s in ready:
+            self._submitted.pop(s, None)
             got = self._pending.pop(s).result()
             self.timings["tool_s"] += got.seconds
             self._acct["tool_s"] += got.seconds
@@ -491,6 +538,58 @@ class MultiTurnEngine(GroupSlots):
             self._append(params, go_on)
         self.timings["append_s"] += time.perf_counter() - t2
         return ended
+
+    def _park_waiting(self) -> None:
+        """Free the slots whose episode's tool call has run park_after_s seconds or more:
+        the episode's bookkeeping moves to the parked store, the slot takes other work."""
+        pk = self.rollout.park_after_s
+        if pk is None or not self._pending:
+            return
+        now = time.monotonic()
+        slots = sorted(s for s, f in self._pending.items()
+                       if not f.done() and now - self._submitted[s] >= pk)
+        for s in slots:
+            rec = self._records.pop(s)
+            self._parked[(rec.group_id, rec.sample)] = _Parked(
+                record=rec, episode=self._episodes.pop(s), turn_start=self._turn_start.pop(s),
+                began=self._began.pop(s), future=self._pending.pop(s))
+            self._submitted.pop(s)
+            self._active[rec.group_id].remove(s)
+        self.parked_count += len(slots)
+        self._free = sorted(self._free + slots)
+
+    def _unpark(self, params) -> int:
+        """Put parked episodes whose call returned with an observation back into free slots
+        (their history re-prefilled with `params`, rl.rollout.sampler.load_samples; the
+        rng stream goes on where it was). Returns 0 (episodes end in _resume)."""
+        back = sorted(k for k, p in self._parked.items()
+                      if p.result is not None and p.result.obs is not None)[:len(self._free)]
+        if not back:
+            return 0
+        t0 = time.perf_counter()
+        slots, samples = [], []
+        for key in back:
+            p = self._parked.pop(key)
+            smp, obs, rec = p.result.smp, p.result.obs, p.record
+            s = self._free.pop(0)
+            n = smp.num_generated + len(obs)
+            left = self.env.max_episode_tokens - smp.prompt_ids.size - n
+            ver = int(smp.versions[-1]) if smp.num_generated else 0
+            samples.append(dataclasses.replace(
+                smp, response_ids=np.concatenate([smp.response_ids, np.asarray(obs, np.int32)]),
+                logprobs=np.concatenate([smp.logprobs, np.zeros((len(obs),), np.float32)]),
+                versions=np.concatenate([smp.versions, np.full((len(obs),), ver, np.int32)]),
+                budget=n + min(self.env.max_turn_tokens, left), done=False, stopped=False))
+            rec.spans.append(("env", smp.num_generated, n))
+            self._records[s], self._episodes[s], self._began[s] = rec, p.episode, p.began
+            self._turn_start[s] = n
+            self._active[rec.group_id].append(s)
+            slots.append(s)
+            self.token_counts["reprefill"] += smp.prompt_ids.size + n
+        self.state = load_samples(params, self.state, samples, slots)
+        jax.block_until_ready(self.state.done)
+        self.timings["append_s"] += time.perf_counter() - t0
+        return 0
 
     def _append(self, params, go_on: list[tuple[int, PartialSample, list[int]]]) -> None:
         budgets, versions = [], []
@@ -533,6 +632,11 @@ class MultiTurnEngine(GroupSlots):
         if reset:
             self._open_window()
         return out
+
+    @property
+    def num_parked(self) -> int:
+        """Episodes out of their slot while a tool call runs (or waiting for a slot)."""
+        return len(self._parked)
 
     def close(self) -> None:
         """Stop the tool pool (calls still running finish on their threads, unread)."""
@@ -597,20 +701,34 @@ class MultiTurnEngine(GroupSlots):
     def harvest(self) -> EpisodeBatch | None:
         """Groups whose N episodes have all ended, as an EpisodeBatch (a Trajectory with
         env_mask / turn_ids / turn_rewards and rewards = the outcomes, rows grouped in group
-        id order, plus the episode records); their slots are freed. None if none has."""
+        id order, samples in order, plus the episode records); their slots are freed. None
+        if none has."""
+        parked: dict[int, list] = collections.defaultdict(list)
+        for (g, _), p in self._parked.items():
+            parked[g].append(p)
         ready = sorted(g for g, slots in self._active.items()
-                       if all(s not in self._pending and self._records[s].ended for s in slots))
+                       if all(s not in self._pending and self._records[s].ended for s in slots)
+                       and all(p.result is not None and p.result.obs is None
+                               for p in parked.get(g, ())))
         if not ready:
             return None
         slots = [s for g in ready for s in self._active[g]]
-        samples = read_slots(self.state, slots)
-        records = [self._records[s] for s in slots]
-        traj = episodes_to_trajectory(records, samples, self.env.max_prompt_len,
+        in_slots = dict(zip(slots, read_slots(self.state, slots)))
+        rows = []  # (group, sample, record, PartialSample)
+        for g in ready:
+            rows += [(g, self._records[s].sample, self._records[s], in_slots[s])
+                     for s in self._active[g]]
+            rows += [(g, p.record.sample, p.record, p.result.smp) for p in parked.get(g, ())]
+        rows.sort(key=lambda r: (r[0], r[1]))
+        records = [r[2] for r in rows]
+        traj = episodes_to_trajectory(records, [r[3] for r in rows], self.env.max_prompt_len,
                                       self.max_response_len, self.env.max_turns,
                                       self.env.reward_names)
         for g in ready:
             for s in self._active.pop(g):
                 for d in (self._records, self._episodes, self._turn_start, self._began):
                     d.pop(s, None)
+            for p in parked.get(g, ()):
+                self._parked.pop((g, p.record.sample))
         self._free = sorted(self._free + slots)
         return EpisodeBatch(trajectory=traj, episodes=tuple(records))

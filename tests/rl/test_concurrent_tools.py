@@ -57,11 +57,13 @@ class CountingEnv(ScriptedEnv):
         return ep
 
 
-def run(params, env, workers, *, slots=12, step_s=0.0, layout="segmented", fixed_version=True):
+def run(params, env, workers, *, slots=12, step_s=0.0, layout="segmented", fixed_version=True,
+        park=None):
     from rl.rollout.multiturn import TimeLimits
     eng = MultiTurnEngine(CFG, env, MultiTurnConfig(
         num_slots=slots, group_size=2, segment_len=5, sampling=SamplingConfig(temperature=T),
-        kv_layout=layout, max_concurrent_tool_calls=workers, time_limits=TimeLimits(step_s=step_s)))
+        kv_layout=layout, max_concurrent_tool_calls=workers, time_limits=TimeLimits(step_s=step_s),
+        park_after_s=park))
     eng.submit(prompts())
     batches, v, t0 = [], 0, time.perf_counter()
     while not eng.idle:
@@ -106,6 +108,27 @@ def test_concurrent_calls_give_the_inline_tokens_and_overlap(params, inline, lay
     assert 0 < s["slot_occupancy"] <= s["slot_held"] <= 1
     assert s["tool_s"] >= 0.05 * eng.tool_calls
     assert 0 <= s["tool_wait_share"] < 1
+
+
+def test_parked_slots_take_other_episodes_and_give_the_same_tokens(params):
+    """park_after_s=0: a slot whose episode waits on a tool is freed at once and the
+    episode comes back, its history re-prefilled, into whichever slot is free when its
+    call returns; 4 slots then carry more than 4 episodes' calls at once. The reference:
+    the inline engine on the same slots (no parking, no concurrency)."""
+    eng0, rows0, _ = run(params, CountingEnv(0.05), 0, slots=4, layout="replicated")
+    env = CountingEnv(delay=0.05)
+    eng, rows, _ = run(params, env, 12, slots=4, layout="replicated", park=0.0)
+    assert eng.parked_count > 0 and env.peak > 4  # more calls in flight than slots
+    assert len(rows) == len(rows0) == 2 * len(prompts())
+    for (ta, i, ra), (tb, j, rb) in zip(rows0, rows):
+        assert_rows_equal(row_arrays(ta, i), row_arrays(tb, j))
+        assert ra.turn_texts == rb.turn_texts and ra.outcome == rb.outcome
+        assert ra.spans == rb.spans and ra.end_reason == rb.end_reason
+    check_against_forward(params, rows)
+    assert eng.token_counts["reprefill"] > 0 and eng.num_parked == 0
+    with pytest.raises(ValueError, match="replicated"):
+        MultiTurnConfig(num_slots=4, group_size=2, segment_len=2, park_after_s=0.0,
+                        max_concurrent_tool_calls=2)
 
 
 def test_inline_calls_run_one_at_a_time(inline):

@@ -157,7 +157,8 @@ FLAG_VALUES = {"steps": "7", "group_size": "4", "prompts_per_step": "2", "segmen
                "reward": "my_rewards:score", "verifier": "exact", "reward_timeout": "3.5",
                "save_every_minutes": "10", "env_step_timeout": "5", "episode_timeout": "60",
                "remat": "full", "host_malloc": "lean", "rollout_dtype": "bfloat16",
-               "max_concurrent_tool_calls": "8", "tool_latency": "lognormal:0.5,3"}
+               "max_concurrent_tool_calls": "8", "tool_latency": "lognormal:0.5,3",
+               "park_after": "0.5"}
 
 
 @pytest.mark.parametrize("dest", sorted(SIMPLE_FLAGS))
