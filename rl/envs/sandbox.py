@@ -7,7 +7,11 @@ temp dir, with limits, and always get an observation back.
 Limits (`SandboxLimits`): CPU seconds (RLIMIT_CPU), wall seconds (the process group is
 killed), address space (RLIMIT_AS, MB), processes (RLIMIT_NPROC, counted for the uid the
 code runs as), output bytes (stdout + stderr; past it the process is killed), file size
-(RLIMIT_FSIZE, MB), no core files. stdin is /dev/null.
+(RLIMIT_FSIZE, MB), no core files. stdin is /dev/null. The rlimits are set by the sandboxed
+interpreter on itself before the code runs (not in a preexec_fn: the caller is
+multithreaded, with JAX and the tool pool, and Python between fork and exec could
+deadlock); the code cannot raise them (it runs as nobody under bubblewrap; the fallback's
+hook refuses setrlimit).
 
 Isolation, strongest available (`isolation()` says which this machine has):
 
@@ -61,6 +65,8 @@ ISOLATIONS = ("bubblewrap", "rlimits")
 PRELUDE = r'''
 import os, resource, sys
 cfg = {cfg!r}
+for name, value in cfg["rlimits"]:
+    resource.setrlimit(getattr(resource, name), value)
 if os.getuid() == 0 and cfg["drop_root"]:
     os.setgroups([]); os.setgid(cfg["uid"]); os.setuid(cfg["uid"])
 resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"]))
@@ -70,7 +76,8 @@ if cfg["hook"]:
     blocked = ("socket.__new__", "socket.connect", "socket.bind", "os.fork", "os.forkpty",
                "os.posix_spawn", "os.exec", "os.spawn", "os.system", "subprocess.Popen",
                "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.dlopen", "ctypes.dlsym",
-               "ctypes.cdata", "os.chdir", "os.chroot", "os.setuid")
+               "ctypes.cdata", "os.chdir", "os.chroot", "os.setuid", "resource.setrlimit",
+               "resource.prlimit")
     def _hook(event, args, _real=os.path.realpath, _here=here, _read=allowed_read,
               _blocked=blocked, _pid=os.getpid()):
         if event == "import" and args and str(args[0]).split(".")[0] in ("ctypes", "_ctypes", "cffi"):
@@ -198,19 +205,14 @@ def _site_packages(mode: str) -> list[str]:
                    if d == home or d.startswith(home + os.sep)})
 
 
-def _limits_hook(limits: SandboxLimits):
+def _rlimits(limits: SandboxLimits) -> list[tuple[str, tuple[int, int]]]:
+    """The limits the sandboxed interpreter sets on itself first thing (in the child: a
+    preexec_fn would run Python between fork and exec in this multithreaded process)."""
     mem = int(limits.memory_mb) << 20
     fsize = int(limits.file_mb) << 20
     cpu = max(1, int(math.ceil(limits.cpu_s)))
-
-    def apply():
-        os.setsid()
-        import resource
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
+    return [("RLIMIT_CPU", (cpu, cpu + 1)), ("RLIMIT_AS", (mem, mem)),
+            ("RLIMIT_FSIZE", (fsize, fsize)), ("RLIMIT_CORE", (0, 0))]
 
 
 def _processes_of(uid: int) -> int:
@@ -268,7 +270,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *,
         cfg = {"drop_root": root and mode == "bubblewrap", "uid": NOBODY,
                "nproc": _processes_of(run_uid) + int(limits.processes) + 1,
                "hook": mode == "rlimits", "read_roots": read_roots,
-               "site": _site_packages(mode)}
+               "site": _site_packages(mode), "rlimits": _rlimits(limits)}
         prelude = PRELUDE.format(cfg=cfg)
         env = {"PATH": "/usr/bin:/bin", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
                "PYTHONHASHSEED": "0", "HOME": workdir, "LANG": "C.UTF-8"}
@@ -290,7 +292,7 @@ def _supervise(cmd: list[str], cwd: str, env: dict, limits: SandboxLimits,
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=_limits_hook(limits))
+                            start_new_session=True)
     over = threading.Event()
     cap = int(limits.output_bytes)
     out: list[bytes] = []
