@@ -182,7 +182,7 @@ experiments/results/bench_agentic_overlap.json; do not edit by hand -->
 A tiny policy (trained from scratch) on `guess_number` episodes, {cfg['prompts']} prompts x
 {cfg['group_size']} episodes = {cfg['prompts'] * cfg['group_size']} episodes a step, up to
 {cfg['turns']} turns each, every environment step behind an emulated tool latency
-`{cfg['latency']}` (rl.envs.latency; seeded). Three loops side by side, round-robin,
+`{cfg['latency']}` (rl.envs.latency; seeded). Four loops side by side, round-robin,
 {cfg['reps']} reps, the median rep shown; the first step of each run compiles and is left
 out. Machine: {h['machine']}.
 
@@ -213,7 +213,10 @@ Reading it. The tools dominate: the tiny model decodes a turn in milliseconds, s
 episode spends almost all its time waiting for its call, and "slot occupancy" (the share
 of slot-time spent decoding: slot-seconds in decode over slots x wall seconds) stays far
 below 0.8 in every loop here; "slots holding an episode" is the share of slot-time a slot
-holds an unfinished episode, waiting or not. What concurrency buys is the calls of all
+holds an unfinished episode, waiting or not (a parked episode holds none). sync_inline's
+wait is inside the calls themselves, on the rollout thread (calls in flight 1.0: one call
+running the whole wall time), which the tool wait share (blocked with no slot left to
+decode) does not count. What concurrency buys is the calls of all
 episodes overlapping each other; what the asynchronous loop adds is not waiting for the
 slowest episode of a batch (continuous rollouts refill a finished group's slots at once,
 and the learner trains on whichever groups are done); parking lets more episodes wait on

@@ -396,7 +396,8 @@ class MultiTurnEngine(GroupSlots):
             done = np.asarray(jax.device_get(self.state.done))
         before = int(np.asarray(self.state.num_generated).sum())  # waits for the fill
         t1 = time.perf_counter()
-        in_flight = any(not f.done() for f in self._pending.values())
+        in_flight = (any(not f.done() for f in self._pending.values())
+                     or any(not p.future.done() for p in self._parked.values()))
         live = int((~done).sum())
         if live:
             self.state = decode_segment(params, self.state, self.rollout.segment_len, version)
