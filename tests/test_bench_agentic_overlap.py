@@ -25,3 +25,13 @@ def test_committed_page_and_rows_come_from_the_json():
         bench.README.read_text().splitlines()
     assert bench.summary_row(result, "agentic-overlap.md", index=True) in \
         bench.INDEX.read_text().splitlines()
+
+
+def test_python_tool_page_comes_from_its_json():
+    from experiments.repro import python_tool_base as base
+
+    result = json.loads(base.RESULT.read_text())
+    assert base.PAGE.read_text() == base.render_page(result)
+    assert base.index_row(result) in base.INDEX.read_text().splitlines()
+    row = result["rows"][0]
+    assert len(row["tool"]["per_problem"]) == len(row["no_tool"]["per_problem"]) == row["n"]
