@@ -9,6 +9,9 @@
     pruning          online rollout pruning (ARRoL): quality head, balancing rule, Pruner
     multiturn        MultiTurnEngine: multi-turn episodes of an rl.envs Environment, continuous
                      batching across turns, observations appended to the KV cache
+    multiturn_config MultiTurnConfig, TimeLimits, MultiTurnStepInfo (the engine's config)
+    tool_calls       how tool calls run beside decoding: the pool, parked episodes, the
+                     slot / tool statistics
     append           append_tokens: a prefill of just the new tokens at a slot's position
     episodes         guarded environment calls, EpisodeRecord, episodes -> Trajectory
 

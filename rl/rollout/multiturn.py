@@ -15,25 +15,8 @@ version)`:
      environment: rl.rollout.episodes), the observation's ids (`env.encode_observation`)
      are appended to the slot, at the first step after the call returns, and it goes live
      again for the next turn, while every other slot just keeps decoding.
-Concurrent tool calls (`MultiTurnConfig.max_concurrent_tool_calls`): with 0 every turn
-boundary runs at once on the calling thread, one after another (the exact slow twin);
-with M >= 1 they run on a pool of M threads, so the calls of different episodes overlap
-each other and the decoding of every slot whose episode is not waiting. A slot whose
-episode waits stays reserved (`done` in the sampler, not decoded) until its call returns;
-when no slot is left to decode, `step` waits for the first call to return. Tokens do not
-depend on when a call returns: a sample's rng stream is keyed by its group, index and
-position (rl.rollout.sampler_state), so under one params version both settings give the
-same tokens, log-probs and records (tested). An environment written the plain way, with
-a blocking `Episode.step`, gets this concurrency unchanged; its calls of *different*
-episodes run at the same time, so `reset` / `step` / `decode_turn` /
-`encode_observation` must be safe to call from several threads (the tokenizers library
-is). `stats()`: tool wait share of wall time, calls in flight, slot occupancy, tokens per
-second while tools run.
-Parking (`park_after_s`, replicated layout): a slot whose episode's call has run that long
-is freed for other work (new groups, returning episodes); when the call returns, the
-episode goes back into a free slot with its history re-prefilled (`load_samples`: the
-rng stream, log-probs and versions kept), so more episodes wait on tools than there are
-slots. None = never park.
+Concurrent tool calls (`max_concurrent_tool_calls`), parked slots (`park_after_s`) and
+the slot / tool statistics (`stats()`) are rl.rollout.tool_calls' (its module doc).
 An episode's tokens: prompt + turn_1 + obs_1 + turn_2 + ... ; the "response" of its
 Trajectory row is everything after the prompt, with env_mask True on observation tokens
 (behaviour log-prob 0, version = that of the turn they answer).
@@ -78,8 +61,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
-import math
 import time
 from typing import Any, Iterable, Iterator
 
@@ -113,142 +94,26 @@ from rl.rollout.sampler import (
     read_slots,
 )
 from rl.rollout.sampler_state import (
-    KV_LAYOUTS,
-    SamplingConfig,
     as_key_data,
     check_stop_ids,
     init_state,
     sample_keys,
 )
+from rl.rollout.multiturn_config import (  # noqa: F401 - re-exported: the config lives there
+    MODES,
+    MultiTurnConfig,
+    MultiTurnStepInfo,
+    TimeLimits,
+)
 from rl.rollout.slots import GroupSlots
+from rl.rollout.tool_calls import (
+    InlinePool,
+    ParkedEpisode,
+    SlotClock,
+    TurnResult,
+    grown_sample,
+)
 
-MODES = ("append", "reprefill")
-
-
-@dataclasses.dataclass(frozen=True)
-class TimeLimits:
-    """step_s: seconds each call into the environment may take; episode_s: wall seconds
-    of one episode (0 = no limit; module doc)."""
-
-    step_s: float = 0.0
-    episode_s: float = 0.0
-
-    def __post_init__(self):
-        for name in ("step_s", "episode_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise ValueError(f"TimeLimits.{name} must be a finite number of seconds >= 0 "
-                                 f"(0 = no limit), got {v!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTurnConfig:
-    """num_slots episodes decode in parallel (rounded down to a multiple of group_size);
-    group_size N episodes per prompt; segment_len S tokens per step; kv_layout
-    "segmented" | "replicated"; mode "append" | "reprefill" (see the module doc);
-    time_limits: the step / episode time limits (TimeLimits). The token limits (stop ids,
-    turns, turn / prompt / episode tokens) come from the environment."""
-
-    num_slots: int
-    group_size: int
-    segment_len: int
-    sampling: SamplingConfig = SamplingConfig()
-    seed: int = 0
-    attn_impl: str | None = None
-    kv_layout: str = "segmented"
-    mode: str = "append"
-    first_group_id: int = 0
-    time_limits: TimeLimits = TimeLimits()
-    max_concurrent_tool_calls: int = 0
-    park_after_s: float | None = None
-
-    def __post_init__(self):
-        for name in ("num_slots", "group_size", "segment_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"MultiTurnConfig.{name} must be an int >= 1, got {v!r}")
-        if self.num_slots < self.group_size:
-            raise ValueError(f"MultiTurnConfig.num_slots={self.num_slots} cannot hold one group "
-                             f"of group_size={self.group_size}; use num_slots >= group_size")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"MultiTurnConfig.kv_layout must be one of {KV_LAYOUTS}, got "
-                             f"{self.kv_layout!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"MultiTurnConfig.mode must be one of {MODES}, got {self.mode!r}")
-        if isinstance(self.first_group_id, bool) or not isinstance(self.first_group_id, int) \
-                or self.first_group_id < 0:
-            raise ValueError(f"MultiTurnConfig.first_group_id must be an int >= 0, got "
-                             f"{self.first_group_id!r}")
-        m = self.max_concurrent_tool_calls
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ValueError(f"MultiTurnConfig.max_concurrent_tool_calls must be an int >= 0 "
-                             f"(0 = one after another on this thread), got {m!r}")
-        pk = self.park_after_s
-        if pk is not None:
-            if isinstance(pk, bool) or not isinstance(pk, (int, float)) or not 0 <= pk < math.inf:
-                raise ValueError(f"MultiTurnConfig.park_after_s must be None (never park) or a "
-                                 f"finite number of seconds >= 0, got {pk!r}")
-            if self.kv_layout != "replicated" or self.max_concurrent_tool_calls < 1:
-                raise ValueError("MultiTurnConfig.park_after_s (parking a slot whose episode "
-                                 "waits on a tool) needs kv_layout='replicated' (a segmented "
-                                 "slot shares its group's prompt block) and "
-                                 "max_concurrent_tool_calls >= 1")
-        if not isinstance(self.time_limits, TimeLimits):
-            raise ValueError(f"MultiTurnConfig.time_limits must be a TimeLimits, got "
-                             f"{type(self.time_limits).__name__}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTurnStepInfo:
-    """What one `step` did: tokens decoded / appended / (re)prefilled, groups started,
-    turns that ended, episodes that ended, slots still live."""
-
-    decoded_tokens: int
-    appended_tokens: int
-    prefill_tokens: int
-    started_groups: int
-    turns_ended: int
-    episodes_ended: int
-    live_slots: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _TurnResult:
-    """A turn boundary's job done: the slot's sample as read at submission, the
-    observation ids to append (None: the episode ended), the job's seconds."""
-
-    smp: PartialSample
-    obs: list[int] | None
-    seconds: float
-
-
-@dataclasses.dataclass
-class _Parked:
-    """An episode that left its slot while its tool call runs: everything the slot's
-    bookkeeping held, the call's future and, once the call returned, its result."""
-
-    record: EpisodeRecord
-    episode: Any
-    turn_start: int
-    began: float
-    future: concurrent.futures.Future
-    result: "_TurnResult | None" = None
-
-
-class InlinePool:
-    """The pool of max_concurrent_tool_calls = 0: each job runs at once on the calling
-    thread (today's one-after-another order) and returns a finished future."""
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 - re-raised by result()
-            future.set_exception(err)
-        return future
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        return None
 
 
 def _check_env(env: Any, config: ModelConfig) -> None:
@@ -310,10 +175,10 @@ class MultiTurnEngine(GroupSlots):
             max_workers=workers, thread_name_prefix="tandem-tool"))
         self._pending: dict[int, concurrent.futures.Future] = {}  # slot -> its turn's job
         self._submitted: dict[int, float] = {}  # slot -> when its job was handed over
-        self._parked: dict[tuple[int, int], _Parked] = {}  # (group, sample) -> a parked episode
+        self._parked: dict[tuple[int, int], ParkedEpisode] = {}  # (group, sample) -> a parked episode
         self.parked_count = 0  # episodes parked so far
         self.tool_calls = 0  # turn boundaries handed to the pool
-        self._open_window()
+        self.clock = SlotClock()
 
     # ------------------------------------------------------------------ queue
     def _new_group(self, prompt: Prompt) -> int:
@@ -411,8 +276,9 @@ class MultiTurnEngine(GroupSlots):
         ended += self._resume(params, block=False)
         self._park_waiting()
         ended += self._expire(time.monotonic())
-        self._account(time.perf_counter() - t0, (t2 - t1) * live, in_flight,
-                      self.token_counts["decode"] - counts0["decode"])
+        self.clock.step(time.perf_counter() - t0, self.state.done.shape[0], (t2 - t1) * live,
+                        sum(not rec.ended for rec in self._records.values()), in_flight,
+                        self.token_counts["decode"] - counts0["decode"])
         done = np.asarray(jax.device_get(self.state.done))
         c = self.token_counts
         return MultiTurnStepInfo(
@@ -421,28 +287,6 @@ class MultiTurnEngine(GroupSlots):
             prefill_tokens=c["prefill"] + c["reprefill"] - counts0["prefill"] - counts0["reprefill"],
             started_groups=started, turns_ended=turns, episodes_ended=ended,
             live_slots=int((~done).sum()))
-
-    def _open_window(self) -> None:
-        """Start a new window of the counters stats() reads."""
-        self._acct = dict.fromkeys(("wall_s", "slot_s", "decoding_slot_s", "held_slot_s",
-                                    "tool_wall_s", "tool_tokens", "tool_calls",
-                                    "tool_s", "tool_wait_s"), 0.0)
-        self._window_start = time.perf_counter()
-
-    def _account(self, seconds: float, decoding_slot_s: float, in_flight: bool,
-                 tokens: int) -> None:
-        """Slot-time bookkeeping of one step of `seconds` wall time (stats()): slot-seconds
-        spent decoding, slots holding an unfinished episode, tokens decoded in steps that
-        began with a tool call running."""
-        held = sum(not rec.ended for rec in self._records.values())
-        a = self._acct
-        a["wall_s"] += seconds
-        a["slot_s"] += seconds * self.state.done.shape[0]
-        a["decoding_slot_s"] += decoding_slot_s
-        a["held_slot_s"] += seconds * held
-        if in_flight:
-            a["tool_wall_s"] += seconds
-            a["tool_tokens"] += tokens
 
     def _submit_turns(self, done: np.ndarray) -> int:
         """Hand every episode whose turn has just ended to the tool pool (run inline when
@@ -460,11 +304,11 @@ class MultiTurnEngine(GroupSlots):
                                                  self._began[s])
             self._submitted[s] = time.monotonic()
             self.tool_calls += 1
-            self._acct["tool_calls"] += 1
+            self.clock.add("tool_calls", 1)
         return len(slots)
 
     def _turn_job(self, rec: EpisodeRecord, ep: Episode | None, turn_ids: list[int],
-                  smp: PartialSample, began: float) -> "_TurnResult":
+                  smp: PartialSample, began: float) -> "TurnResult":
         """A turn boundary, run in the tool pool: step the episode, decide whether it goes
         on, encode the observation, or end it (outcome included). Touches this episode's
         record only; never raises (the environment is guarded)."""
@@ -498,7 +342,7 @@ class MultiTurnEngine(GroupSlots):
             ep = None if e.hung else ep  # never call into an episode still running
         if reason is not None:
             end_episode(rec, reason, message, ep, env.reward_names, limit)
-        return _TurnResult(smp=smp, obs=obs, seconds=time.perf_counter() - t0)
+        return TurnResult(smp=smp, obs=obs, seconds=time.perf_counter() - t0)
 
     def _resume(self, params, block: bool) -> int:
         """Take the tool calls that have returned (with block: wait for at least one
@@ -512,7 +356,7 @@ class MultiTurnEngine(GroupSlots):
             concurrent.futures.wait(list(self._pending.values()) + waiting,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
             self.timings["tool_wait_s"] += time.perf_counter() - t0
-            self._acct["tool_wait_s"] += time.perf_counter() - t0
+            self.clock.add("tool_wait_s", time.perf_counter() - t0)
         t1 = time.perf_counter()
         ready = sorted(s for s, f in self._pending.items() if f.done())
         go_on: list[tuple[int, PartialSample, list[int]]] = []
@@ -521,13 +365,13 @@ class MultiTurnEngine(GroupSlots):
             if p.result is None and p.future.done():
                 p.result = p.future.result()
                 self.timings["tool_s"] += p.result.seconds
-                self._acct["tool_s"] += p.result.seconds
+                self.clock.add("tool_s", p.result.seconds)
                 ended += p.result.obs is None
         for s in ready:
             self._submitted.pop(s, None)
             got = self._pending.pop(s).result()
             self.timings["tool_s"] += got.seconds
-            self._acct["tool_s"] += got.seconds
+            self.clock.add("tool_s", got.seconds)
             if got.obs is None:
                 self._episodes[s] = None
                 ended += 1
@@ -551,7 +395,7 @@ class MultiTurnEngine(GroupSlots):
                        if not f.done() and now - self._submitted[s] >= pk)
         for s in slots:
             rec = self._records.pop(s)
-            self._parked[(rec.group_id, rec.sample)] = _Parked(
+            self._parked[(rec.group_id, rec.sample)] = ParkedEpisode(
                 record=rec, episode=self._episodes.pop(s), turn_start=self._turn_start.pop(s),
                 began=self._began.pop(s), future=self._pending.pop(s))
             self._submitted.pop(s)
@@ -576,11 +420,7 @@ class MultiTurnEngine(GroupSlots):
             n = smp.num_generated + len(obs)
             left = self.env.max_episode_tokens - smp.prompt_ids.size - n
             ver = int(smp.versions[-1]) if smp.num_generated else 0
-            samples.append(dataclasses.replace(
-                smp, response_ids=np.concatenate([smp.response_ids, np.asarray(obs, np.int32)]),
-                logprobs=np.concatenate([smp.logprobs, np.zeros((len(obs),), np.float32)]),
-                versions=np.concatenate([smp.versions, np.full((len(obs),), ver, np.int32)]),
-                budget=n + min(self.env.max_turn_tokens, left), done=False, stopped=False))
+            samples.append(grown_sample(smp, obs, ver, n + min(self.env.max_turn_tokens, left)))
             rec.spans.append(("env", smp.num_generated, n))
             self._records[s], self._episodes[s], self._began[s] = rec, p.episode, p.began
             self._turn_start[s] = n
@@ -611,28 +451,9 @@ class MultiTurnEngine(GroupSlots):
         jax.block_until_ready(self.state.done)
 
     def stats(self, reset: bool = False) -> dict[str, float]:
-        """Since the engine was made or the last stats(reset=True) (which starts a new
-        window): wall_s; tool_calls (turn boundaries handed to the pool); tool_s (seconds
-        inside turn boundaries, the tools and the environment's code, summed over calls);
-        tool_wait_share (share of wall time blocked on tools with no slot left to
-        decode); tool_calls_in_flight (mean calls running over wall time: tool_s /
-        wall_s); slot_occupancy (share of slot-time spent decoding: slot-seconds in
-        decode / (slots x the steps' wall seconds)); slot_held (share of slot-time
-        holding an unfinished episode, waiting ones included); tokens_per_s_tools_running
-        (tokens decoded per wall second in steps that began with a call running; 0 if
-        none did)."""
-        a, wall = self._acct, time.perf_counter() - self._window_start
-        slot_s = a["slot_s"] or 1.0
-        out = {"wall_s": wall, "tool_calls": a["tool_calls"], "tool_s": a["tool_s"],
-                "tool_wait_share": a["tool_wait_s"] / wall if wall > 0 else 0.0,
-                "tool_calls_in_flight": a["tool_s"] / wall if wall > 0 else 0.0,
-                "slot_occupancy": a["decoding_slot_s"] / slot_s,
-                "slot_held": a["held_slot_s"] / slot_s,
-                "tokens_per_s_tools_running": (a["tool_tokens"] / a["tool_wall_s"]
-                                               if a["tool_wall_s"] else 0.0)}
-        if reset:
-            self._open_window()
-        return out
+        """The slot / tool statistics since the engine was made or the last
+        stats(reset=True) (rl.rollout.tool_calls.SlotClock.stats)."""
+        return self.clock.stats(reset)
 
     @property
     def num_parked(self) -> int:
@@ -676,12 +497,7 @@ class MultiTurnEngine(GroupSlots):
         """The slow twin of append_tokens: rebuild the slots' KV from their whole history."""
         grown = {}
         for (s, smp, obs), ver, bud in zip(go_on, versions, budgets):
-            k = len(obs)
-            grown[s] = dataclasses.replace(
-                smp, response_ids=np.concatenate([smp.response_ids, np.asarray(obs, np.int32)]),
-                logprobs=np.concatenate([smp.logprobs, np.zeros((k,), np.float32)]),
-                versions=np.concatenate([smp.versions, np.full((k,), ver, np.int32)]),
-                budget=bud, done=False, stopped=False)
+            grown[s] = grown_sample(smp, obs, ver, bud)
         if self.rollout.kv_layout == "segmented":
             n = self.rollout.group_size
             blocks = sorted({s // n for s in grown})
