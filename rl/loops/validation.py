@@ -114,8 +114,9 @@ def check_sources(cfg: Any) -> None:
     if cfg.loop.park_after_s >= 0 and (not cfg.task.is_env or cfg.task.kwargs.get(
             "kv_layout", "segmented") != "replicated" or cfg.loop.max_concurrent_tool_calls < 1):
         raise ValueError("loop.park_after_s (parking the slot of an episode that waits on a "
-                         "tool) is for environments with --env-option kv_layout=replicated "
-                         "and --max-concurrent-tool-calls >= 1; set those or drop it")
+                         "tool) is for environments with the episode option kv_layout=replicated "
+                         "(--env-option, or --task-option with a preset) and "
+                         "--max-concurrent-tool-calls >= 1; set those or drop it")
     if cfg.task.is_env and p is not None:
         raise ValueError(f"{cfg.task.spec}: --prune (online rollout pruning) is for "
                          "single-turn tasks; drop it for an environment")
