@@ -33,7 +33,6 @@ beside it) and bench_agentic_overlap.png.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import tempfile
 import time
