@@ -124,9 +124,9 @@ def test_python_env_runs_code_and_checks_the_answer(tok):
     wrong = env.reset(p)
     wrong.step("\\boxed{123456789}<|im_end|>")
     assert wrong.outcome() == {"correct": 0.0}
-    assert find_code("x <python>print(1)</python> y ```python\nprint(2)\n```") == ["print(2)",
-                                                                                 "print(1)"] \
-        or find_code("x <python>print(1)</python>") == ["print(1)"]
+    # every block, in the order the turn wrote them, both spellings
+    assert find_code("x <python>print(1)</python> y ```python\nprint(2)\n```") == ["print(1)",
+                                                                                 "print(2)"]
     assert find_code("```python\nprint(3)") == ["print(3)"]  # cut at the turn budget
     no_tool = make_env("python:dataset=basic_arithmetic,tool=false", tokenizer=tok)
     ep = no_tool.reset(p)
