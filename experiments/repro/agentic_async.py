@@ -105,6 +105,9 @@ def read_run(run_dir: Path) -> dict:
     """One finished run: steps' training wall (sum of step_s), per-step timings and the
     tool metrics, first / last greedy eval."""
     train, evals = read_metrics(run_dir)
+    # a resumed run logs the steps after its last checkpoint twice: keep each step's last
+    train = list({r["step"]: r for r in train}.values())
+    evals = list({r["step"]: r for r in evals}.values())
     if not is_finished(run_dir) or len(evals) < 2:
         raise ValueError(f"{run_dir}: not finished (needs summary.json and two evals)")
 
