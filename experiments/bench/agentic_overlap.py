@@ -39,12 +39,14 @@ import time
 from pathlib import Path
 
 from experiments.common.benchmarking import load_average, machine, results_path, write_results
+from experiments.common.docs_rows import replace_row
 
 RESULT = results_path(__file__)
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs/results/agentic-overlap.md"
 README, INDEX = ROOT / "README.md", ROOT / "docs/results/index.md"
-ROW_AFTER = "[Calculator tool]("  # the rows go after this one, the first time
+# the table rows link this title; the first time they go after the ROW_AFTER one
+TITLE, ROW_AFTER = "Agentic overlap", "Calculator tool"
 SIDES = ("sync_concurrent", "async", "async_parked", "sync_inline")
 ENGINE_KEYS = ("tool_wait_share", "tool_calls_in_flight", "slot_occupancy", "slot_held",
                "tokens_per_s_tools_running", "episode_turns")
@@ -152,16 +154,6 @@ def summary_row(result: dict, link: str, index: bool = False) -> str:
     return text + " ≥ 3×, ≥ 1.5×, occupancy ≥ 0.8 | " + verdict + " |"
 
 
-def replace_row(path: Path, row: str) -> None:
-    lines = path.read_text().splitlines()
-    at = next((i for i, x in enumerate(lines) if "[Agentic overlap](" in x), None)
-    if at is None:
-        lines.insert(next(i for i, x in enumerate(lines) if ROW_AFTER in x) + 1, row)
-    else:
-        lines[at] = row
-    path.write_text("\n".join(lines) + "\n")
-
-
 def render_page(result: dict) -> str:
     """docs/results/agentic-overlap.md, every number from the JSON."""
     cfg, med = result["config"], result["median_reps"]
@@ -231,8 +223,9 @@ Command: `python -m experiments.bench.agentic_overlap` (defaults as above; about
 
 def write_docs(result: dict) -> None:
     PAGE.write_text(render_page(result))
-    replace_row(README, summary_row(result, "docs/results/agentic-overlap.md"))
-    replace_row(INDEX, summary_row(result, "agentic-overlap.md", index=True))
+    replace_row(README, summary_row(result, "docs/results/agentic-overlap.md"), TITLE, ROW_AFTER)
+    replace_row(INDEX, summary_row(result, "agentic-overlap.md", index=True), TITLE,
+                ROW_AFTER)
 
 
 def main(argv: list[str] | None = None) -> dict:

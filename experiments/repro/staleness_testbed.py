@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.common.docs_rows import replace_row
 from experiments.common.offpolicy_methods import (COLORS, LABELS, METHODS, method_proximal,
                                                   method_train)
 from experiments.common.paired import gain_kept, paired_bootstrap, problem_results
@@ -230,8 +231,10 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT) -> dict:
         if (MISMATCH_CELLS / f"{cell_name('naive', 0, 0)}.json").is_file():
             mismatch = report(MISMATCH_CELLS, MISMATCH_RESULT)
         PAGE.write_text(render_page(result, regime_result, mismatch))
-        replace_row(README, summary_row(result, "docs/results/staleness-testbed.md"))
-        replace_row(INDEX, summary_row(result, "staleness-testbed.md", index=True))
+        replace_row(README, summary_row(result, "docs/results/staleness-testbed.md"),
+                    "Off-policy testbed", "Staleness ablation")
+        replace_row(INDEX, summary_row(result, "staleness-testbed.md", index=True),
+                    "Off-policy testbed", "Staleness ablation")
     return result
 
 
@@ -251,19 +254,6 @@ def summary_row(result: dict, link: str, index: bool = False) -> str:
             f"({seeds} seed(s) a cell so far, paired 95 % intervals) |") + (
         f" naive PPO loses ≥ 0.2 at the largest k | "
         f"{'met' if result['headline']['value'] >= 0.2 else 'missed'} |" if index else "")
-
-
-def replace_row(path: Path, row: str) -> None:
-    """Put `row` in place of the table line that links the testbed page (or after the
-    staleness ablation's, the first time)."""
-    lines = path.read_text().splitlines()
-    at = next((i for i, x in enumerate(lines) if "[Off-policy testbed](" in x), None)
-    if at is None:
-        at = next(i for i, x in enumerate(lines) if "[Staleness ablation](" in x) + 1
-        lines.insert(at, row)
-    else:
-        lines[at] = row
-    path.write_text("\n".join(lines) + "\n")
 
 
 RULE = """The rule, fixed before the sweep ran (`experiments/repro/staleness_testbed.py`): the

@@ -1,0 +1,26 @@
+"""A results table's row, rewritten in place by the script whose JSON it reports.
+
+README.md and docs/results/index.md hold one row per result, each a markdown table line
+that links its page as `[Title](...)`. A script that regenerates its page puts its row in
+place of the line that links the same title, or, the first time, after the line that
+links `after`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def replace_row(path: Path, row: str, title: str, after: str) -> None:
+    """Put `row` in place of the table line of `path` linking `[title](`, or insert it
+    after the line linking `[after](` when there is none yet."""
+    lines = Path(path).read_text().splitlines()
+    at = next((i for i, x in enumerate(lines) if f"[{title}](" in x), None)
+    if at is not None:
+        lines[at] = row
+    else:
+        anchor = next((i for i, x in enumerate(lines) if f"[{after}](" in x), None)
+        if anchor is None:
+            raise ValueError(f"{path}: no row links [{title}] or [{after}]; add the table row "
+                             "by hand once")
+        lines.insert(anchor + 1, row)
+    Path(path).write_text("\n".join(lines) + "\n")
