@@ -52,6 +52,26 @@ def train_missing(keys: Iterable[Key], run_dir_of: Callable[[Key], Path],
     return trained
 
 
+def train_in_process(run_dir: Path, cmd: Sequence[str]) -> bool:
+    """Run the train command `cmd` (an argv list, `cmd[0]` the interpreter) as a child
+    process for `run_dir`, one after another: skipped when the run is finished, with
+    --resume appended when it started before (its metrics.jsonl exists); progress on
+    stdout. True when it ran."""
+    import subprocess
+    import time
+
+    run_dir = Path(run_dir)
+    if is_finished(run_dir):
+        print(f"{run_dir.name}: finished, skipped", flush=True)
+        return False
+    cmd = list(cmd) + (["--resume"] if (run_dir / "metrics.jsonl").is_file() else [])
+    print(f"{run_dir.name}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    print(f"{run_dir.name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return True
+
+
 def check_train_args(train_args: Sequence[str], driver: str) -> None:
     """ValueError for pass-through flags (`-- FLAGS` given to every run) that the driver
     sets per run itself."""

@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +44,7 @@ import numpy as np
 from experiments.common.benchmarking import machine, results_path
 from experiments.common.docs_rows import replace_row
 from experiments.common.paired import bootstrap, seed_problem_matrix
-from experiments.common.seeds import is_finished, read_metrics
+from experiments.common.seeds import is_finished, read_metrics, train_in_process
 from rl.runtime.logging import atomic_write_json
 
 OUT = results_path(__file__)
@@ -95,16 +93,7 @@ def cmd_run(args) -> None:
     work = Path(args.work_dir)
     for arm, seed in run_order(args.seeds, args.inline_seeds):
         run_dir = work / f"{arm}_s{seed}"
-        if is_finished(run_dir):
-            print(f"{run_dir.name}: finished, skipped", flush=True)
-            continue
-        cmd = train_command(arm, seed, run_dir, args)
-        if (run_dir / "metrics.jsonl").is_file():
-            cmd.append("--resume")
-        print(f"{run_dir.name}: {' '.join(cmd[1:])}", flush=True)
-        t0 = time.perf_counter()
-        subprocess.run(cmd, check=True)
-        print(f"{run_dir.name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+        train_in_process(run_dir, train_command(arm, seed, run_dir, args))
 
 
 def read_run(run_dir: Path) -> dict:
