@@ -48,7 +48,6 @@ from rl.learner.batch import TrainBatch
 from rl.learner.config import TrainConfig
 from rl.learner.proximal import ewma_update, exact_proximal_logprobs, policy_logprobs
 from rl.learner.snapshots import ParamSnapshots, copy_params
-from rl.loops import episodes
 from rl.loops.batches import batch_metrics, build_batch
 from rl.loops.buffer import TrajectoryBuffer
 from rl.loops.producer import AprilSource, offpolicy_prefix_batch
@@ -137,7 +136,6 @@ class AsyncSource(BatchSource):
 
     def open(self, run: Any, params: Any) -> None:
         acfg, state = self.acfg, run.state
-        episodes.check_episode_loop(run.task, acfg.mode, acfg.rollout)  # environments: which
         self.snaps = ParamSnapshots(acfg.ring_capacity, directory=None if acfg.snapshot_store
                                     == "memory" else run.config.output_dir / "snapshots" / "ring")
         self.buffer = TrajectoryBuffer(run.loop.prompts_per_step, self.k,

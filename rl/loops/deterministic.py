@@ -12,7 +12,9 @@ v − k (v ≥ k) and runs are reproducible on one CPU.
                      whole in a FIFO drained first next round) until the buffer yields a
                      batch, at most 4·(η + 1) rounds; resumed groups carry prefixes of older
                      versions: with stale_policy "drop" those older than η versions are
-                     dropped (counted), with "downweight" none is discarded
+                     dropped (counted), with "downweight" none is discarded; an
+                     environment's episodes run in rl.rollout.april_episodes rounds (the
+                     unfinished ones carried in the engine, mid-turn)
 
 The ring holds k + 2 versions: (k + 2) × the params' bytes of memory with
 AsyncConfig.snapshot_store="memory" (the default), or files under run_dir/snapshots/ring/
@@ -24,7 +26,8 @@ Resume is exact with static rollouts: the ring's versions max(v − η, 0) .. v 
 beside each checkpoint under run_dir/snapshots/STEP/ (one file per version, hard links to a
 disk ring's files); with APRIL its FIFO is saved under run_dir/rollout_state/ and restored
 whole, but rl.rollout.april reseeds new groups on a restore, so the continuation is
-statistically, not bitwise, the same. A stop during an APRIL round is left to finish (its
+statistically, not bitwise, the same (episodes: the carried groups start again from their
+prompts, counted in april_lost / april_restarted). A stop during an APRIL round is left to finish (its
 FIFO moves), during static sampling it drops the step's rollouts.
 """
 from __future__ import annotations
@@ -105,6 +108,11 @@ class DeterministicSource(AsyncSource):
             for g in groups:
                 self.buffer.put(g)
             return self.buffer.get_batch(run.loop.prompts_per_step, version, timeout=0)
+
+    def close(self, run: Any) -> None:
+        super().close(run)
+        if self.april is not None:
+            self.april.close()
 
     def checkpoint(self, run: Any, step: int, state: Any) -> tuple[Any, dict]:
         state, meta = super().checkpoint(run, step, state)

@@ -25,8 +25,9 @@ Environments by task spec (`make_env_task`): "env:" + an rl.envs.make_env spec, 
 "env:guess_number" (token-level, for the tiny model), "env:calculator" (needs a
 tokenizer) or your own factory "env:my_module:make". Every source runs them: the
 synchronous loop and the deterministic source through `sample_episodes`, the threaded
-producer through `episode_engine` (static or continuous rollouts); APRIL does not
-(`check_episode_loop`). `episode_engine` applies the run's concurrent tool calls and
+producer through `episode_engine` (static or continuous rollouts), APRIL rounds (either
+mode) through rl.rollout.april_episodes over one long-lived `episode_engine`.
+`episode_engine` applies the run's concurrent tool calls and
 emulated tool latency (rl.rollout.multiturn, rl.envs.latency); the engine's slot and tool
 metrics (`engine_metrics`: tool_wait_share, tool_calls_in_flight, slot_occupancy,
 slot_held, tokens_per_s_tools_running) join the episode metrics.
@@ -292,16 +293,3 @@ def engine_metrics(stats: Sequence[dict[str, float]]) -> dict[str, float]:
     keys = ("tool_wait_share", "tool_calls_in_flight", "slot_occupancy", "slot_held",
             "tokens_per_s_tools_running")
     return {k: float(sum(s[k] * s["wall_s"] for s in stats) / wall) for k in keys}
-
-
-EPISODE_ROLLOUTS = ("static", "continuous")  # the async rollouts that run episodes
-
-
-def check_episode_loop(task: Any, mode: str, rollout: str) -> None:
-    """ValueError unless the asynchronous loop's `mode` / `rollout` can run `task`'s
-    episodes: static rollouts in either mode, continuous ones in the threaded mode; not
-    APRIL (its rounds cut and resume single-turn samples, not episodes)."""
-    if is_episodic(task) and rollout not in EPISODE_ROLLOUTS:
-        raise ValueError(f"{task.name}: environments run with static or continuous rollouts "
-                         f"(--rollout static|continuous), not --rollout {rollout}: APRIL's "
-                         "rounds cut and resume single-turn samples, not episodes")

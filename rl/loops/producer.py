@@ -22,6 +22,7 @@ from rl.loops.rollouts import RolloutSpec, rollout_seed, take_rows
 from rl.loops.scoring import score, total_reward
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.april import AprilConfig, AprilRollout, offpolicy_prefix_mask
+from rl.rollout.april_episodes import EpisodeAprilRollout
 from rl.loops import episodes
 from rl.rollout.engine import RolloutEngine
 from rl.rollout.episodes import EpisodeBatch
@@ -41,27 +42,34 @@ def split_groups(traj, rewards: dict[str, np.ndarray], group_size: int) -> list[
 
 
 class AprilSource:
-    """APRIL rounds (rl.rollout.april.AprilRollout) over the task's train stream from `base`;
-    the group with global id g is the prompt at stream position base + g. spec: the run's
+    """APRIL rounds over the task's train stream from `base`: rl.rollout.april.AprilRollout,
+    or for an environment's episodes rl.rollout.april_episodes.EpisodeAprilRollout; the
+    group with global id g is the prompt at stream position base + g. spec: the run's
     train rollouts; config: the TrainConfig (reward weights); loop: the LoopConfig (groups
     per step, dynamic sampling)."""
 
     def __init__(self, spec: RolloutSpec, config: TrainConfig, loop: Any, april: AprilConfig, *,
                  base: int, seed: int, saved: dict | None = None):
         self.task, self.config, self.loop, self.base = spec.task, config, loop, int(base)
-        b = loop.prompts_per_step
-        rc = spec.engine(math.ceil(april.over_provision * b - 1e-9) * spec.group_size, seed)
+        slots = math.ceil(april.over_provision * loop.prompts_per_step - 1e-9) * spec.group_size
         submitted = 0 if saved is None else int(saved["counts"]["submitted"])
-        self.rollout = AprilRollout(spec.sampler_config, rc, self._prompts(self.base + submitted),
-                                    april)
+        stream = self._prompts(self.base + submitted)
+        self.episodic = episodes.is_episodic(self.task)
+        if self.episodic:
+            self.rollout = EpisodeAprilRollout(
+                lambda s: episodes.episode_engine(spec, slots, s), stream, april,
+                group_size=spec.group_size, seed=seed,
+                prompt_of=lambda g: self.task.train_prompts(self.base + g, 1)[0])
+        else:
+            self.rollout = AprilRollout(spec.sampler_config, spec.engine(slots, seed),
+                                        (p.ids for p in stream), april)
         if saved is not None:
             self.rollout.load_state_dict(saved)
 
     def _prompts(self, start: int):
         chunk = max(self.loop.prompts_per_step, 8)
         while True:
-            for p in self.task.train_prompts(start, chunk):
-                yield p.ids
+            yield from self.task.train_prompts(start, chunk)
             start += chunk
 
     def _prompt_map(self, traj) -> dict[int, Any]:
@@ -74,11 +82,21 @@ class AprilSource:
                                   self.loop.group_size).size > 0
 
     def round(self, params: Any, version: int, n: int) -> list[ScoredGroup]:
-        """n finished groups sampled under (params, version), scored, in group order."""
+        """n finished groups sampled under (params, version), scored, in group order
+        (episodes: their records and engine stats go to the task's metrics)."""
         accept = self._accept if self.loop.dynamic_sampling else None
         traj = self.rollout.collect(params, int(version), n, accept=accept)
+        if self.episodic:
+            traj, records = traj
+            self.task.record(records, traj)
+            self.task.record_engine(self.rollout.engine.stats(reset=True))
         rewards = score(self.task, self._prompt_map(traj), traj)
         return [g for _, g in split_groups(traj, rewards, self.loop.group_size)]
+
+    def close(self) -> None:
+        """Stop an episode engine's tool pool (calls still running finish unread)."""
+        if self.episodic:
+            self.rollout.close()
 
     @property
     def position(self) -> int:

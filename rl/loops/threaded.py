@@ -128,3 +128,5 @@ class ThreadedSource(AsyncSource):
                 warnings.warn(f"the rollout thread did not stop within "
                               f"{self.acfg.join_timeout_s} s; it is a daemon thread and ends "
                               "with the process")
+        if self.april is not None:  # after the thread: its round may still use the pool
+            self.april.close()

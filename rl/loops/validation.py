@@ -107,10 +107,6 @@ def check_sources(cfg: Any) -> None:
     if a is not None and cfg.distributed.enabled:
         raise ValueError("asynchronous training runs its producer, buffer and param ring in "
                          "one process; drop the async settings or the multi-process ones")
-    if cfg.task.is_env and a is not None and a.rollout == "april":
-        raise ValueError(f"{cfg.task.spec}: environments run with static or continuous "
-                         "rollouts (--rollout static|continuous), not --rollout april: "
-                         "APRIL's rounds cut and resume single-turn samples, not episodes")
     if cfg.loop.park_after_s >= 0 and (not cfg.task.is_env or cfg.task.kwargs.get(
             "kv_layout", "segmented") != "replicated" or cfg.loop.max_concurrent_tool_calls < 1):
         raise ValueError("loop.park_after_s (parking the slot of an episode that waits on a "

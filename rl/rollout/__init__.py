@@ -6,6 +6,7 @@
     sharded_sampler  the same sampler on a device mesh (explicit shardings)
     engine           RolloutEngine: continuous batching over the sampler, extract / resume
     april            rollout strategies: APRIL (over-provision + FIFO), static, continuous
+    april_episodes   APRIL rounds of multi-turn episodes, carried in the engine
     pruning          online rollout pruning (ARRoL): quality head, balancing rule, Pruner
     multiturn        MultiTurnEngine: multi-turn episodes of an rl.envs Environment, continuous
                      batching across turns, observations appended to the KV cache
@@ -36,6 +37,7 @@ from rl.rollout.episodes import EpisodeBatch, EpisodeRecord
 from rl.rollout.multiturn import MultiTurnConfig, MultiTurnEngine, MultiTurnStepInfo
 from rl.rollout.april import (AprilConfig, AprilRollout, ContinuousRollout, StaticRollout,
                               offpolicy_prefix_mask)
+from rl.rollout.april_episodes import EpisodeAprilRollout
 
 __all__ = [
     "KV_LAYOUTS", "SamplerState", "SamplingConfig", "as_key_data", "init_state", "sample_keys",
@@ -45,5 +47,5 @@ __all__ = [
     "StepInfo", "ShardedSampler", "AprilConfig", "AprilRollout", "ContinuousRollout",
     "StaticRollout", "offpolicy_prefix_mask", "Pruner", "PruneConfig", "QualityHead",
     "balanced_prune", "append_tokens", "EpisodeBatch", "EpisodeRecord",
-    "MultiTurnConfig", "MultiTurnEngine", "MultiTurnStepInfo",
+    "MultiTurnConfig", "MultiTurnEngine", "MultiTurnStepInfo", "EpisodeAprilRollout",
 ]

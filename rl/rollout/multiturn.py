@@ -456,6 +456,14 @@ class MultiTurnEngine(GroupSlots):
         return self.clock.stats(reset)
 
     @property
+    def tokens_in_flight(self) -> int:
+        """Model and observation tokens of the episodes not yet harvested (in their slots,
+        or parked at the start of their pending turn)."""
+        slots = [s for group in self._active.values() for s in group]
+        n = np.asarray(jax.device_get(self.state.num_generated))
+        return int(n[slots].sum()) + sum(p.turn_start for p in self._parked.values())
+
+    @property
     def num_parked(self) -> int:
         """Episodes out of their slot while a tool call runs (or waiting for a slot)."""
         return len(self._parked)
