@@ -38,6 +38,7 @@ holds its own episodes.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
@@ -138,6 +139,15 @@ class EnvTask:
 
     def train_prompts(self, start: int, count: int) -> list[Prompt]:
         return self.env.train_prompts(start, count)
+
+    def with_own_records(self) -> "EnvTask":
+        """The same environment and options with record sinks of its own: what the copy
+        samples is drained apart from what this task samples (the evaluator's episodes
+        never mix with a producer thread's train episodes)."""
+        view = copy.copy(self)
+        view._lock = threading.Lock()
+        view._records, view._engine_stats = [], []
+        return view
 
     def eval_prompts(self, count: int) -> list[Prompt]:
         return self.env.eval_prompts(count)
@@ -252,6 +262,11 @@ def episode_rewards(task: EnvTask, traj: Trajectory) -> dict[str, np.ndarray]:
 def turn_credit_of(task: Any) -> TurnCreditConfig | None:
     """The turn credit an EnvTask's batches are built with; None for a task."""
     return task.options.turn_credit if is_episodic(task) else None
+
+
+def own_records(task: Any) -> Any:
+    """`task` with record sinks of its own (EnvTask.with_own_records); a task unchanged."""
+    return task.with_own_records() if is_episodic(task) else task
 
 
 def episode_config(task: Any) -> dict:

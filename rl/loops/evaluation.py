@@ -229,7 +229,9 @@ def make_evaluator(spec: RolloutSpec, loop: Any, logger: MetricsLogger, *,
     smaller KV cache; the same samples: the rng keys follow the prompt's index)."""
     eval_prompts = spec.task.eval_prompts(loop.eval_prompts)
     weights = dict(reward_weights)
-    spec = spec.replace(compute_dtype=None)
+    # its own episode records: a producer thread that keeps sampling during the eval
+    # records into the train task, whose episodes this eval must neither drain nor report
+    spec = spec.replace(compute_dtype=None, task=episodes.own_records(spec.task))
 
     def do_eval(step: int, params: Any, version: int) -> dict:
         if loop.eval_clear_programs:  # the train step's programs: not resident beside the eval's

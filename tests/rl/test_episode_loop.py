@@ -271,3 +271,34 @@ def test_april_rounds_run_episodes(scripted, tmp_path, mode):
     carried = cut.train[-1]["april_in_engine"] + cut.train[-1]["april_in_hand"]
     assert carried >= 1 and after[0]["april_lost"] == carried
     assert after[-1]["april_restarted"] == carried  # started again, first
+
+
+def test_an_evals_episode_records_are_its_own(scripted):
+    """The evaluator samples through own_records(task): episodes recorded into the train
+    task meanwhile (a producer thread's) stay there for the train record, and the eval's
+    never reach it."""
+    import types
+
+    from rl.envs.base import EndReason
+    from rl.loops.episodes import own_records
+    from rl.rollout.episodes import EpisodeRecord
+    from rl.run import TaskSpec, make_task
+
+    task = make_task(TaskSpec("env:scripted", {"max_turns": 3}), seed=0)
+    view = own_records(task)
+    assert view.env is task.env and view.options == task.options
+    traj = types.SimpleNamespace(env_mask=np.array([[False, True]]),
+                                 response_mask=np.array([[True, True]]))
+
+    def rec(turns):
+        r = EpisodeRecord(group_id=0, sample=0, prompt=task.train_prompts(0, 1)[0], turns=turns)
+        r.end_reason = EndReason.DONE
+        return r
+
+    task.record([rec(3)], traj)  # the producer's train episode
+    view.record([rec(1)], traj)  # the eval's
+    assert take_episode_metrics(view)["episode_turns"] == 1.0
+    assert take_episode_metrics(task)["episode_turns"] == 3.0
+    assert take_episode_metrics(view) == {} and take_episode_metrics(task) == {}
+    plain = make_task(TaskSpec("synthetic"), seed=0)
+    assert own_records(plain) is plain
