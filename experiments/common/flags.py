@@ -25,7 +25,7 @@ from typing import Any
 from models.config import DTYPES, REMAT_POLICIES
 from models.lora import LoraConfig
 from rl.envs import ENVS
-from rl.loops.config import MODES, PROXIMAL, ROLLOUTS, Resume, RunConfig
+from rl.loops.config import BACKENDS, MODES, PROXIMAL, ROLLOUTS, Resume, RunConfig
 from rl.loops.validation import CHANGEABLE_ON_RESUME
 from rl.objectives import AdvantageConfig, LossConfig, VCPOConfig
 from rl.objectives.advantages import ADVANTAGE_PRESETS
@@ -77,7 +77,9 @@ ASYNC_FLAGS = {
     "max_staleness": "max_staleness", "async_mode": "mode", "rollout": "rollout",
     "over_provision": "over_provision", "stale_policy": "stale_policy",
     "stale_weight": "stale_weight", "proximal": "proximal", "ewma_beta": "ewma_beta",
-    "rollout_devices": "rollout_devices",
+    "rollout_devices": "rollout_devices", "async_backend": "backend",
+    "rollout_workers": "rollout_workers", "ray_address": "ray_address",
+    "worker_cpus": "worker_cpus",
 }
 SCHEDULER_FLAGS = {"prompt_scheduler": "name", "scheduler_pool": "pool_size",
                    "dars_budget": "dars_budget", "dars_schedule": "dars_schedule",
@@ -346,6 +348,12 @@ def add_async_flags(p: argparse.ArgumentParser) -> None:
     a.add_argument("--ewma-beta", type=float, help="EWMA proximal params' decay (default 0.9)")
     a.add_argument("--rollout-devices", type=int, help="threaded: devices for the sampler (default "
                    "half of them when there are several, else shared)")
+    a.add_argument("--async-backend", choices=BACKENDS,
+                   help="local (default) or ray: rollout workers in their own processes "
+                        "(deterministic mode, static rollouts; pip install -e '.[ray]')")
+    a.add_argument("--rollout-workers", type=int, help="ray: worker processes (default 1)")
+    a.add_argument("--ray-address", help="ray: the cluster to join (default: start a local one)")
+    a.add_argument("--worker-cpus", type=float, help="ray: CPUs each worker asks for (default 1)")
 
 
 # ----------------------------------------------------------------------------- flags -> config

@@ -13,6 +13,8 @@
                   max(v − η, 0) (static: what the sync source samples; or APRIL rounds)
     threaded      ThreadedSource: a producer thread and the buffer (static, continuous,
                   APRIL rollouts), in-flight weight updates
+    ray_workers   RaySource: the deterministic schedule sampled by Ray rollout-worker
+                  processes while the learner trains (async.backend = "ray"; optional)
     asynchronous  what the async sources share: ring, buffer, publishing, proximal
                   log-probs (exact / EWMA), APRIL's source, side files; train_config_for
     producer      the producer thread's work (RolloutProducer), APRIL rounds over the

@@ -216,6 +216,7 @@ MODES = ("threaded", "deterministic")
 ROLLOUTS = ("static", "continuous", "april")
 PROXIMAL = ("current", "exact", "versions", "ewma")
 SNAPSHOT_STORES = ("memory", "disk")
+BACKENDS = ("local", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +237,10 @@ class AsyncConfig:
     step and one read per sampling step; rl.learner.snapshots). rollout_devices:
     devices given to the sampler in threaded mode (None: half of them when there are
     several, 0 when there is one: rollout and training share it). join_timeout_s: how long
-    shutdown waits for the producer thread."""
+    shutdown waits for the producer thread. backend "local" (the sampler in this process)
+    | "ray" (mode="deterministic", rollout="static": the sampling done by
+    `rollout_workers` Ray actors, each worker_cpus CPUs, on the cluster at ray_address, or
+    a local one started when it is ""; rl.loops.ray_workers)."""
 
     max_staleness: int = 1
     mode: str = "threaded"
@@ -251,6 +255,10 @@ class AsyncConfig:
     snapshot_store: str = "memory"
     rollout_devices: int | None = None
     join_timeout_s: float = 30.0
+    backend: str = "local"
+    rollout_workers: int = 1
+    ray_address: str = ""
+    worker_cpus: float = 1.0
 
     def __post_init__(self):
         k = self.max_staleness
@@ -258,7 +266,7 @@ class AsyncConfig:
             raise ValueError(f"AsyncConfig.max_staleness must be an int >= 0, got {k!r}")
         for name, allowed in (("mode", MODES), ("stale_policy", STALE_POLICIES),
                               ("rollout", ROLLOUTS), ("proximal", PROXIMAL),
-                              ("snapshot_store", SNAPSHOT_STORES)):
+                              ("snapshot_store", SNAPSHOT_STORES), ("backend", BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"AsyncConfig.{name} must be one of {allowed}, got "
                                  f"{getattr(self, name)!r}")
@@ -292,6 +300,26 @@ class AsyncConfig:
             raise ValueError(f"AsyncConfig.rollout_devices must be None or an int >= 0, got {r!r}")
         if not self.join_timeout_s > 0:
             raise ValueError(f"AsyncConfig.join_timeout_s must be > 0, got {self.join_timeout_s}")
+        self._check_ray()
+
+    def _check_ray(self) -> None:
+        n = self.rollout_workers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"AsyncConfig.rollout_workers must be an int >= 1, got {n!r}")
+        if isinstance(self.worker_cpus, bool) or not isinstance(self.worker_cpus, (int, float)) \
+                or self.worker_cpus < 0:
+            raise ValueError(f"AsyncConfig.worker_cpus must be a number >= 0, got "
+                             f"{self.worker_cpus!r}")
+        if self.backend != "ray":
+            if n != 1 or self.ray_address:
+                raise ValueError("AsyncConfig.rollout_workers / ray_address are for "
+                                 "backend='ray' (--async-backend ray)")
+            return
+        if self.mode != "deterministic" or self.rollout != "static":
+            raise ValueError("AsyncConfig.backend='ray' runs the deterministic schedule with "
+                             "static rollouts (--async-mode deterministic --rollout static): "
+                             "streaming Ray workers (the threaded producer's counterpart) and "
+                             "APRIL rounds on Ray are not built yet")
 
     @property
     def ring_capacity(self) -> int:

@@ -31,6 +31,9 @@ def make_source(config: RunConfig) -> BatchSource:
     acfg = config.asynchronous
     if acfg is None:
         return SyncSource(config)
+    if acfg.backend == "ray":
+        from rl.loops.ray_workers import RaySource  # ray is an optional extra
+        return RaySource(config)
     if acfg.mode == "deterministic":
         return DeterministicSource(config)
     return ThreadedSource(config)

@@ -104,6 +104,16 @@ def check_sources(cfg: Any) -> None:
             "step's groups as one batch, which the threaded producer and APRIL rounds do "
             "not sample (they stream prompts continuously); use them in the synchronous "
             "loop or with --async-mode deterministic (static rollouts), or drop them")
+    if a is not None and a.backend == "ray":
+        refused = [name for name, on in (
+            ("an environment's episodes", cfg.task.is_env),
+            ("a prompt scheduler or rollout replay", not s.is_default),
+            ("online pruning", p is not None),
+            ("dynamic sampling", cfg.loop.dynamic_sampling)) if on]
+        if refused:
+            raise ValueError(f"Ray rollout workers (async.backend='ray') do not run "
+                             f"{', '.join(refused)} yet: their records and side state live "
+                             "with the sampler, in the worker; use the local backend")
     if a is not None and cfg.distributed.enabled:
         raise ValueError("asynchronous training runs its producer, buffer and param ring in "
                          "one process; drop the async settings or the multi-process ones")

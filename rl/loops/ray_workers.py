@@ -1,0 +1,242 @@
+"""Rollout workers on Ray (AsyncConfig.backend = "ray"): the deterministic schedule with
+the sampling done by N worker processes, each its own JAX runtime on its own devices,
+while the learner trains.
+
+The schedule is the deterministic source's (rl.loops.deterministic): the groups of the
+step at learner version v are sampled with the params of version b(v) = max(v − η, 0).
+What moves is where: request v goes to worker v mod N, and it may start as soon as
+version b(v) exists, so with η >= 1 the sampling of the next steps overlaps the update of
+this one (with η = 0 there is nothing to overlap: every request waits for the update
+before it). At most N requests are in flight, one per worker.
+
+    request v   (params ref of version b(v), b(v), rng_v, position_v)
+    worker      sample_batch_groups: the sync / deterministic source's sampling, the same
+                rng split and prompts -> the scored groups, rng_{v+1}, position_{v+1}
+    learner     the groups into the buffer, the batch out, exactly as in-process
+
+The rng chain (rng_{v+1} = the kept half of rollout_seed(rng_v)) and the data positions
+(position_v + prompts_per_step) do not depend on what is sampled, so the learner knows
+every request's inputs in advance; a worker's answer is checked against them. Hence a Ray
+run equals the in-process deterministic run bit for bit on CPU (the same tokens, metrics
+and parameters; tested at η = 0 and 2, with 1 and 2 workers).
+
+Weight sync. Each version a request needs is put once into Ray's object store (host
+arrays; the policy applied first: a LoRA run's merged weights) and the ObjectRef is sent
+with the requests; versions older than b(v) are released. Ray moves an object between
+processes on one node through shared memory and between nodes by its object manager, so
+there is no faster path to write for host arrays; the bytes and seconds of every put are
+logged (ray_sync_bytes, ray_sync_s) with the workers' version lag (ray_request_lag: v −
+b(v) of the batch trained).
+
+Faults. A worker that dies (killed, out of memory, an exception in sampling) is restarted
+by Ray (max_restarts); its in-flight request is sent again to the new process: the inputs
+are the same, so the groups are the same, nothing is lost and nothing is trained twice
+(counted: ray_worker_restarts, one line logged per event). A learner that dies ends the
+job; `--resume` continues from its checkpoint (the workers start fresh from the saved rng
+and position).
+
+Not here yet: the streaming mode (workers sampling continuously under the buffer's
+admission rule, the threaded producer's counterpart), environments (episodes' records and
+engine stats would have to travel back), prompt schedulers and online pruning (their side
+state lives with the sampler); `RunConfig.validate` refuses them with the reason.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl.learner.batch import TrainState
+from rl.loops.batches import StreamSampler, sample_batch_groups
+from rl.loops.deterministic import DeterministicSource
+from rl.loops.rollouts import rollout_seed
+from rl.loops.source import Taken
+from rl.runtime.distributed import process_local
+
+log = logging.getLogger(__name__)
+
+
+def import_ray():
+    """The ray module, or a ValueError saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("AsyncConfig.backend='ray' needs Ray: pip install -e '.[ray]' (or "
+                         "pip install 'ray[default]')") from None
+    return ray
+
+
+def worker_name(run_dir: Any, index: int) -> str:
+    """The Ray actor name of a run's worker `index` (ray.get_actor(name) finds it)."""
+    return f"tandem-rollout-{index}@{Path(run_dir).resolve()}"
+
+
+class RolloutWorker:
+    """One worker's body (a Ray actor: ray.remote(RolloutWorker)): the deterministic
+    source's sampling of one step's groups, in its own process. spec / train / loop: the
+    run's RolloutSpec, TrainConfig and LoopConfig (the uniform prompt stream)."""
+
+    def __init__(self, spec: Any, train: Any, loop: Any):
+        self.sampler = StreamSampler(spec=spec, config=train, loop=loop)
+
+    def sample(self, params: Any, version: int, rng: np.ndarray, position: int
+               ) -> tuple[list, np.ndarray, int, dict, float]:
+        """(scored groups as host arrays, rng after, position after, rollout stats,
+        seconds) of one step's sampling with `params` stamped `version`."""
+        t0 = time.perf_counter()
+        state = TrainState(params=params, opt_state=None, step=np.zeros((), np.int32),
+                           version=np.asarray(version, np.int32), rng=np.asarray(rng, np.uint32))
+        groups, state, pos, stats = sample_batch_groups(state, int(position), self.sampler)
+        groups = jax.tree.map(np.asarray, groups)
+        return groups, np.asarray(state.rng), int(pos), stats, time.perf_counter() - t0
+
+    def pid(self) -> int:
+        import os
+        return os.getpid()
+
+
+class RaySource(DeterministicSource):
+    """The deterministic schedule, sampled by Ray rollout workers (module doc)."""
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.can_abandon = False  # a request in flight finishes on its worker
+        self.label = f"async η={self.k}, {self.acfg.rollout_workers} ray worker(s)"
+        self.ray = None
+        self.workers: list = []
+        self.refs: dict[int, Any] = {}  # version -> ObjectRef of its params (host arrays)
+        self.inflight: collections.OrderedDict[int, tuple[int, Any, tuple]] = \
+            collections.OrderedDict()  # learner version v -> (worker, future, request)
+        self.chain: dict[int, tuple[np.ndarray, int]] = {}  # v -> (rng_v, position_v)
+        self.counters = {"ray_worker_restarts": 0, "ray_sync_bytes": 0.0, "ray_sync_s": 0.0}
+        self.last_lag = 0
+        self.prompts_per_step = config.loop.prompts_per_step
+
+    # -------------------------------------------------------------- setup
+    def open(self, run: Any, params: Any) -> None:
+        super().open(run, params)
+        self.sampler = None  # the workers sample
+        ray = self.ray = import_ray()
+        if not ray.is_initialized():
+            ray.init(address=self.acfg.ray_address or None, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
+        actor = ray.remote(max_restarts=-1, max_task_retries=0)(RolloutWorker)
+        opts = {"num_cpus": self.acfg.worker_cpus}
+        self.workers = [actor.options(name=worker_name(run.config.output_dir, i), **opts)
+                        .remote(run.spec, run.train, run.loop)
+                        for i in range(self.acfg.rollout_workers)]
+        v = int(run.state.version)
+        self.chain = {v: (np.asarray(jax.device_get(run.state.rng), np.uint32),
+                          int(run.data_position))}
+
+    # -------------------------------------------------------------- requests
+    def _params_ref(self, run: Any, version: int) -> Any:
+        """The object-store ref of version `version`'s sampler params (put once)."""
+        if version not in self.refs:
+            t0 = time.perf_counter()
+            host = jax.device_get(process_local(run.ctx.policy(self.snaps[version])))
+            self.refs[version] = self.ray.put(host)
+            self.counters["ray_sync_s"] += time.perf_counter() - t0
+            self.counters["ray_sync_bytes"] += float(sum(np.asarray(x).nbytes
+                                                         for x in jax.tree.leaves(host)))
+        return self.refs[version]
+
+    def _chain_at(self, v: int) -> tuple[np.ndarray, int]:
+        """(rng_v, position_v), extending the chain from the last known link."""
+        last = max(self.chain)
+        while last < v:
+            rng, pos = self.chain[last]
+            _, key = rollout_seed(jnp.asarray(rng))
+            self.chain[last + 1] = (np.asarray(key, np.uint32), pos + self.prompts_per_step)
+            last += 1
+        return self.chain[v]
+
+    def _submit(self, run: Any, v: int) -> None:
+        bv = max(v - self.k, 0)
+        rng, pos = self._chain_at(v)
+        request = (bv, rng, pos)
+        worker = v % len(self.workers)
+        fut = self.workers[worker].sample.remote(self._params_ref(run, bv), bv, rng, pos)
+        self.inflight[v] = (worker, fut, request)
+
+    def _fill(self, run: Any, v: int) -> None:
+        """Submit requests v, v + 1, ... while their params exist (b(w) <= v, the learner's
+        version) and fewer than N are in flight."""
+        w = max(self.inflight) + 1 if self.inflight else v
+        while len(self.inflight) < len(self.workers) and max(w - self.k, 0) <= v:
+            self._submit(run, w)
+            w += 1
+
+    def _result(self, run: Any, v: int) -> tuple:
+        """Request v's answer, sent again to a restarted worker if its worker died."""
+        ray = self.ray
+        while True:
+            worker, fut, request = self.inflight[v]
+            try:
+                return ray.get(fut)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                self.counters["ray_worker_restarts"] += 1
+                log.warning("rollout worker %d died during the request of version %d (%s); "
+                            "sent again to its restarted process", worker, v,
+                            type(e).__name__)
+                bv, rng, pos = request
+                fut = self.workers[worker].sample.remote(self._params_ref(run, bv), bv, rng, pos)
+                self.inflight[v] = (worker, fut, request)
+
+    # -------------------------------------------------------------- the step
+    def take(self, run: Any, step: int) -> Taken:
+        """Request v's groups (submitted earlier when its params existed), into the buffer,
+        a batch out; the next requests submitted before returning (module doc)."""
+        v = int(run.state.version)
+        self._fill(run, v)
+        with run.prof.phase("wait_s"):
+            groups, rng, pos, stats, seconds = self._result(run, v)
+        del self.inflight[v]
+        want = self._chain_at(v + 1)
+        if not (np.array_equal(rng, want[0]) and pos == want[1]):
+            raise RuntimeError(f"rollout worker answered version {v} with rng / position "
+                               f"{rng.tolist()} / {pos}, expected {want[0].tolist()} / "
+                               f"{want[1]}: the sampling consumed other draws than one "
+                               "batch's (dynamic sampling is not supported with Ray workers)")
+        self._fill(run, v)  # the workers go on while the learner trains
+        got = self.buffered(run, groups, v)
+        if got is None:
+            raise RuntimeError(f"step {step + 1}: the buffer dropped every group as older than "
+                               f"max_staleness={self.k} versions ({self.buffer.stats()})")
+        self.last_lag = v - max(v - self.k, 0)
+        stats = dict(stats, ray_sample_s=seconds)
+        state = run.state.replace(rng=jax.device_put(rng, run.state.rng.sharding))
+        return Taken(got.groups, state, pos, stats, got.token_weights)
+
+    def after_update(self, run: Any, step: int) -> None:
+        super().after_update(run, step)
+        v = int(run.state.version)
+        for old in [u for u in self.refs if u < max(v - self.k, 0)]:
+            del self.refs[old]  # released: no request needs it any more
+        for old in [u for u in self.chain if u < v]:
+            del self.chain[old]
+        self._fill(run, v)
+
+    def record_fields(self, run: Any, step: int) -> dict:
+        return {**super().record_fields(run, step), **self.counters,
+                "ray_workers": float(len(self.workers)), "ray_request_lag": float(self.last_lag)}
+
+    def checkpoint(self, run: Any, step: int, state: Any) -> tuple[Any, dict]:
+        state, meta = super().checkpoint(run, step, state)
+        meta["async"]["ray_workers"] = len(self.workers)
+        return state, meta
+
+    def close(self, run: Any) -> None:
+        super().close(run)
+        for w in self.workers:
+            try:
+                self.ray.kill(w)
+            except Exception:  # already gone
+                pass
+        self.workers, self.refs, self.inflight = [], {}, collections.OrderedDict()
