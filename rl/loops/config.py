@@ -239,8 +239,9 @@ class AsyncConfig:
     several, 0 when there is one: rollout and training share it). join_timeout_s: how long
     shutdown waits for the producer thread. backend "local" (the sampler in this process)
     | "ray" (mode="deterministic", rollout="static": the sampling done by
-    `rollout_workers` Ray actors, each worker_cpus CPUs, on the cluster at ray_address, or
-    a local one started when it is ""; rl.loops.ray_workers)."""
+    `rollout_workers` Ray actors, each asking Ray for worker_cpus CPUs and worker_gpus GPUs
+    (Ray then sets the actor's CUDA_VISIBLE_DEVICES), on the cluster at ray_address, or a
+    local one started when it is ""; rl.loops.ray_workers)."""
 
     max_staleness: int = 1
     mode: str = "threaded"
@@ -259,6 +260,7 @@ class AsyncConfig:
     rollout_workers: int = 1
     ray_address: str = ""
     worker_cpus: float = 1.0
+    worker_gpus: float = 0.0
 
     def __post_init__(self):
         k = self.max_staleness
@@ -306,10 +308,10 @@ class AsyncConfig:
         n = self.rollout_workers
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"AsyncConfig.rollout_workers must be an int >= 1, got {n!r}")
-        if isinstance(self.worker_cpus, bool) or not isinstance(self.worker_cpus, (int, float)) \
-                or self.worker_cpus < 0:
-            raise ValueError(f"AsyncConfig.worker_cpus must be a number >= 0, got "
-                             f"{self.worker_cpus!r}")
+        for name in ("worker_cpus", "worker_gpus"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0:
+                raise ValueError(f"AsyncConfig.{name} must be a number >= 0, got {x!r}")
         if self.backend != "ray":
             if n != 1 or self.ray_address:
                 raise ValueError("AsyncConfig.rollout_workers / ray_address are for "

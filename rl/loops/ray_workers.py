@@ -127,7 +127,7 @@ class RaySource(DeterministicSource):
             ray.init(address=self.acfg.ray_address or None, include_dashboard=False,
                      log_to_driver=False, configure_logging=False)
         actor = ray.remote(max_restarts=-1, max_task_retries=0)(RolloutWorker)
-        opts = {"num_cpus": self.acfg.worker_cpus}
+        opts = {"num_cpus": self.acfg.worker_cpus, "num_gpus": self.acfg.worker_gpus}
         self.workers = [actor.options(name=worker_name(run.config.output_dir, i), **opts)
                         .remote(run.spec, run.train, run.loop)
                         for i in range(self.acfg.rollout_workers)]
