@@ -241,7 +241,9 @@ class AsyncConfig:
     | "ray" (mode="deterministic", rollout="static": the sampling done by
     `rollout_workers` Ray actors, each asking Ray for worker_cpus CPUs and worker_gpus GPUs
     (Ray then sets the actor's CUDA_VISIBLE_DEVICES), on the cluster at ray_address, or a
-    local one started when it is ""; rl.loops.ray_workers)."""
+    local one started when it is ""; rl.loops.ray_workers); worker_affinity: CPU cores a
+    worker process pins itself to (os.sched_setaffinity; () = as started), e.g. the learner
+    under `taskset -c 0` and the worker on core 1 of a 2-core machine."""
 
     max_staleness: int = 1
     mode: str = "threaded"
@@ -261,6 +263,7 @@ class AsyncConfig:
     ray_address: str = ""
     worker_cpus: float = 1.0
     worker_gpus: float = 0.0
+    worker_affinity: tuple[int, ...] = ()
 
     def __post_init__(self):
         k = self.max_staleness
@@ -312,6 +315,11 @@ class AsyncConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0:
                 raise ValueError(f"AsyncConfig.{name} must be a number >= 0, got {x!r}")
+        object.__setattr__(self, "worker_affinity", tuple(self.worker_affinity))
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                   for c in self.worker_affinity):
+            raise ValueError(f"AsyncConfig.worker_affinity must be CPU core ids (ints >= 0), "
+                             f"got {self.worker_affinity!r}")
         if self.backend != "ray":
             if n != 1 or self.ray_address:
                 raise ValueError("AsyncConfig.rollout_workers / ray_address are for "

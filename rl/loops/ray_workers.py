@@ -82,7 +82,10 @@ class RolloutWorker:
     source's sampling of one step's groups, in its own process. spec / train / loop: the
     run's RolloutSpec, TrainConfig and LoopConfig (the uniform prompt stream)."""
 
-    def __init__(self, spec: Any, train: Any, loop: Any):
+    def __init__(self, spec: Any, train: Any, loop: Any, affinity: tuple[int, ...] = ()):
+        if affinity:  # before JAX starts its thread pool in this process
+            import os
+            os.sched_setaffinity(0, set(affinity))
         self.sampler = StreamSampler(spec=spec, config=train, loop=loop)
 
     def sample(self, params: Any, version: int, rng: np.ndarray, position: int
@@ -129,7 +132,7 @@ class RaySource(DeterministicSource):
         actor = ray.remote(max_restarts=-1, max_task_retries=0)(RolloutWorker)
         opts = {"num_cpus": self.acfg.worker_cpus, "num_gpus": self.acfg.worker_gpus}
         self.workers = [actor.options(name=worker_name(run.config.output_dir, i), **opts)
-                        .remote(run.spec, run.train, run.loop)
+                        .remote(run.spec, run.train, run.loop, self.acfg.worker_affinity)
                         for i in range(self.acfg.rollout_workers)]
         v = int(run.state.version)
         self.chain = {v: (np.asarray(jax.device_get(run.state.rng), np.uint32),

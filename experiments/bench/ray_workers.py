@@ -1,0 +1,151 @@
+"""Ray rollout workers against the synchronous loop on one machine, side by side.
+
+    python -m experiments.bench.ray_workers [--configs rollout_heavy default] [--reps 2]
+        [--steps 12] [--eta 1]
+
+Sides, each a fresh `experiments.train --preset tiny-synthetic` process:
+
+  sync   the synchronous loop on every core of the machine
+  ray    the learner pinned to core 0 (`taskset -c 0`), one Ray rollout worker pinned to
+         core 1 (async.worker_affinity), the deterministic schedule at max staleness --eta
+         (--async-backend ray): the worker samples step v + 1 while the learner trains v
+
+Configs: "rollout_heavy" (reverse 32 symbols of an alphabet of 8: 32-token responses,
+decoding dominates the step) and "default" (the preset's reverse-4 task). The first
+`--skip` steps compile and are left out; steps/hour = 3600 / mean step_s of the others.
+The sides alternate (sync, ray, sync, ray, ... with the order flipped every rep) so load
+from other processes hits both alike; the median rep is reported with each rep beside it.
+Also: each side's phase shares (the record's *_s over step_s), the Ray side's version lag
+and weight-sync bytes and seconds per step. Writes experiments/results/bench_ray_workers.json
+(headline: ray / sync steps/hour on rollout_heavy, target 1.2) and bench_ray_workers.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from experiments.common.benchmarking import load_average, machine, results_path, write_results
+from experiments.common.seeds import read_metrics
+
+RESULT = results_path(__file__)
+CONFIGS = {
+    "rollout_heavy": ["--task-option", "length=32", "--task-option", "alphabet=8"],
+    "default": [],
+}
+PHASES = ("rollout_s", "wait_s", "train_s", "learner_s", "transfer_s", "host_s")
+
+
+def side_command(side: str, config: str, run_dir: Path, args) -> list[str]:
+    base = [sys.executable, "-m", "experiments.train", "--preset", "tiny-synthetic",
+            "--run-dir", str(run_dir), "--steps", str(args.steps), "--eval-every", "0",
+            "--set", "loop.save_every=0", "--no-progress", "--wandb", "disabled",
+            *CONFIGS[config]]
+    if side == "sync":
+        return base
+    return ["taskset", "-c", "0", *base, "--max-staleness", str(args.eta),
+            "--async-mode", "deterministic", "--async-backend", "ray",
+            "--set", "async.worker_affinity=[1]"]
+
+
+def run_side(side: str, config: str, args) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"ray_bench_{side}_"))
+    try:
+        subprocess.run(side_command(side, config, run_dir, args), check=True,
+                       stdout=subprocess.DEVNULL)
+        train, _ = read_metrics(run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    timed = train[args.skip:]
+    step_s = statistics.fmean(r["step_s"] for r in timed)
+    out = {"side": side, "config": config, "steps_per_hour": 3600.0 / step_s,
+           "step_s": step_s, "reward_last": train[-1].get("reward_mean"),
+           "shares": {p: statistics.fmean(r.get(p, 0.0) for r in timed) / step_s
+                      for p in PHASES}}
+    if side == "ray":
+        last = train[-1]
+        n = len(train)
+        out.update(version_lag=last.get("version_lag_mean"),
+                   sync_bytes_per_step=last["ray_sync_bytes"] / n,
+                   sync_s_per_step=last["ray_sync_s"] / n,
+                   worker_restarts=last["ray_worker_restarts"])
+    return out
+
+
+def measure(args) -> dict:
+    reps = []
+    for config in args.configs:
+        for rep in range(args.reps):
+            order = ("sync", "ray") if rep % 2 == 0 else ("ray", "sync")
+            for side in order:
+                r = run_side(side, config, args)
+                r["rep"], r["load_before"] = rep, load_average()
+                reps.append(r)
+                print(f"{config} {side} rep {rep}: {r['steps_per_hour']:.0f} steps/h", flush=True)
+    summary = {}
+    for config in args.configs:
+        med = {}
+        for side in ("sync", "ray"):
+            runs = sorted((r for r in reps if r["config"] == config and r["side"] == side),
+                          key=lambda r: r["steps_per_hour"])
+            med[side] = runs[len(runs) // 2]
+        summary[config] = {"median": med,
+                           "ratio": med["ray"]["steps_per_hour"] / med["sync"]["steps_per_hour"]}
+    return {"reps": reps, "summary": summary}
+
+
+def plot(result: dict, path: Path) -> None:
+    from experiments.common.plots import plt, save_png
+
+    configs = list(result["summary"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, config in enumerate(configs):
+        for j, side in enumerate(("sync", "ray")):
+            vals = [r["steps_per_hour"] for r in result["reps"]
+                    if r["config"] == config and r["side"] == side]
+            ax.bar(i * 3 + j, statistics.median(vals), color=("gray", "tab:green")[j],
+                   label=side if i == 0 else None)
+            ax.plot([i * 3 + j] * len(vals), vals, "k.")
+    ax.set_xticks([i * 3 + 0.5 for i in range(len(configs))], configs)
+    ax.set_ylabel("steps / hour")
+    ax.set_title("sync on 2 cores vs learner + 1 Ray worker, a core each")
+    ax.legend()
+    save_png(fig, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench.ray_workers",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--skip", type=int, default=2)
+    p.add_argument("--eta", type=int, default=1)
+    p.add_argument("--out", type=Path, default=RESULT)
+    args = p.parse_args(argv)
+    if args.steps <= args.skip:
+        raise SystemExit(f"--steps {args.steps} must exceed --skip {args.skip} (the compile steps)")
+    res = measure(args)
+    head_config = "rollout_heavy" if "rollout_heavy" in res["summary"] else args.configs[0]
+    result = {"headline": {"metric": f"steps/hour, learner + 1 Ray rollout worker (a core "
+                                     f"each, η={args.eta}) / the synchronous loop on both "
+                                     f"cores, tiny-synthetic {head_config}",
+                           "value": round(res["summary"][head_config]["ratio"], 3),
+                           "target": 1.2, "machine": machine()},
+              **res, "config": {k: v for k, v in vars(args).items() if k != "out"},
+              "command": "python -m experiments.bench.ray_workers " + " ".join(sys.argv[1:])}
+    write_results(args.out, result)
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps(result["headline"], indent=1))
+    for config, s in res["summary"].items():
+        print(f"{config}: ray / sync = {s['ratio']:.2f}x")
+    return result
+
+
+if __name__ == "__main__":
+    main()
