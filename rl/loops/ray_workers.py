@@ -137,6 +137,7 @@ class RaySource(DeterministicSource):
         v = int(run.state.version)
         self.chain = {v: (np.asarray(jax.device_get(run.state.rng), np.uint32),
                           int(run.data_position))}
+        self.next_request = v
 
     # -------------------------------------------------------------- requests
     def _params_ref(self, run: Any, version: int) -> Any:
@@ -171,12 +172,12 @@ class RaySource(DeterministicSource):
     def _fill(self, run: Any, v: int) -> None:
         """Submit requests v, v + 1, ... while their params exist (b(w) <= v, the learner's
         version) and fewer than N are in flight."""
-        w = max(self.inflight) + 1 if self.inflight else v
-        while len(self.inflight) < len(self.workers) and max(w - self.k, 0) <= v:
-            self._submit(run, w)
-            w += 1
+        while len(self.inflight) < len(self.workers) and \
+                max(self.next_request - self.k, 0) <= v:
+            self._submit(run, self.next_request)
+            self.next_request += 1
 
-    def _result(self, run: Any, v: int) -> tuple:
+    def answer(self, run: Any, v: int) -> tuple:
         """Request v's answer, sent again to a restarted worker if its worker died."""
         ray = self.ray
         while True:
@@ -199,7 +200,7 @@ class RaySource(DeterministicSource):
         v = int(run.state.version)
         self._fill(run, v)
         with run.prof.phase("wait_s"):
-            groups, rng, pos, stats, seconds = self._result(run, v)
+            groups, rng, pos, stats, seconds = self.answer(run, v)
         del self.inflight[v]
         want = self._chain_at(v + 1)
         if not (np.array_equal(rng, want[0]) and pos == want[1]):

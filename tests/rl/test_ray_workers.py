@@ -57,24 +57,60 @@ def test_ray_workers_equal_the_in_process_run(policy, tmp_path, local_ray, eta, 
 
 
 def test_a_killed_worker_is_restarted_and_the_run_is_unchanged(policy, tmp_path, local_ray):
+    """The worker is killed after step 2 (ray.kill, restart allowed): Ray restarts it, the
+    later requests go to the new process (its pid differs), and the run is still the
+    in-process one bit for bit."""
     config, params, task = policy
     loop = dataclasses.replace(LOOP, steps=4)
     local = AsyncConfig(max_staleness=1, mode="deterministic")
     remote = dataclasses.replace(local, backend="ray")
     ref = run_async(config, params, task, cfg(tmp_path / "local", loop, asynchronous=local))
-    killed = []
+    pids = []
 
     def kill_once(rec):
-        if rec["step"] == 2 and not killed:  # the request of step 3 is in flight now
-            worker = ray.get_actor(worker_name(tmp_path / "ray", 0))
-            killed.append(ray.get(worker.pid.remote()))
+        worker = ray.get_actor(worker_name(tmp_path / "ray", 0))
+        pids.append(ray.get(worker.pid.remote()))
+        if rec["step"] == 2:
             ray.kill(worker, no_restart=False)
 
     got = run_async(config, params, task, cfg(tmp_path / "ray", loop, asynchronous=remote),
                     hooks=RunHooks(on_step=kill_once))
-    assert killed
     assert_same_run(ref, got)
-    assert got.train[-1]["ray_worker_restarts"] >= 1
+    assert pids[0] == pids[1] != pids[2]  # a new process after the kill
+
+
+def test_a_request_whose_worker_died_is_sent_again(policy, local_ray):
+    """RaySource.answer on a request whose future failed because its worker process
+    exited: the request goes again to the restarted worker and its answer is what the
+    in-process sampling gives for the same inputs."""
+    import os
+    import types
+
+    from rl.loops import StreamSampler, rollout_spec, sample_batch_groups
+    from rl.loops.ray_workers import RaySource, RolloutWorker
+    from rl.learner import init_train_state
+    config, params, task = policy
+    run_cfg = cfg("unused", LOOP)
+    spec = rollout_spec(config, task, run_cfg)
+    actor = ray.remote(max_restarts=-1, max_task_retries=0)(RolloutWorker).remote(
+        spec, run_cfg.train, LOOP)
+    state = init_train_state(params, run_cfg.train, 7)
+    rng = np.asarray(state.rng)
+    src = RaySource.__new__(RaySource)
+    src.ray, src.workers, src.k = ray, [actor], 0
+    src.counters = {"ray_worker_restarts": 0}
+    src.refs = {0: ray.put(jax.device_get(params))}
+    dead = actor.__ray_call__.remote(lambda self: os._exit(1))
+    src.inflight = {0: (0, dead, (0, rng, 5))}
+    groups, rng_after, pos, _, _ = src.answer(types.SimpleNamespace(), 0)
+    assert src.counters["ray_worker_restarts"] == 1
+    want, want_state, want_pos, _ = sample_batch_groups(
+        state, 5, StreamSampler(spec=spec, config=run_cfg.train, loop=LOOP))
+    assert pos == want_pos and np.array_equal(rng_after, np.asarray(want_state.rng))
+    for g, w in zip(groups, want):
+        np.testing.assert_array_equal(np.asarray(g.traj.response_ids),
+                                      np.asarray(w.traj.response_ids))
+    ray.kill(actor)
 
 
 @pytest.mark.parametrize("sets, match", [
