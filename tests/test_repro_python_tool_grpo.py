@@ -20,7 +20,8 @@ def test_train_command_trains_the_python_env(tmp_path):
     assert cfg.task.spec == "env:python" and cfg.loop.eval_every == 8
     options = dict(cfg.task.options)
     assert options["dataset"] == "basic_arithmetic"
-    assert options["max_prompt_len"] == 512 and cfg.loop.eval_prompts == 128
+    assert options["max_prompt_len"] == 256 and options["max_episode_tokens"] == 640
+    assert cfg.loop.eval_prompts == 128
     assert cfg.model.name == "smollm2-135m" and cfg.loop.eval_greedy
     cfg.validate()
 

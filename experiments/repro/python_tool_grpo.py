@@ -8,8 +8,9 @@ and after training, over seeds, paired.
 
 Each seed is one `experiments.train --preset smollm2-calc --env python` run in its own
 process (the calculator preset's learner: GRPO, PPO-clip 0.2 / 0.28, AdamW 2e-5, 4 prompts
-x 8 episodes a step; the environment's own turn budgets, its prompt budget raised to 512
-tokens as in `experiments.repro.python_tool_base`), with a greedy eval of the same
+x 8 episodes a step; the environment's turn budgets, 256 prompt tokens (its prompts take
+at most 201) and 640 episode tokens (the learner's rows stay under 900 tokens; the base
+model's episodes average 40), with a greedy eval of the same
 `--eval-prompts` eval-split problems at step 0 and at the last step, per problem saved
 (and the preset's sampled pass on 16 of them). A
 run whose dir holds summary.json is skipped; an unfinished one resumes from its checkpoint.
@@ -49,7 +50,7 @@ def train_command(seed: int, run_dir: Path, args) -> list[str]:
     """The experiments.train command line of one seed's run."""
     return [sys.executable, "-m", "experiments.train", "--preset", "smollm2-calc",
             "--env", "python", "--env-option", f"dataset={args.dataset}",
-            "--env-option", "max_prompt_len=512",
+            "--env-option", "max_prompt_len=256", "--env-option", "max_episode_tokens=640",
             "--run-dir", str(run_dir), "--seed", str(seed), "--steps", str(args.steps),
             "--eval-every", str(args.steps), "--eval-prompts", str(args.eval_prompts),
             "--set", "loop.save_every=2",
