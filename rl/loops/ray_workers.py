@@ -177,21 +177,27 @@ class RaySource(DeterministicSource):
             self._submit(run, self.next_request)
             self.next_request += 1
 
-    def answer(self, run: Any, v: int) -> tuple:
-        """Request v's answer, sent again to a restarted worker if its worker died."""
+    def answer(self, run: Any, v: int, retries: int = 5) -> tuple:
+        """Request v's answer; sent again (after 0.5, 1, 2, ... s) when its worker died or
+        was restarting, at most `retries` times, then a RuntimeError."""
         ray = self.ray
-        while True:
+        for attempt in range(retries + 1):
             worker, fut, request = self.inflight[v]
             try:
                 return ray.get(fut)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                if attempt == retries:
+                    raise RuntimeError(f"rollout worker {worker} failed the request of version "
+                                       f"{v} {retries + 1} times ({type(e).__name__}: {e}); "
+                                       "see the Ray logs (/tmp/ray/session_latest/logs)") from e
                 self.counters["ray_worker_restarts"] += 1
                 log.warning("rollout worker %d died during the request of version %d (%s); "
-                            "sent again to its restarted process", worker, v,
-                            type(e).__name__)
+                            "sending it again", worker, v, type(e).__name__)
+                time.sleep(0.5 * 2 ** attempt)
                 bv, rng, pos = request
                 fut = self.workers[worker].sample.remote(self._params_ref(run, bv), bv, rng, pos)
                 self.inflight[v] = (worker, fut, request)
+        raise AssertionError("unreachable")
 
     # -------------------------------------------------------------- the step
     def take(self, run: Any, step: int) -> Taken:

@@ -69,22 +69,28 @@ def invariant(c):
                                                + c["in_engine"] + c["in_hand"])
 
 
-def test_rounds_return_b_groups_and_carry_the_rest_unchanged(params, reference):
-    ro = april()
-    got, versions, carried_any = {}, [], False
+@pytest.fixture(scope="module")
+def rounds(params):
+    """One EpisodeAprilRollout run to the end of the six prompts, round r at version r:
+    [(trajectory, records, version, counts, last_round)] (shared by the tests below)."""
+    ro, out = april(), []
     for version in range(10):
         try:
             traj, records = ro.collect(params, version, B)
         except ValueError as e:  # the six prompts are used up
             assert "exhausted" in str(e)
             break
-        c = ro.counts
+        out.append((traj, records, version, ro.counts, dict(ro.last_round)))
+    return out
+
+
+def test_rounds_return_b_groups_and_carry_the_rest_unchanged(rounds, reference):
+    got = {}
+    for traj, records, _, c, last in rounds:
         assert traj.batch_size == len(records) <= B * N and invariant(c)
         assert c["submitted"] <= len(prompts())
-        carried_any |= ro.last_round["carried"] > 0
         got.update(rows_of(traj))
-        versions.append(np.asarray(traj.versions)[np.asarray(traj.response_mask)])
-    assert carried_any  # the rounds cut episodes: some were carried over
+    assert any(last["carried"] > 0 for *_, last in rounds)  # the rounds cut episodes
     assert sorted(got) == sorted(reference)  # every group exactly once, none lost
     for key, row in got.items():
         # same params in every round: a carried episode goes on as if never cut, so its
@@ -92,14 +98,9 @@ def test_rounds_return_b_groups_and_carry_the_rest_unchanged(params, reference):
         assert_rows_equal(row[:5], reference[key][:5])
 
 
-def test_carried_episodes_keep_each_tokens_version(params):
-    ro = april()
+def test_carried_episodes_keep_each_tokens_version(rounds):
     spans = []
-    for version in range(10):
-        try:
-            traj, _ = ro.collect(params, version, B)
-        except ValueError:
-            break
+    for traj, _, version, _, _ in rounds:
         for i in range(traj.batch_size):
             _, r, _, env, _, ver = row_arrays(traj, i)
             assert np.all(np.diff(ver) >= 0) and ver.max() <= version
@@ -108,19 +109,12 @@ def test_carried_episodes_keep_each_tokens_version(params):
                 assert t > 0 and ver[t] == ver[t - 1]
             spans.append(ver.max() - ver.min())
     assert max(spans) >= 1  # some episode spans rounds, i.e. weight versions
-    assert ro.counts["resumed"] > 0
+    assert rounds[-1][3]["resumed"] > 0
 
 
-def test_log_probs_of_episodes_across_rounds_match_a_forward(params):
-    ro = april()
-    rows = []
-    for version in range(10):
-        try:
-            traj, records = ro.collect(params, version, B)
-        except ValueError:
-            break
-        rows += [(traj, i, records[i]) for i in range(traj.batch_size)]
-    check_against_forward(params, rows)
+def test_log_probs_of_episodes_across_rounds_match_a_forward(params, rounds):
+    check_against_forward(params, [(traj, i, records[i]) for traj, records, *_ in rounds
+                                   for i in range(traj.batch_size)])
 
 
 def test_a_restore_restarts_the_carried_groups_first(params):

@@ -39,15 +39,32 @@ def assert_same_run(a, b):
     assert a.data_position == b.data_position
 
 
+LOOP4 = dataclasses.replace(LOOP, steps=4)
+
+
+@pytest.fixture(scope="module")
+def in_process(policy, tmp_path_factory):
+    """in_process(η) -> the in-process deterministic run of LOOP4 (each η run once)."""
+    done = {}
+
+    def get(eta):
+        if eta not in done:
+            config, params, task = policy
+            acfg = AsyncConfig(max_staleness=eta, mode="deterministic")
+            done[eta] = run_async(config, params, task, cfg(
+                tmp_path_factory.mktemp(f"local{eta}"), LOOP4, asynchronous=acfg))
+        return done[eta]
+    return get
+
+
 @pytest.mark.parametrize("eta, workers", [(0, 1), (2, 1), (2, 2)])
-def test_ray_workers_equal_the_in_process_run(policy, tmp_path, local_ray, eta, workers):
+def test_ray_workers_equal_the_in_process_run(policy, in_process, tmp_path, local_ray, eta,
+                                              workers):
     config, params, task = policy
-    loop = dataclasses.replace(LOOP, steps=4)
-    local = AsyncConfig(max_staleness=eta, mode="deterministic")
-    remote = dataclasses.replace(local, backend="ray", rollout_workers=workers)
-    ref = run_async(config, params, task, cfg(tmp_path / "local", loop, asynchronous=local))
-    got = run_async(config, params, task, cfg(tmp_path / "ray", loop, asynchronous=remote))
-    assert_same_run(ref, got)
+    remote = AsyncConfig(max_staleness=eta, mode="deterministic", backend="ray",
+                         rollout_workers=workers)
+    got = run_async(config, params, task, cfg(tmp_path / "ray", LOOP4, asynchronous=remote))
+    assert_same_run(in_process(eta), got)
     last = got.train[-1]
     assert last["ray_workers"] == workers and last["ray_worker_restarts"] == 0
     assert last["ray_request_lag"] == min(eta, 3)
@@ -56,15 +73,13 @@ def test_ray_workers_equal_the_in_process_run(policy, tmp_path, local_ray, eta, 
     assert last["ray_sync_bytes"] == 4 * n_params * (4 - eta if eta < 4 else 1)
 
 
-def test_a_killed_worker_is_restarted_and_the_run_is_unchanged(policy, tmp_path, local_ray):
+def test_a_killed_worker_is_restarted_and_the_run_is_unchanged(policy, in_process, tmp_path,
+                                                               local_ray):
     """The worker is killed after step 2 (ray.kill, restart allowed): Ray restarts it, the
     later requests go to the new process (its pid differs), and the run is still the
     in-process one bit for bit."""
     config, params, task = policy
-    loop = dataclasses.replace(LOOP, steps=4)
-    local = AsyncConfig(max_staleness=1, mode="deterministic")
-    remote = dataclasses.replace(local, backend="ray")
-    ref = run_async(config, params, task, cfg(tmp_path / "local", loop, asynchronous=local))
+    remote = AsyncConfig(max_staleness=2, mode="deterministic", backend="ray")
     pids = []
 
     def kill_once(rec):
@@ -73,9 +88,9 @@ def test_a_killed_worker_is_restarted_and_the_run_is_unchanged(policy, tmp_path,
         if rec["step"] == 2:
             ray.kill(worker, no_restart=False)
 
-    got = run_async(config, params, task, cfg(tmp_path / "ray", loop, asynchronous=remote),
+    got = run_async(config, params, task, cfg(tmp_path / "ray", LOOP4, asynchronous=remote),
                     hooks=RunHooks(on_step=kill_once))
-    assert_same_run(ref, got)
+    assert_same_run(in_process(2), got)
     assert pids[0] == pids[1] != pids[2]  # a new process after the kill
 
 
