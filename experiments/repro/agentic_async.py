@@ -322,10 +322,17 @@ def reading(res: dict) -> str:
                  if Path(r["run_dir"]).name.startswith(f"{arm}_s") and r.get("train_s")]
            for arm in ("async", "sync_concurrent")}
     upd_a, upd_s = (statistics.fmean(upd[a]) for a in ("async", "sync_concurrent"))
-    acc = ("Accuracy holds: the asynchronous loop trains on data up to two versions old and "
-           "ends within the rule's margin of the synchronous loop." if c["reaches_sync_accuracy"]
-           else "Accuracy does not hold: the asynchronous loop ends below the synchronous loop "
-           "by more than the rule's margin.")
+    d = c["accuracy_diff"]
+    finals = ", ".join(f"{x:.3f}" for x in res["arms"]["async"]["final_accuracy"])
+    acc = ((f"By the rule the asynchronous loop reaches the synchronous accuracy: d = "
+            f"{d['value']:+.3f} against a margin of 2 se = {2 * c['accuracy_diff_se']:.3f}. "
+            if c["reaches_sync_accuracy"] else
+            f"By the rule the asynchronous loop does not reach the synchronous accuracy: d = "
+            f"{d['value']:+.3f}, beyond 2 se = {2 * c['accuracy_diff_se']:.3f}. ")
+           + f"The async seeds end at {finals}; the 95 % interval of d is [{d['low']:+.3f}, "
+           f"{d['high']:+.3f}]" + (f", which does not exclude a loss of {-d['low']:.3f} "
+                                   f"with {c['seeds']} seed(s): more seeds would narrow it."
+                                   if d["low"] < 0 else "."))
     slower = (f"the async update runs slower than the synchronous one ({upd_a:.0f} s against "
               f"{upd_s:.0f} s a step)" if upd_a > upd_s else
               f"the async update is no slower ({upd_a:.0f} s against {upd_s:.0f} s a step)")
