@@ -38,6 +38,7 @@
     episodes      environments in the loops: EnvTask, multi-turn sampling, outcome rewards,
                   turn credit, episode metrics
     config        RunConfig: the whole run as one tree of frozen dataclasses; Resume, RunHooks
+    async_config  AsyncConfig: the asynchronous section (η, mode, rollouts, proximal, backend)
     validation    configs that cannot learn or run, the config record every checkpoint
                   carries and the resume check against it
     side_files    the files beside each async checkpoint: the param ring, APRIL's state

@@ -52,7 +52,13 @@ from rl.loops.batches import batch_metrics, build_batch
 from rl.loops.buffer import TrajectoryBuffer
 from rl.loops.producer import AprilSource, offpolicy_prefix_batch
 from rl.loops.rollouts import rollout_seed
-from rl.loops.side_files import load_rollout_state, prune_side_files, save_rollout_state
+from rl.loops.side_files import (
+    iter_snapshots,
+    load_rollout_state,
+    prune_side_files,
+    save_rollout_state,
+    save_snapshots,
+)
 from rl.loops.source import BatchSource, Taken
 from rl.rollout.april import AprilConfig
 from rl.runtime.logging import EXTRA_PHASES, PHASES
@@ -155,6 +161,31 @@ class AsyncSource(BatchSource):
 
     def restore_ring(self, run: Any) -> None:
         """The ring's versions saved beside the checkpoint (deterministic resume only)."""
+
+    def restore_saved_ring(self, run: Any) -> None:
+        """On resume, the ring's versions `save_ring` kept beside the checkpoint (the
+        deterministic schedule's exact resume)."""
+        if not run.resumed:
+            return
+        device = jax.devices()[0] if run.mesh is None else None  # else: onto their mesh
+        for v, p in iter_snapshots(run.config.output_dir, run.ctx.start, run.state.params):
+            self.snaps.put(v, p, copy=False, device=device)  # one at a time
+
+    def save_ring(self, run: Any, step: int, state: Any) -> None:
+        """The versions max(v − η, 0) .. v of the ring beside checkpoint `step`."""
+        v = int(state.version)
+        versions = [u for u in range(max(v - self.k, 0), v + 1) if u in self.snaps]
+        save_snapshots(run.config.output_dir, step, self.snaps, versions)
+
+    def buffered(self, run: Any, groups: list, version: int) -> Any:
+        """Put `groups` into the buffer and take a batch admissible at `version` (or None)."""
+        if not self.buffer.reserve(len(groups)):
+            raise RuntimeError(f"admission refused {len(groups)} groups at version "
+                               f"{version}: {self.buffer.stats()}")
+        with run.prof.phase("host_s"):
+            for g in groups:
+                self.buffer.put(g)
+            return self.buffer.get_batch(run.loop.prompts_per_step, version, timeout=0)
 
     def open_april(self, run: Any) -> AprilSource:
         """The APRIL source: fresh from the data position, or its saved FIFO and base."""

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from rl.loops.asynchronous import AsyncSource
@@ -45,7 +44,6 @@ from rl.loops.batches import (
     sampler_can_abandon,
     sampler_meta,
 )
-from rl.loops.side_files import iter_snapshots, save_snapshots
 from rl.loops.source import Taken
 
 
@@ -64,11 +62,7 @@ class DeterministicSource(AsyncSource):
             self.sampler = open_sampler(run, params)
 
     def restore_ring(self, run: Any) -> None:
-        if not run.resumed:
-            return
-        device = jax.devices()[0] if run.mesh is None else None  # else: onto their mesh
-        for v, p in iter_snapshots(run.config.output_dir, run.ctx.start, run.state.params):
-            self.snaps.put(v, p, copy=False, device=device)  # one at a time
+        self.restore_saved_ring(run)
 
     def take(self, run: Any, step: int) -> Taken:
         """Sample with the ring's params of bv = max(v - η, 0), put the groups into the
@@ -99,16 +93,6 @@ class DeterministicSource(AsyncSource):
                     "stale_policy='downweight' or a larger max_staleness")
         return Taken(got.groups, st, pos, stats, got.token_weights)
 
-    def buffered(self, run: Any, groups: list, version: int) -> Any:
-        """Put `groups` into the buffer and take a batch admissible at `version` (or None)."""
-        if not self.buffer.reserve(len(groups)):
-            raise RuntimeError(f"admission refused {len(groups)} groups at version "
-                               f"{version}: {self.buffer.stats()}")
-        with run.prof.phase("host_s"):
-            for g in groups:
-                self.buffer.put(g)
-            return self.buffer.get_batch(run.loop.prompts_per_step, version, timeout=0)
-
     def close(self, run: Any) -> None:
         super().close(run)
         if self.april is not None:
@@ -116,9 +100,7 @@ class DeterministicSource(AsyncSource):
 
     def checkpoint(self, run: Any, step: int, state: Any) -> tuple[Any, dict]:
         state, meta = super().checkpoint(run, step, state)
-        v = int(state.version)
-        versions = [u for u in range(max(v - self.k, 0), v + 1) if u in self.snaps]
-        save_snapshots(run.config.output_dir, step, self.snaps, versions)
+        self.save_ring(run, step, state)
         if self.sampler is not None:
             meta.update(sampler_meta(run, self.sampler))
         return state, meta

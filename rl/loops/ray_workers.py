@@ -43,6 +43,7 @@ state lives with the sampler); `RunConfig.validate` refuses them with the reason
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -53,8 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl.learner.batch import TrainState
+from rl.loops.asynchronous import AsyncSource
 from rl.loops.batches import StreamSampler, sample_batch_groups
-from rl.loops.deterministic import DeterministicSource
 from rl.loops.rollouts import rollout_seed
 from rl.loops.source import Taken
 from rl.runtime.distributed import process_local
@@ -96,7 +97,9 @@ class RolloutWorker:
         state = TrainState(params=params, opt_state=None, step=np.zeros((), np.int32),
                            version=np.asarray(version, np.int32), rng=np.asarray(rng, np.uint32))
         groups, state, pos, stats = sample_batch_groups(state, int(position), self.sampler)
-        groups = jax.tree.map(np.asarray, groups)
+        groups = [dataclasses.replace(g, traj=jax.tree.map(np.asarray, g.traj),
+                                      rewards={k: np.asarray(x) for k, x in g.rewards.items()})
+                  for g in groups]
         return groups, np.asarray(state.rng), int(pos), stats, time.perf_counter() - t0
 
     def pid(self) -> int:
@@ -104,12 +107,14 @@ class RolloutWorker:
         return os.getpid()
 
 
-class RaySource(DeterministicSource):
-    """The deterministic schedule, sampled by Ray rollout workers (module doc)."""
+class RaySource(AsyncSource):
+    """The deterministic schedule, sampled by Ray rollout workers (module doc); beside
+    rl.loops.deterministic's source: the same ring, buffer and side files."""
+
+    can_abandon = False  # a request in flight finishes on its worker
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self.can_abandon = False  # a request in flight finishes on its worker
         self.label = f"async η={self.k}, {self.acfg.rollout_workers} ray worker(s)"
         self.ray = None
         self.workers: list = []
@@ -124,7 +129,6 @@ class RaySource(DeterministicSource):
     # -------------------------------------------------------------- setup
     def open(self, run: Any, params: Any) -> None:
         super().open(run, params)
-        self.sampler = None  # the workers sample
         ray = self.ray = import_ray()
         if not ray.is_initialized():
             ray.init(address=self.acfg.ray_address or None, include_dashboard=False,
@@ -138,6 +142,8 @@ class RaySource(DeterministicSource):
         self.chain = {v: (np.asarray(jax.device_get(run.state.rng), np.uint32),
                           int(run.data_position))}
         self.next_request = v
+        # the version the last step trains at is loop.steps - 1 (one version per update)
+        self.last = v + run.loop.steps - run.ctx.start
 
     # -------------------------------------------------------------- requests
     def _params_ref(self, run: Any, version: int) -> Any:
@@ -171,8 +177,8 @@ class RaySource(DeterministicSource):
 
     def _fill(self, run: Any, v: int) -> None:
         """Submit requests v, v + 1, ... while their params exist (b(w) <= v, the learner's
-        version) and fewer than N are in flight."""
-        while len(self.inflight) < len(self.workers) and \
+        version), fewer than N are in flight and a step will train on them."""
+        while len(self.inflight) < len(self.workers) and self.next_request < self.last and \
                 max(self.next_request - self.k, 0) <= v:
             self._submit(run, self.next_request)
             self.next_request += 1
@@ -237,8 +243,12 @@ class RaySource(DeterministicSource):
         return {**super().record_fields(run, step), **self.counters,
                 "ray_workers": float(len(self.workers)), "ray_request_lag": float(self.last_lag)}
 
+    def restore_ring(self, run: Any) -> None:
+        self.restore_saved_ring(run)
+
     def checkpoint(self, run: Any, step: int, state: Any) -> tuple[Any, dict]:
         state, meta = super().checkpoint(run, step, state)
+        self.save_ring(run, step, state)
         meta["async"]["ray_workers"] = len(self.workers)
         return state, meta
 

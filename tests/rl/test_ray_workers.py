@@ -6,6 +6,7 @@ restarted and its request sent again, and the run is still the same run; the ref
 The reference is the in-process DeterministicSource on the same config (tests/rl/
 test_async_loop.py checks that one against the synchronous loop)."""
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -82,9 +83,17 @@ def test_a_killed_worker_is_restarted_and_the_run_is_unchanged(policy, in_proces
     remote = AsyncConfig(max_staleness=2, mode="deterministic", backend="ray")
     pids = []
 
+    def pid_of(worker):
+        for _ in range(100):  # while Ray restarts it
+            try:
+                return ray.get(worker.pid.remote())
+            except ray.exceptions.ActorUnavailableError:
+                time.sleep(0.1)
+        raise AssertionError("the worker did not come back")
+
     def kill_once(rec):
         worker = ray.get_actor(worker_name(tmp_path / "ray", 0))
-        pids.append(ray.get(worker.pid.remote()))
+        pids.append(pid_of(worker))
         if rec["step"] == 2:
             ray.kill(worker, no_restart=False)
 
@@ -118,7 +127,7 @@ def test_a_request_whose_worker_died_is_sent_again(policy, local_ray):
     dead = actor.__ray_call__.remote(lambda self: os._exit(1))
     src.inflight = {0: (0, dead, (0, rng, 5))}
     groups, rng_after, pos, _, _ = src.answer(types.SimpleNamespace(), 0)
-    assert src.counters["ray_worker_restarts"] == 1
+    assert src.counters["ray_worker_restarts"] >= 1  # (and once per retry while it restarts)
     want, want_state, want_pos, _ = sample_batch_groups(
         state, 5, StreamSampler(spec=spec, config=run_cfg.train, loop=LOOP))
     assert pos == want_pos and np.array_equal(rng_after, np.asarray(want_state.rng))
