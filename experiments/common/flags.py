@@ -79,7 +79,7 @@ ASYNC_FLAGS = {
     "stale_weight": "stale_weight", "proximal": "proximal", "ewma_beta": "ewma_beta",
     "rollout_devices": "rollout_devices", "async_backend": "backend",
     "rollout_workers": "rollout_workers", "ray_address": "ray_address",
-    "worker_cpus": "worker_cpus", "worker_gpus": "worker_gpus",
+    "worker_cpus": "worker_cpus", "worker_gpus": "worker_gpus", "sync_dtype": "sync_dtype",
 }
 SCHEDULER_FLAGS = {"prompt_scheduler": "name", "scheduler_pool": "pool_size",
                    "dars_budget": "dars_budget", "dars_schedule": "dars_schedule",
@@ -355,6 +355,8 @@ def add_async_flags(p: argparse.ArgumentParser) -> None:
     a.add_argument("--ray-address", help="ray: the cluster to join (default: start a local one)")
     a.add_argument("--worker-cpus", type=float, help="ray: CPUs each worker asks for (default 1)")
     a.add_argument("--worker-gpus", type=float, help="ray: GPUs each worker asks for (default 0)")
+    a.add_argument("--sync-dtype", choices=("bfloat16",),
+                   help="ray: send float32 weights to the workers in bf16 (half the bytes)")
 
 
 # ----------------------------------------------------------------------------- flags -> config

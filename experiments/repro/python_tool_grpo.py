@@ -2,7 +2,7 @@
 (rl.envs.python_tool): greedy accuracy with the tool on the same held-out problems before
 and after training, over seeds, paired.
 
-    python -m experiments.repro.python_tool_grpo run [--seeds 0 1 2] [--steps 8]   # resumable
+    python -m experiments.repro.python_tool_grpo run [--seeds 0 1 2] [--steps 6]   # resumable
     python -m experiments.repro.python_tool_grpo report [--seeds 0 1 2]   # JSON, PNG, docs
     python -m experiments.repro.python_tool_grpo docs     # the page and row from the JSON
 
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None):
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=("run", "report", "docs"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--eval-prompts", type=int, default=128)
     p.add_argument("--dataset", default="basic_arithmetic")
     p.add_argument("--work-dir", default="runs/python_tool_grpo")

@@ -41,7 +41,10 @@ class AsyncConfig:
     (Ray then sets the actor's CUDA_VISIBLE_DEVICES), on the cluster at ray_address, or a
     local one started when it is ""; rl.loops.ray_workers); worker_affinity: CPU cores a
     worker process pins itself to (os.sched_setaffinity; () = as started), e.g. the learner
-    under `taskset -c 0` and the worker on core 1 of a 2-core machine."""
+    under `taskset -c 0` and the worker on core 1 of a 2-core machine; sync_dtype: the
+    dtype float32 params travel to the workers in (None: as they are; "bfloat16": half the
+    bytes, the workers then sample with bf16-rounded weights, a deliberate train/inference
+    mismatch the mismatch_* metrics show)."""
 
     max_staleness: int = 1
     mode: str = "threaded"
@@ -62,6 +65,7 @@ class AsyncConfig:
     worker_cpus: float = 1.0
     worker_gpus: float = 0.0
     worker_affinity: tuple[int, ...] = ()
+    sync_dtype: str | None = None
 
     def __post_init__(self):
         k = self.max_staleness
@@ -118,10 +122,13 @@ class AsyncConfig:
                    for c in self.worker_affinity):
             raise ValueError(f"AsyncConfig.worker_affinity must be CPU core ids (ints >= 0), "
                              f"got {self.worker_affinity!r}")
+        if self.sync_dtype not in (None, "bfloat16"):
+            raise ValueError(f"AsyncConfig.sync_dtype must be None or 'bfloat16', got "
+                             f"{self.sync_dtype!r}")
         if self.backend != "ray":
-            if n != 1 or self.ray_address:
-                raise ValueError("AsyncConfig.rollout_workers / ray_address are for "
-                                 "backend='ray' (--async-backend ray)")
+            if n != 1 or self.ray_address or self.sync_dtype:
+                raise ValueError("AsyncConfig.rollout_workers / ray_address / sync_dtype are "
+                                 "for backend='ray' (--async-backend ray)")
             return
         if self.mode != "deterministic" or self.rollout != "static":
             raise ValueError("AsyncConfig.backend='ray' runs the deterministic schedule with "

@@ -21,8 +21,9 @@ run equals the in-process deterministic run bit for bit on CPU (the same tokens,
 and parameters; tested at η = 0 and 2, with 1 and 2 workers).
 
 Weight sync. Each version a request needs is put once into Ray's object store (host
-arrays; the policy applied first: a LoRA run's merged weights) and the ObjectRef is sent
-with the requests; versions older than b(v) are released. Ray moves an object between
+arrays; the policy applied first: a LoRA run's merged weights; in bf16 with
+AsyncConfig.sync_dtype, then upcast by the worker) and the ObjectRef is sent with the
+requests; versions older than b(v) are released. Ray moves an object between
 processes on one node through shared memory and between nodes by its object manager, so
 there is no faster path to write for host arrays; the bytes and seconds of every put are
 logged (ray_sync_bytes, ray_sync_s) with the workers' version lag (ray_request_lag: v −
@@ -92,8 +93,13 @@ class RolloutWorker:
     def sample(self, params: Any, version: int, rng: np.ndarray, position: int
                ) -> tuple[list, np.ndarray, int, dict, float]:
         """(scored groups as host arrays, rng after, position after, rollout stats,
-        seconds) of one step's sampling with `params` stamped `version`."""
+        seconds) of one step's sampling with `params` = (host params, each leaf's dtype
+        before the transfer) stamped `version`."""
         t0 = time.perf_counter()
+        params, dtypes = params  # the dtypes they had before the transfer
+        leaves, tree = jax.tree.flatten(params)
+        params = jax.tree.unflatten(tree, [x if str(x.dtype) == d else x.astype(d)
+                                           for x, d in zip(leaves, dtypes)])
         state = TrainState(params=params, opt_state=None, step=np.zeros((), np.int32),
                            version=np.asarray(version, np.int32), rng=np.asarray(rng, np.uint32))
         groups, state, pos, stats = sample_batch_groups(state, int(position), self.sampler)
@@ -151,7 +157,11 @@ class RaySource(AsyncSource):
         if version not in self.refs:
             t0 = time.perf_counter()
             host = jax.device_get(process_local(run.ctx.policy(self.snaps[version])))
-            self.refs[version] = self.ray.put(host)
+            dtypes = [str(x.dtype) for x in jax.tree.leaves(host)]
+            if self.acfg.sync_dtype == "bfloat16":  # half the bytes; cast back by the worker
+                host = jax.tree.map(lambda x: x.astype(jnp.bfloat16)
+                                    if x.dtype == np.float32 else x, host)
+            self.refs[version] = self.ray.put((host, dtypes))
             self.counters["ray_sync_s"] += time.perf_counter() - t0
             self.counters["ray_sync_bytes"] += float(sum(np.asarray(x).nbytes
                                                          for x in jax.tree.leaves(host)))

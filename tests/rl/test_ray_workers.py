@@ -123,7 +123,8 @@ def test_a_request_whose_worker_died_is_sent_again(policy, local_ray):
     src = RaySource.__new__(RaySource)
     src.ray, src.workers, src.k = ray, [actor], 0
     src.counters = {"ray_worker_restarts": 0}
-    src.refs = {0: ray.put(jax.device_get(params))}
+    host = jax.device_get(params)
+    src.refs = {0: ray.put((host, [str(x.dtype) for x in jax.tree.leaves(host)]))}
     dead = actor.__ray_call__.remote(lambda self: os._exit(1))
     src.inflight = {0: (0, dead, (0, rng, 5))}
     groups, rng_after, pos, _, _ = src.answer(types.SimpleNamespace(), 0)
@@ -135,6 +136,35 @@ def test_a_request_whose_worker_died_is_sent_again(policy, local_ray):
         np.testing.assert_array_equal(np.asarray(g.traj.response_ids),
                                       np.asarray(w.traj.response_ids))
     ray.kill(actor)
+
+
+def test_a_resumed_ray_run_is_the_straight_run(policy, in_process, tmp_path, local_ray):
+    """Stopped after 2 steps (the learner's process gone), resumed to 4 with fresh workers:
+    the in-process straight run, bit for bit (the ring, rng and position from the
+    checkpoint)."""
+    config, params, task = policy
+    remote = AsyncConfig(max_staleness=2, mode="deterministic", backend="ray")
+    run_async(config, params, task, cfg(tmp_path / "r", dataclasses.replace(LOOP4, steps=2),
+                                        asynchronous=remote))
+    resumed = run_async(config, params, task, cfg(tmp_path / "r", LOOP4, asynchronous=remote),
+                        resume=True)
+    assert_same_run(in_process(2), resumed)
+
+
+def test_bf16_weight_sync_halves_the_bytes(policy, in_process, tmp_path, local_ray):
+    """sync_dtype bfloat16 at η = 0: half the bytes per version, and the workers sample
+    with bf16-rounded weights, so the behaviour log-probs move away from the learner's:
+    the train/inference gap (mismatch_log_ratio_abs_mean) is far above the fp32 run's,
+    which is rounding only."""
+    config, params, task = policy
+    remote = AsyncConfig(max_staleness=0, mode="deterministic", backend="ray",
+                         sync_dtype="bfloat16")
+    got = run_async(config, params, task, cfg(tmp_path / "b", LOOP4, asynchronous=remote))
+    n_params = sum(x.size for x in leaves(got))
+    assert got.train[-1]["ray_sync_bytes"] == 4 * n_params * 2  # versions 0-3, 2 bytes each
+    fp32 = [r["mismatch_log_ratio_abs_mean"] for r in in_process(0).train]
+    bf16 = [r["mismatch_log_ratio_abs_mean"] for r in got.train]
+    assert max(fp32) < 1e-4 and min(bf16) > 10 * max(fp32), (fp32, bf16)
 
 
 @pytest.mark.parametrize("sets, match", [
