@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common.benchmarking import machine, results_path, write_results
+from experiments.common.docs_rows import replace_row
 from experiments.common.paired import paired_bootstrap
 
 RESULT = results_path(__file__)
@@ -65,8 +66,8 @@ the gain is paired, its 95 % interval bootstrapped over problems
 |---|---|---|---|---|---|
 {rows}
 
-A baseline, before any training: what GRPO on this environment would start from
-(training it to use the tool is the next measurement, not run yet). How often the base
+A baseline, before any training: what GRPO on this environment starts from (the
+trained model: [Python tool after GRPO](python-tool-grpo.md)). How often the base
 model calls the tool is not counted here; the JSON keeps four example transcripts per
 side and every problem's correctness.
 
@@ -76,14 +77,7 @@ Command: `python -m experiments.repro.python_tool_base` (about 12 min on 2 cores
 
 def write_docs(result: dict) -> None:
     PAGE.write_text(render_page(result))
-    lines = INDEX.read_text().splitlines()
-    at = next((i for i, x in enumerate(lines) if "[Python tool, base model](" in x), None)
-    if at is None:
-        lines.insert(next(i for i, x in enumerate(lines) if "[Agentic overlap](" in x) + 1,
-                     index_row(result))
-    else:
-        lines[at] = index_row(result)
-    INDEX.write_text("\n".join(lines) + "\n")
+    replace_row(INDEX, index_row(result), "Python tool, base model", "Agentic overlap")
 
 
 def one_side(dataset: str, tool: bool, n: int) -> dict:

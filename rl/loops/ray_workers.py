@@ -21,9 +21,10 @@ run equals the in-process deterministic run bit for bit on CPU (the same tokens,
 and parameters; tested at η = 0 and 2, with 1 and 2 workers).
 
 Weight sync. Each version a request needs is put once into Ray's object store (host
-arrays; the policy applied first: a LoRA run's merged weights; in bf16 with
-AsyncConfig.sync_dtype, then upcast by the worker) and the ObjectRef is sent with the
-requests; versions older than b(v) are released. Ray moves an object between
+arrays; in bf16 with AsyncConfig.sync_dtype, cast back by the worker) and the ObjectRef
+is sent with the requests; versions older than b(v) are released. A LoRA run puts its
+frozen base once and then only the adapters of each version; the worker composes them
+with the run's own LoraRun.policy (merged or composed, as in-process). Ray moves an object between
 processes on one node through shared memory and between nodes by its object manager, so
 there is no faster path to write for host arrays; the bytes and seconds of every put are
 logged (ray_sync_bytes, ray_sync_s) with the workers' version lag (ray_request_lag: v −
@@ -90,16 +91,20 @@ class RolloutWorker:
             os.sched_setaffinity(0, set(affinity))
         self.sampler = StreamSampler(spec=spec, config=train, loop=loop)
 
-    def sample(self, params: Any, version: int, rng: np.ndarray, position: int
-               ) -> tuple[list, np.ndarray, int, dict, float]:
+    def sample(self, params: Any, version: int, rng: np.ndarray, position: int,
+               lora: Any = None) -> tuple[list, np.ndarray, int, dict, float]:
         """(scored groups as host arrays, rng after, position after, rollout stats,
         seconds) of one step's sampling with `params` = (host params, each leaf's dtype
-        before the transfer) stamped `version`."""
+        before the transfer) stamped `version`; a LoRA run sends its adapters as `params`
+        and its LoraRun (the frozen base, sent once) as `lora`: the sampler runs
+        lora.policy(adapters), as the learner's process would."""
         t0 = time.perf_counter()
         params, dtypes = params  # the dtypes they had before the transfer
         leaves, tree = jax.tree.flatten(params)
         params = jax.tree.unflatten(tree, [x if str(x.dtype) == d else x.astype(d)
                                            for x, d in zip(leaves, dtypes)])
+        if lora is not None:
+            params = lora.policy(params)
         state = TrainState(params=params, opt_state=None, step=np.zeros((), np.int32),
                            version=np.asarray(version, np.int32), rng=np.asarray(rng, np.uint32))
         groups, state, pos, stats = sample_batch_groups(state, int(position), self.sampler)
@@ -130,6 +135,7 @@ class RaySource(AsyncSource):
         self.chain: dict[int, tuple[np.ndarray, int]] = {}  # v -> (rng_v, position_v)
         self.counters = {"ray_worker_restarts": 0, "ray_sync_bytes": 0.0, "ray_sync_s": 0.0}
         self.last_lag = 0
+        self.lora_ref = None  # a LoRA run's LoraRun in the object store
         self.prompts_per_step = config.loop.prompts_per_step
 
     # -------------------------------------------------------------- setup
@@ -139,6 +145,9 @@ class RaySource(AsyncSource):
         if not ray.is_initialized():
             ray.init(address=self.acfg.ray_address or None, include_dashboard=False,
                      log_to_driver=False, configure_logging=False)
+        lora = run.ctx.lora  # its frozen base goes to the object store once
+        self.lora_ref = None if lora is None else ray.put(dataclasses.replace(
+            lora, base=jax.device_get(process_local(lora.base))))
         actor = ray.remote(max_restarts=-1, max_task_retries=0)(RolloutWorker)
         opts = {"num_cpus": self.acfg.worker_cpus, "num_gpus": self.acfg.worker_gpus}
         self.workers = [actor.options(name=worker_name(run.config.output_dir, i), **opts)
@@ -156,7 +165,9 @@ class RaySource(AsyncSource):
         """The object-store ref of version `version`'s sampler params (put once)."""
         if version not in self.refs:
             t0 = time.perf_counter()
-            host = jax.device_get(process_local(run.ctx.policy(self.snaps[version])))
+            params = self.snaps[version]  # a LoRA run's adapters: the workers compose
+            host = jax.device_get(process_local(params if self.lora_ref is not None
+                                                else run.ctx.policy(params)))
             dtypes = [str(x.dtype) for x in jax.tree.leaves(host)]
             if self.acfg.sync_dtype == "bfloat16":  # half the bytes; cast back by the worker
                 host = jax.tree.map(lambda x: x.astype(jnp.bfloat16)
@@ -182,7 +193,8 @@ class RaySource(AsyncSource):
         rng, pos = self._chain_at(v)
         request = (bv, rng, pos)
         worker = v % len(self.workers)
-        fut = self.workers[worker].sample.remote(self._params_ref(run, bv), bv, rng, pos)
+        fut = self.workers[worker].sample.remote(self._params_ref(run, bv), bv, rng, pos,
+                                                 self.lora_ref)
         self.inflight[v] = (worker, fut, request)
 
     def _fill(self, run: Any, v: int) -> None:
@@ -211,7 +223,8 @@ class RaySource(AsyncSource):
                             "sending it again", worker, v, type(e).__name__)
                 time.sleep(0.5 * 2 ** attempt)
                 bv, rng, pos = request
-                fut = self.workers[worker].sample.remote(self._params_ref(run, bv), bv, rng, pos)
+                fut = self.workers[worker].sample.remote(self._params_ref(run, bv), bv, rng,
+                                                         pos, self.lora_ref)
                 self.inflight[v] = (worker, fut, request)
         raise AssertionError("unreachable")
 

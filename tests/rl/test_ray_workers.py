@@ -153,6 +153,23 @@ def test_a_resumed_ray_run_is_the_straight_run(policy, in_process, tmp_path, loc
     assert_same_run(in_process(2), resumed)
 
 
+def test_a_lora_run_sends_the_base_once_and_then_adapters(policy, tmp_path, local_ray):
+    """LoRA at η = 1: the workers compose the adapters with the base sent once, the run
+    equals the in-process LoRA run bit for bit, and each version's transfer is the
+    adapters' bytes only."""
+    from test_lora_loop import lora_cfg
+
+    config, params, task = policy
+    local = AsyncConfig(max_staleness=1, mode="deterministic")
+    ref = run_async(config, params, task, lora_cfg(tmp_path / "l", LOOP4, asynchronous=local))
+    got = run_async(config, params, task, lora_cfg(
+        tmp_path / "r", LOOP4, asynchronous=dataclasses.replace(local, backend="ray")))
+    assert_same_run(ref, got)
+    adapter_bytes = sum(x.nbytes for x in leaves(got))  # state.params: the adapters
+    assert adapter_bytes < sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)) / 4
+    assert got.train[-1]["ray_sync_bytes"] == 3 * adapter_bytes  # versions 0, 1, 2
+
+
 def test_bf16_weight_sync_halves_the_bytes(policy, in_process, tmp_path, local_ray):
     """sync_dtype bfloat16 at η = 0: half the bytes per version, and the workers sample
     with bf16-rounded weights, so the behaviour log-probs move away from the learner's:
