@@ -1,0 +1,35 @@
+"""The Ray benchmark's sides are the commands it says (the learner pinned to core 0, the
+worker to core 1, the deterministic schedule on Ray; sync on every core), and its committed
+page, when there is one, is its JSON rendered."""
+import argparse
+import json
+
+import pytest
+
+from experiments.bench import ray_workers as bench
+from experiments.common.flags import config_from_argv
+
+
+def test_the_sides_run_what_the_doc_says(tmp_path):
+    args = argparse.Namespace(steps=12, eta=1)
+    sync = bench.side_command("sync", "rollout_heavy", tmp_path, args)
+    ray = bench.side_command("ray", "rollout_heavy", tmp_path, args)
+    assert ray[:3] == ["taskset", "-c", "0"] and "taskset" not in sync
+    cfg_sync, _ = config_from_argv(sync[3:])
+    cfg_ray, _ = config_from_argv(ray[6:])
+    assert cfg_sync.asynchronous is None
+    a = cfg_ray.asynchronous
+    assert a.backend == "ray" and a.mode == "deterministic" and a.max_staleness == 1
+    assert a.worker_affinity == (1,) and a.rollout_workers == 1
+    for c in (cfg_sync, cfg_ray):
+        assert dict(c.task.options)["length"] == 32 and c.loop.steps == 12
+        c.validate()
+
+
+def test_the_committed_page_is_its_json_rendered():
+    if not bench.RESULT.is_file():
+        pytest.skip("not run yet (python -m experiments.bench.ray_workers)")
+    result = json.loads(bench.RESULT.read_text())
+    assert bench.PAGE.read_text() == bench.render_page(result)
+    assert bench.summary_row(result, "ray-workers.md", index=True) in \
+        bench.INDEX.read_text().splitlines()
