@@ -123,7 +123,7 @@ def test_a_request_whose_worker_died_is_sent_again(policy, local_ray):
     state = init_train_state(params, run_cfg.train, 7)
     rng = np.asarray(state.rng)
     src = RaySource.__new__(RaySource)
-    src.ray, src.workers, src.k = ray, [actor], 0
+    src.ray, src.workers, src.k, src.lora_ref = ray, [actor], 0, None
     src.counters = {"ray_worker_restarts": 0}
     host = jax.device_get(params)
     src.refs = {0: ray.put((host, [str(x.dtype) for x in jax.tree.leaves(host)]))}
