@@ -221,7 +221,8 @@ def verdict(c: dict) -> str:
     """The rule's verdict of one comparison, in words."""
     acc = "reaches" if c["reaches_sync_accuracy"] else "does not reach"
     wall = "met" if c["wall_ratio"] <= c["wall_target"] else "missed"
-    return f"{acc} its accuracy; wall {c['wall_ratio']:.2f}× (target ≤ {c['wall_target']:g}×: {wall})"
+    return (f"{acc} its accuracy; wall {c['wall_ratio']:.2f}× "
+            f"(target ≤ {c['wall_target']:g}×: {wall})")
 
 
 def summary_row(res: dict, link: str, index: bool = False) -> str:
@@ -251,7 +252,8 @@ def arm_rows(res: dict) -> str:
             vals = [r[key] for r in runs if r.get(key) is not None]
             return format(statistics.fmean(vals), fmt) if vals else "–"
         rows.append(
-            f"| {arm} | {', '.join(map(str, seeds))} | {statistics.fmean(a['initial_accuracy']):.3f} | "
+            f"| {arm} | {', '.join(map(str, seeds))} | "
+            f"{statistics.fmean(a['initial_accuracy']):.3f} | "
             f"{statistics.fmean(a['final_accuracy']):.3f} ("
             + ", ".join(f"{x:.3f}" for x in a["final_accuracy"]) + ") | "
             f"{statistics.fmean(a['train_wall_s']):.0f} ("

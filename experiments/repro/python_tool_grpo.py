@@ -140,7 +140,8 @@ def index_row(res: dict) -> str:
     s = res["summary"]
     return (f"| [{TITLE}](python-tool-grpo.md) | SmolLM2-135M, {res['steps']} GRPO steps on "
             f"{res['dataset']} with the sandboxed tool, {s['seeds']} seed(s): greedy accuracy "
-            f"{s['initial_accuracy']:.3f} → {s['final_accuracy']:.3f} on {s['problems']} held-out "
+            f"{s['initial_accuracy']:.3f} → {s['final_accuracy']:.3f} on {s['problems']} "
+            "held-out "
             f"problems (paired gain {fmt_ci(s['gain'])}) | gain > 0 (95 % CI) | "
             f"{'met' if s['improves'] else 'not shown'} |")
 

@@ -27,8 +27,8 @@ beside each checkpoint under run_dir/snapshots/STEP/ (one file per version, hard
 disk ring's files); with APRIL its FIFO is saved under run_dir/rollout_state/ and restored
 whole, but rl.rollout.april reseeds new groups on a restore, so the continuation is
 statistically, not bitwise, the same (episodes: the carried groups start again from their
-prompts, counted in april_lost / april_restarted). A stop during an APRIL round is left to finish (its
-FIFO moves), during static sampling it drops the step's rollouts.
+prompts, counted in april_lost / april_restarted). A stop during an APRIL round is left
+to finish (its FIFO moves), during static sampling it drops the step's rollouts.
 """
 from __future__ import annotations
 

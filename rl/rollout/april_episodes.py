@@ -76,7 +76,8 @@ def split_episode_groups(traj: Trajectory, records: tuple[EpisodeRecord, ...], n
 class EpisodeAprilRollout:
     """APRIL rounds of episodes (module doc).
 
-    ro = EpisodeAprilRollout(lambda seed: episode_engine(...), prompts, AprilConfig(), group_size=8, seed=0)
+    ro = EpisodeAprilRollout(lambda seed: episode_engine(...), prompts, AprilConfig(),
+                             group_size=8, seed=0)
     traj, records = ro.collect(params, version, num_groups)   # one round
     prompt_of: global group id -> its Prompt (the carried groups restarted after a restore).
     """
@@ -155,7 +156,8 @@ class EpisodeAprilRollout:
         """One round under `params` (stamped `version`): `num_groups` complete groups as one
         Trajectory (rows grouped, oldest group first) and their episode records. Fewer
         come back only when the prompt source runs dry (a ValueError if none)."""
-        if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) or num_groups < 1:
+        if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) \
+                or num_groups < 1:
             raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
@@ -196,7 +198,8 @@ class EpisodeAprilRollout:
         mask, ver = np.asarray(traj.response_mask), np.asarray(traj.versions)
         self.last_round = {
             "seconds": time.perf_counter() - t0, "steps": steps, "generated_tokens": generated,
-            "trained_tokens": int(mask.sum()), "offpolicy_tokens": int((mask & (ver < version)).sum()),
+            "trained_tokens": int(mask.sum()),
+            "offpolicy_tokens": int((mask & (ver < version)).sum()),
             "started": started, "resumed": carried, "rejected": len(self.last_rejected),
             "carried": self.in_engine + len(self._hand)}
         return traj, records
