@@ -49,8 +49,7 @@ def test_gain_and_verdict_match_a_direct_computation(tmp_path, lift):
 
 
 def test_the_committed_page_is_its_json_rendered():
-    if not pg.OUT.is_file():
-        pytest.skip("no committed result yet (python -m experiments.repro.python_tool_grpo)")
+    assert pg.OUT.is_file(), "the committed result (python -m experiments.repro.python_tool_grpo)"
     res = json.loads(pg.OUT.read_text())
     assert pg.PAGE.read_text() == pg.render_page(res)
     assert pg.index_row(res) in pg.INDEX.read_text().splitlines()

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from experiments.common.benchmarking import load_average, machine, results_path, write_results
-from experiments.common.docs_rows import replace_row
+from experiments.common.docs_rows import add_docs_only_flag, docs_from_json, replace_row
 
 RESULT = results_path(__file__)
 ROOT = Path(__file__).resolve().parents[2]
@@ -243,14 +243,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     p.add_argument("--out", type=Path, default=RESULT)
-    p.add_argument("--docs-only", action="store_true",
-                   help="regenerate the page and the README / index rows from the committed JSON")
+    add_docs_only_flag(p)
     args = p.parse_args(argv)
     if args.docs_only:
-        import json
-        result = json.loads(RESULT.read_text())
-        write_docs(result)
-        return result
+        return docs_from_json(RESULT, write_docs)
     reps = []
     for rep in range(args.reps):
         for side in args.sides:

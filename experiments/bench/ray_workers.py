@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from experiments.common.benchmarking import load_average, machine, results_path, write_results
-from experiments.common.docs_rows import replace_row
+from experiments.common.docs_rows import add_docs_only_flag, docs_from_json, replace_row
 from experiments.common.seeds import read_metrics
 
 RESULT = results_path(__file__)
@@ -204,13 +204,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--skip", type=int, default=2)
     p.add_argument("--eta", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULT)
-    p.add_argument("--docs-only", action="store_true",
-                   help="regenerate the page and the README / index rows from the committed JSON")
+    add_docs_only_flag(p)
     args = p.parse_args(argv)
     if args.docs_only:
-        result = json.loads(RESULT.read_text())
-        write_docs(result)
-        return result
+        return docs_from_json(RESULT, write_docs)
     if args.steps <= args.skip:
         raise SystemExit(f"--steps {args.steps} must exceed --skip {args.skip} (the compile steps)")
     res = measure(args)

@@ -10,6 +10,22 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def add_docs_only_flag(parser) -> None:
+    """--docs-only: regenerate a script's page and rows from its committed JSON."""
+    parser.add_argument("--docs-only", action="store_true",
+                        help="regenerate the page and the README / index rows from the "
+                             "committed JSON")
+
+
+def docs_from_json(path: Path, write_docs) -> dict:
+    """write_docs(the JSON at `path`) and return it (a script's --docs-only)."""
+    import json
+
+    result = json.loads(Path(path).read_text())
+    write_docs(result)
+    return result
+
+
 def replace_row(path: Path, row: str, title: str, after: str) -> None:
     """Put `row` in place of the table line of `path` linking `[title](`, or insert it
     after the line linking `[after](` when there is none yet."""
