@@ -80,6 +80,7 @@ ASYNC_FLAGS = {
     "rollout_devices": "rollout_devices", "async_backend": "backend",
     "rollout_workers": "rollout_workers", "ray_address": "ray_address",
     "worker_cpus": "worker_cpus", "worker_gpus": "worker_gpus", "sync_dtype": "sync_dtype",
+    "worker_requests": "worker_requests",
 }
 SCHEDULER_FLAGS = {"prompt_scheduler": "name", "scheduler_pool": "pool_size",
                    "dars_budget": "dars_budget", "dars_schedule": "dars_schedule",
@@ -355,6 +356,9 @@ def add_async_flags(p: argparse.ArgumentParser) -> None:
     a.add_argument("--ray-address", help="ray: the cluster to join (default: start a local one)")
     a.add_argument("--worker-cpus", type=float, help="ray: CPUs each worker asks for (default 1)")
     a.add_argument("--worker-gpus", type=float, help="ray: GPUs each worker asks for (default 0)")
+    a.add_argument("--worker-requests", type=int,
+                   help="ray: requests one worker samples at once (default 1; more when "
+                        "sampling waits on tools)")
     a.add_argument("--sync-dtype", choices=("bfloat16",),
                    help="ray: send float32 weights to the workers in bf16 (half the bytes)")
 

@@ -44,7 +44,10 @@ class AsyncConfig:
     under `taskset -c 0` and the worker on core 1 of a 2-core machine; sync_dtype: the
     dtype float32 params travel to the workers in (None: as they are; "bfloat16": half the
     bytes, the workers then sample with bf16-rounded weights, a deliberate train/inference
-    mismatch the mismatch_* metrics show)."""
+    mismatch the mismatch_* metrics show); worker_requests: requests one worker samples at
+    once (threads of the actor; more than 1 pays when sampling waits on tools, not on the
+    cores), so up to rollout_workers × worker_requests steps are sampled together (and at
+    most max_staleness ahead of the learner)."""
 
     max_staleness: int = 1
     mode: str = "threaded"
@@ -66,6 +69,7 @@ class AsyncConfig:
     worker_gpus: float = 0.0
     worker_affinity: tuple[int, ...] = ()
     sync_dtype: str | None = None
+    worker_requests: int = 1
 
     def __post_init__(self):
         k = self.max_staleness
@@ -111,8 +115,10 @@ class AsyncConfig:
 
     def _check_ray(self) -> None:
         n = self.rollout_workers
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"AsyncConfig.rollout_workers must be an int >= 1, got {n!r}")
+        for name in ("rollout_workers", "worker_requests"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise ValueError(f"AsyncConfig.{name} must be an int >= 1, got {x!r}")
         for name in ("worker_cpus", "worker_gpus"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0:
@@ -126,9 +132,9 @@ class AsyncConfig:
             raise ValueError(f"AsyncConfig.sync_dtype must be None or 'bfloat16', got "
                              f"{self.sync_dtype!r}")
         if self.backend != "ray":
-            if n != 1 or self.ray_address or self.sync_dtype:
-                raise ValueError("AsyncConfig.rollout_workers / ray_address / sync_dtype are "
-                                 "for backend='ray' (--async-backend ray)")
+            if n != 1 or self.worker_requests != 1 or self.ray_address or self.sync_dtype:
+                raise ValueError("AsyncConfig.rollout_workers / worker_requests / ray_address "
+                                 "/ sync_dtype are for backend='ray' (--async-backend ray)")
             return
         if self.mode != "deterministic" or self.rollout != "static":
             raise ValueError("AsyncConfig.backend='ray' runs the deterministic schedule with "

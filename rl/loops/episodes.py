@@ -178,6 +178,26 @@ class EnvTask:
         with self._lock:
             self._engine_stats.append(dict(stats))
 
+    def add_records(self, rows: Sequence[tuple[EpisodeRecord, int, int]],
+                    engine_stats: Sequence[dict[str, float]]) -> None:
+        """Keep rows and engine stats another copy of this task took (take_records /
+        take_engine_stats): a Ray rollout worker's episodes, metered by the learner."""
+        with self._lock:
+            self._records += list(rows)
+            self._engine_stats += [dict(s) for s in engine_stats]
+
+    def __getstate__(self) -> dict:
+        """Pickled (to a Ray worker) without the lock and the records: a copy starts with
+        sinks of its own, like with_own_records."""
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state["_records"], state["_engine_stats"] = [], []
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def take_records(self) -> list[tuple[EpisodeRecord, int, int]]:
         with self._lock:
             out, self._records = self._records, []

@@ -7,7 +7,7 @@ step at learner version v are sampled with the params of version b(v) = max(v �
 What moves is where: request v goes to worker v mod N, and it may start as soon as
 version b(v) exists, so with η >= 1 the sampling of the next steps overlaps the update of
 this one (with η = 0 there is nothing to overlap: every request waits for the update
-before it). At most N requests are in flight, one per worker.
+before it). At most N × worker_requests requests are in flight (one per worker by default).
 
     request v   (params ref of version b(v), b(v), rng_v, position_v)
     worker      sample_batch_groups: the sync / deterministic source's sampling, the same
@@ -37,10 +37,19 @@ are the same, so the groups are the same, nothing is lost and nothing is trained
 job; `--resume` continues from its checkpoint (the workers start fresh from the saved rng
 and position).
 
+Environments. A worker samples whole episodes (sample_batch_groups -> sample_episodes in
+its process: concurrent tool calls, emulated tool latency) into a copy of the task with
+record sinks of its own (EnvTask.with_own_records: per request, so concurrent requests
+keep theirs apart) and sends the records and engine stats back with the groups; the
+learner adds them to its task (EnvTask.add_records), so the episode metrics are metered
+where the in-process run meters them. AsyncConfig.worker_requests = R makes each actor
+sample R requests at once (Ray's threaded actor, max_concurrency = R): N × R requests in
+flight, which pays where sampling waits on tools rather than on the cores.
+
 Not here yet: the streaming mode (workers sampling continuously under the buffer's
-admission rule, the threaded producer's counterpart), environments (episodes' records and
-engine stats would have to travel back), prompt schedulers and online pruning (their side
-state lives with the sampler); `RunConfig.validate` refuses them with the reason.
+admission rule, the threaded producer's counterpart), APRIL rounds, prompt schedulers,
+online pruning and dynamic sampling (their side state lives with the sampler);
+`RunConfig.validate` refuses them with the reason.
 """
 from __future__ import annotations
 
@@ -58,6 +67,7 @@ import numpy as np
 from rl.learner.batch import TrainState
 from rl.loops.asynchronous import AsyncSource
 from rl.loops.batches import StreamSampler, sample_batch_groups
+from rl.loops.episodes import is_episodic, own_records
 from rl.loops.rollouts import rollout_seed
 from rl.loops.source import Taken
 from rl.runtime.distributed import process_local
@@ -92,13 +102,19 @@ class RolloutWorker:
         self.sampler = StreamSampler(spec=spec, config=train, loop=loop)
 
     def sample(self, params: Any, version: int, rng: np.ndarray, position: int,
-               lora: Any = None) -> tuple[list, np.ndarray, int, dict, float]:
+               lora: Any = None) -> tuple[list, np.ndarray, int, dict, float, Any]:
         """(scored groups as host arrays, rng after, position after, rollout stats,
-        seconds) of one step's sampling with `params` = (host params, each leaf's dtype
+        seconds, an environment's (episode records, engine stats) or None) of one step's
+        sampling with `params` = (host params, each leaf's dtype
         before the transfer) stamped `version`; a LoRA run sends its adapters as `params`
         and its LoraRun (the frozen base, sent once) as `lora`: the sampler runs
         lora.policy(adapters), as the learner's process would."""
         t0 = time.perf_counter()
+        sampler = self.sampler
+        episodic = is_episodic(sampler.spec.task)
+        if episodic:  # this request's episode records apart from a concurrent request's
+            sampler = dataclasses.replace(sampler, spec=sampler.spec.replace(
+                task=own_records(sampler.spec.task)))
         params, dtypes = params  # the dtypes they had before the transfer
         leaves, tree = jax.tree.flatten(params)
         params = jax.tree.unflatten(tree, [x if str(x.dtype) == d else x.astype(d)
@@ -107,11 +123,14 @@ class RolloutWorker:
             params = lora.policy(params)
         state = TrainState(params=params, opt_state=None, step=np.zeros((), np.int32),
                            version=np.asarray(version, np.int32), rng=np.asarray(rng, np.uint32))
-        groups, state, pos, stats = sample_batch_groups(state, int(position), self.sampler)
+        groups, state, pos, stats = sample_batch_groups(state, int(position), sampler)
         groups = [dataclasses.replace(g, traj=jax.tree.map(np.asarray, g.traj),
                                       rewards={k: np.asarray(x) for k, x in g.rewards.items()})
                   for g in groups]
-        return groups, np.asarray(state.rng), int(pos), stats, time.perf_counter() - t0
+        task = sampler.spec.task
+        episodes = (task.take_records(), task.take_engine_stats()) if episodic else None
+        return groups, np.asarray(state.rng), int(pos), stats, time.perf_counter() - t0, \
+            episodes
 
     def pid(self) -> int:
         import os
@@ -137,6 +156,7 @@ class RaySource(AsyncSource):
         self.last_lag = 0
         self.lora_ref = None  # a LoRA run's LoraRun in the object store
         self.prompts_per_step = config.loop.prompts_per_step
+        self.max_inflight = self.acfg.rollout_workers * self.acfg.worker_requests
 
     # -------------------------------------------------------------- setup
     def open(self, run: Any, params: Any) -> None:
@@ -149,7 +169,8 @@ class RaySource(AsyncSource):
         self.lora_ref = None if lora is None else ray.put(dataclasses.replace(
             lora, base=jax.device_get(process_local(lora.base))))
         actor = ray.remote(max_restarts=-1, max_task_retries=0)(RolloutWorker)
-        opts = {"num_cpus": self.acfg.worker_cpus, "num_gpus": self.acfg.worker_gpus}
+        opts = {"num_cpus": self.acfg.worker_cpus, "num_gpus": self.acfg.worker_gpus,
+                "max_concurrency": self.acfg.worker_requests}
         self.workers = [actor.options(name=worker_name(run.config.output_dir, i), **opts)
                         .remote(run.spec, run.train, run.loop, self.acfg.worker_affinity)
                         for i in range(self.acfg.rollout_workers)]
@@ -199,8 +220,9 @@ class RaySource(AsyncSource):
 
     def _fill(self, run: Any, v: int) -> None:
         """Submit requests v, v + 1, ... while their params exist (b(w) <= v, the learner's
-        version), fewer than N are in flight and a step will train on them."""
-        while len(self.inflight) < len(self.workers) and self.next_request < self.last and \
+        version), fewer than N × worker_requests are in flight and a step will train on
+        them."""
+        while len(self.inflight) < self.max_inflight and self.next_request < self.last and \
                 max(self.next_request - self.k, 0) <= v:
             self._submit(run, self.next_request)
             self.next_request += 1
@@ -235,8 +257,10 @@ class RaySource(AsyncSource):
         v = int(run.state.version)
         self._fill(run, v)
         with run.prof.phase("wait_s"):
-            groups, rng, pos, stats, seconds = self.answer(run, v)
+            groups, rng, pos, stats, seconds, episodes = self.answer(run, v)
         del self.inflight[v]
+        if episodes is not None:  # metered here, as if sampled in this process
+            run.task.add_records(*episodes)
         want = self._chain_at(v + 1)
         if not (np.array_equal(rng, want[0]) and pos == want[1]):
             raise RuntimeError(f"rollout worker answered version {v} with rng / position "

@@ -106,7 +106,6 @@ def check_sources(cfg: Any) -> None:
             "loop or with --async-mode deterministic (static rollouts), or drop them")
     if a is not None and a.backend == "ray":
         refused = [name for name, on in (
-            ("an environment's episodes", cfg.task.is_env),
             ("a prompt scheduler or rollout replay", not s.is_default),
             ("online pruning", p is not None),
             ("dynamic sampling", cfg.loop.dynamic_sampling)) if on]

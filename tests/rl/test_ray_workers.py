@@ -75,6 +75,52 @@ def test_ray_workers_equal_the_in_process_run(policy, in_process, tmp_path, loca
     assert last["ray_sync_bytes"] == 4 * n_params * (4 - eta if eta < 4 else 1)
 
 
+def test_ray_workers_run_episodes(tmp_path, local_ray, monkeypatch):
+    """An environment's episodes on one Ray worker that samples two requests at once
+    (worker_requests=2, η = 2, the scripted guessing game of test_episode_loop, its tool
+    calls concurrent in the worker): the in-process deterministic run bit for bit, and the
+    episode metrics (turns, tokens, end reasons, tool calls), metered by the learner from
+    the records the worker sends back, equal the in-process ones."""
+    import sys
+
+    import test_episode_loop
+
+    import rl.envs
+    from models.config import get_config
+    from models.decoder import init_params
+    from rl.learner import OptimizerConfig, TrainConfig
+    from rl.loops import LoopConfig, RolloutOptions
+    from rl.objectives import LossConfig
+    from rl.run import LoggingConfig, RunConfig, TaskSpec, make_task
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules["test_episode_loop"])
+    monkeypatch.setitem(rl.envs.ENVS, "scripted", test_episode_loop.ScriptedEnv)
+
+    def run(name, acfg):
+        run_cfg = RunConfig(
+            task=TaskSpec("env:scripted", {"max_turns": 3}),
+            train=TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
+                              optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3)),
+            rollout=RolloutOptions(segment_len=1),
+            loop=LoopConfig(steps=4, prompts_per_step=2, group_size=4, eval_every=0,
+                            eval_prompts=4, max_concurrent_tool_calls=4),
+            asynchronous=acfg, run_dir=str(tmp_path / name),
+            logging=LoggingConfig(progress=False))
+        config = get_config("tiny", vocab_size=16)
+        return run_async(config, init_params(config, 0), make_task(run_cfg.task, seed=0),
+                         run_cfg)
+
+    local = AsyncConfig(max_staleness=2, mode="deterministic")
+    want = run("local", local)
+    got = run("ray", dataclasses.replace(local, backend="ray", worker_requests=2))
+    assert_same_run(want, got)
+    keys = [k for k in want.train[0] if k.startswith("episode_")]
+    assert "episode_tool_calls" in keys and "episode_turns" in keys
+    for a, b in zip(want.train, got.train):
+        assert {k: b[k] for k in keys} == {k: a[k] for k in keys}, a["step"]
+        assert b["tool_calls_in_flight"] >= 0 and "slot_occupancy" in b  # engine stats too
+
+
 def test_a_killed_worker_is_restarted_and_the_run_is_unchanged(policy, in_process, tmp_path,
                                                                local_ray):
     """Two workers at η = 2 (requests v and v + 1 in flight together); worker 0 is killed
@@ -112,9 +158,9 @@ def test_a_request_whose_worker_died_is_sent_again(policy, local_ray):
     import os
     import types
 
+    from rl.learner import init_train_state
     from rl.loops import StreamSampler, rollout_spec, sample_batch_groups
     from rl.loops.ray_workers import RaySource, RolloutWorker
-    from rl.learner import init_train_state
     config, params, task = policy
     run_cfg = cfg("unused", LOOP)
     spec = rollout_spec(config, task, run_cfg)
@@ -129,7 +175,8 @@ def test_a_request_whose_worker_died_is_sent_again(policy, local_ray):
     src.refs = {0: ray.put((host, [str(x.dtype) for x in jax.tree.leaves(host)]))}
     dead = actor.__ray_call__.remote(lambda self: os._exit(1))
     src.inflight = {0: (0, dead, (0, rng, 5))}
-    groups, rng_after, pos, _, _ = src.answer(types.SimpleNamespace(), 0)
+    groups, rng_after, pos, _, _, episodes = src.answer(types.SimpleNamespace(), 0)
+    assert episodes is None  # a task, not an environment
     assert src.counters["ray_worker_restarts"] >= 1  # (and once per retry while it restarts)
     want, want_state, want_pos, _ = sample_batch_groups(
         state, 5, StreamSampler(spec=spec, config=run_cfg.train, loop=LOOP))
@@ -190,12 +237,14 @@ def test_bf16_weight_sync_halves_the_bytes(policy, in_process, tmp_path, local_r
     ({"mode": "threaded"}, "deterministic schedule with static rollouts"),
     ({"mode": "deterministic", "rollout": "april"}, "not built yet"),
     ({"rollout_workers": 0, "mode": "deterministic"}, "rollout_workers must be an int >= 1"),
+    ({"worker_requests": 0, "mode": "deterministic"}, "worker_requests must be an int >= 1"),
 ])
 def test_ray_config_refusals(sets, match):
     with pytest.raises(ValueError, match=match):
         AsyncConfig(backend="ray", **sets)
-    with pytest.raises(ValueError, match="for backend='ray'"):
-        AsyncConfig(rollout_workers=2)
+    for local in ({"rollout_workers": 2}, {"worker_requests": 2}):
+        with pytest.raises(ValueError, match="for backend='ray'"):
+            AsyncConfig(**local)
 
 
 def test_ray_refuses_what_lives_with_the_sampler():
@@ -207,6 +256,5 @@ def test_ray_refuses_what_lives_with_the_sampler():
                         (["scheduler.name=dars"], "prompt scheduler")):
         with pytest.raises(ValueError, match=match):
             base.overrides(sets).validate()
-    env = PRESETS["tiny-guess"].overrides(["async.mode=deterministic", "async.backend=ray"])
-    with pytest.raises(ValueError, match="an environment's episodes"):
-        env.validate()
+    # environments run on Ray workers (test_ray_workers_run_episodes)
+    PRESETS["tiny-guess"].overrides(["async.mode=deterministic", "async.backend=ray"]).validate()
