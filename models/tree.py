@@ -1,0 +1,202 @@
+"""Training on a rollout tree: every shared prefix packed and computed once.
+
+A tree of rollouts is a set of leaves (token sequences) that share prefixes: the prompt,
+and past each fork the tokens the branches had in common. `pack_tree` cuts the prefix
+tree of the leaves into *segments* (maximal runs of tokens without a fork) and packs them
+into one row, every segment after its ancestors:
+
+    tokens       [T] int32   the segments back to back (T = tree tokens; padding after)
+    segment_ids  [T] int32   1..S (0 = padding)
+    parents      [S + 1]     parents[s] = the segment s continues (0: s is a root)
+    positions    [T] int32   the token's position in its own root-to-leaf path: the tokens
+                             of the strict ancestors + its index inside its segment
+    pred         [T] int32   the packed index of the token before it on its path
+                             (-1 for the first token of a root): logits at pred[i]
+                             predict tokens[i]
+    paths        one int array per leaf: the packed indices of its tokens, in order
+
+The attention of a tree (`tree_mask`): query i may attend to key j when seg(j) is a strict
+ancestor of seg(i), or seg(j) = seg(i) and j <= i. So each token sees exactly the tokens
+before it on its own path, and a leaf's log-probs equal those of the leaf run alone as an
+independent sequence (tests/models/test_tree.py: attention against a float64 loop over
+each leaf's own sequence; the decoder's log-probs and gradients against the leaves run
+one by one). Here the tree runs through the decoder's dense-mask path ("forward" mode:
+XLA attention with the [T, T] mask) — the exact twin a segment-tree kernel (the two-level
+shared-prefix design generalised: one call per level, merged by log-sum-exp) is to be
+checked against.
+
+The packing ratio of a tree is (tokens of the leaves as independent sequences) / T: the
+compute the tree saves on everything but attention.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from models.decoder import Decoder, Params
+from models.inputs import validate_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedTree:
+    """One packed tree (module doc), host numpy arrays, unpadded (T = tree tokens)."""
+
+    tokens: np.ndarray
+    segment_ids: np.ndarray
+    parents: np.ndarray
+    positions: np.ndarray
+    pred: np.ndarray
+    paths: tuple[np.ndarray, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def packing_ratio(self) -> float:
+        """Leaf tokens as independent sequences / tree tokens."""
+        return sum(len(p) for p in self.paths) / self.num_tokens
+
+
+def pack_tree(leaves: Sequence[Sequence[int]]) -> PackedTree:
+    """The prefix tree of `leaves` (each a non-empty token sequence; leaves that share a
+    first token share a root) packed as the module doc says: segments in depth-first order
+    (a leaf's children in first-appearance order), each after its ancestors; a segment ends
+    at a fork and where a leaf ends inside another leaf's path."""
+    if not leaves or any(len(x) == 0 for x in leaves):
+        raise ValueError("pack_tree needs at least one leaf, and no empty leaf")
+    # the trie: node = (children: token -> node id), one node per distinct prefix
+    children: list[dict[int, int]] = [{}]  # node 0: the empty prefix
+    token_of, ends = [0], set()
+    leaf_nodes = []
+    for leaf in leaves:
+        node = 0
+        for t in leaf:
+            nxt = children[node].get(int(t))
+            if nxt is None:
+                nxt = len(children)
+                children[node][int(t)] = nxt
+                children.append({})
+                token_of.append(int(t))
+            node = nxt
+        ends.add(node)
+        leaf_nodes.append(node)
+    tokens, seg_ids, parents, positions, pred = [], [], [0], [], []
+    index_of: dict[int, int] = {}  # trie node -> packed index
+
+    def walk(start: int, parent_seg: int, before: int, depth: int) -> None:
+        seg = len(parents)
+        parents.append(parent_seg)
+        node, prev = start, before
+        while True:  # a segment: a chain of nodes with one child, not ending a leaf
+            index_of[node] = len(tokens)
+            tokens.append(token_of[node])
+            seg_ids.append(seg)
+            positions.append(depth)
+            pred.append(prev)
+            prev, depth = index_of[node], depth + 1
+            kids = list(children[node].values())
+            if len(kids) != 1 or node in ends:
+                break
+            node = kids[0]
+        for kid in children[node].values():
+            walk(kid, seg, prev, depth)
+
+    for root in children[0].values():
+        walk(root, 0, -1, 0)
+    paths = []
+    for leaf in leaves:
+        node, path = 0, []
+        for t in leaf:
+            node = children[node][int(t)]
+            path.append(index_of[node])
+        paths.append(np.asarray(path, np.int32))
+    as32 = partial(np.asarray, dtype=np.int32)
+    return PackedTree(tokens=as32(tokens), segment_ids=as32(seg_ids), parents=as32(parents),
+                      positions=as32(positions), pred=as32(pred), paths=tuple(paths))
+
+
+def ancestors(parents: jax.Array) -> jax.Array:
+    """bool [S + 1, S + 1]: out[a, s] = a is s or an ancestor of s (segment 0: nobody's),
+    from parents [S + 1] by following each chain S steps."""
+    n = parents.shape[-1]
+    chain = jnp.arange(n, dtype=jnp.int32)
+
+    def step(node, _):
+        return parents[node], node
+
+    _, seen = jax.lax.scan(step, chain, None, length=n)  # [n steps, n]: s, p(s), p(p(s)), ...
+    seg = jnp.arange(n, dtype=jnp.int32)
+    out = (seen[:, None, :] == seg[None, :, None]).any(0)  # [a, s]
+    return out & (seg != 0)[:, None]
+
+
+def tree_mask(segment_ids: jax.Array, parents: jax.Array) -> jax.Array:
+    """bool [batch, T, T] (module doc) for segment_ids [batch, T] and parents
+    [batch, S + 1] (one tree per row; padding has segment id 0 and sees nothing)."""
+    def one(seg, par):
+        anc = ancestors(par)                                  # [a, s]
+        sees = anc[seg[None, :], seg[:, None]]                # [i, j]: seg_j on seg_i's path
+        idx = jnp.arange(seg.shape[0])
+        same = seg[:, None] == seg[None, :]
+        causal = idx[:, None] >= idx[None, :]
+        ok = (seg != 0)[:, None] & (seg != 0)[None, :]
+        return ok & sees & (~same | causal)
+    return jax.vmap(one)(segment_ids, parents)
+
+
+@partial(jax.jit, static_argnames=("config", "attn_impl"))
+def _tree_forward_jit(params, tokens, positions, segment_ids, parents, *, config, attn_impl):
+    logits, _ = Decoder(config, "forward", attn_impl).apply(
+        {"params": params}, tokens, positions, tree_mask(segment_ids, parents))
+    return logits
+
+
+def tree_forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array, parents: jax.Array, *,
+                 attn_impl: str | None = None) -> jax.Array:
+    """Logits [batch, T, vocab] (float32) of packed trees: tokens / positions /
+    segment_ids [batch, T], parents [batch, S + 1] (`stack_trees` pads several)."""
+    validate_tokens(tokens, config)
+    return _tree_forward_jit(params, jnp.asarray(tokens, jnp.int32),
+                             jnp.asarray(positions, jnp.int32),
+                             jnp.asarray(segment_ids, jnp.int32), jnp.asarray(parents, jnp.int32),
+                             config=config, attn_impl=attn_impl)
+
+
+def tree_token_logprobs(logits: jax.Array, tokens: jax.Array, pred: jax.Array) -> jax.Array:
+    """logp [batch, T]: log p(tokens[i] | its path before it) = log_softmax(logits[pred[i]])
+    [tokens[i]]; 0 where pred is -1 (a root's first token) or padding."""
+    logz = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    safe = jnp.maximum(pred, 0)
+    at_pred = jnp.take_along_axis(logz, safe[:, :, None], axis=1)  # [batch, T, vocab]
+    picked = jnp.take_along_axis(at_pred, tokens[:, :, None], axis=-1)[..., 0]
+    return jnp.where(pred >= 0, picked, 0.0)
+
+
+def stack_trees(trees: Sequence[PackedTree], length: int | None = None,
+                segments: int | None = None) -> dict[str, np.ndarray]:
+    """Several packed trees as one padded batch: tokens / positions / segment_ids / pred
+    [batch, length] (padding: token 0, segment 0, pred -1) and parents [batch, segments +
+    1]; length / segments default to the largest tree's."""
+    length = length or max(t.num_tokens for t in trees)
+    segments = segments or max(len(t.parents) - 1 for t in trees)
+    out = {k: np.zeros((len(trees), length), np.int32)
+           for k in ("tokens", "positions", "segment_ids")}
+    out["pred"] = np.full((len(trees), length), -1, np.int32)
+    out["parents"] = np.zeros((len(trees), segments + 1), np.int32)
+    for b, t in enumerate(trees):
+        if t.num_tokens > length or len(t.parents) > segments + 1:
+            raise ValueError(f"tree {b} has {t.num_tokens} tokens and {len(t.parents) - 1} "
+                             f"segments; the batch holds {length} and {segments}")
+        n = t.num_tokens
+        for k in ("tokens", "positions", "segment_ids", "pred"):
+            out[k][b, :n] = getattr(t, k)
+        out["parents"][b, :len(t.parents)] = t.parents
+    return out
