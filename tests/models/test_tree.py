@@ -11,8 +11,14 @@ import pytest
 from models.attention import attention
 from models.config import get_config
 from models.decoder import forward, init_params
-from models.tree import ancestors, pack_tree, stack_trees, tree_forward, tree_mask, \
-    tree_token_logprobs
+from models.tree import (
+    ancestors,
+    pack_tree,
+    stack_trees,
+    tree_forward,
+    tree_mask,
+    tree_token_logprobs,
+)
 
 
 def random_leaves(rng, n_leaves=6, vocab=16, prompt=4, length=7):
