@@ -15,6 +15,8 @@ Import the submodule you need (nothing heavy is imported here):
   models.hf_loader  load_hf_checkpoint, save_hf_checkpoint
   models.ghost_norms  ghost_logprob_grads (each row's exact ‖∇_θ Σ log π‖² from one
                     batched backward; VCPO's baseline weighs them)
+  models.tree      pack_tree (rollout-tree leaves -> each shared prefix once), tree_mask,
+                    tree_forward, tree_token_logprobs, stack_trees
   models.weight_grads  project (the projections' einsum with a CPU-friendly backward),
                     contract_tokens (weight gradients xᵀ dy as canonical dots on CPU)
 """
