@@ -351,7 +351,8 @@ def add_async_flags(p: argparse.ArgumentParser) -> None:
                    "half of them when there are several, else shared)")
     a.add_argument("--async-backend", choices=BACKENDS,
                    help="local (default) or ray: rollout workers in their own processes "
-                        "(deterministic mode, static rollouts; pip install -e '.[ray]')")
+                        "(static rollouts, deterministic schedule or streaming with "
+                        "--async-mode threaded; pip install -e '.[ray]')")
     a.add_argument("--rollout-workers", type=int, help="ray: worker processes (default 1)")
     a.add_argument("--ray-address", help="ray: the cluster to join (default: start a local one)")
     a.add_argument("--worker-cpus", type=float, help="ray: CPUs each worker asks for (default 1)")

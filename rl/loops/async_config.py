@@ -36,11 +36,12 @@ class AsyncConfig:
     devices given to the sampler in threaded mode (None: half of them when there are
     several, 0 when there is one: rollout and training share it). join_timeout_s: how long
     shutdown waits for the producer thread. backend "local" (the sampler in this process)
-    | "ray" (mode="deterministic", rollout="static": the sampling done by
-    `rollout_workers` Ray actors, each asking Ray for worker_cpus CPUs and worker_gpus GPUs
-    (Ray then sets the actor's CUDA_VISIBLE_DEVICES), on the cluster at ray_address, or a
-    local one started when it is ""; rl.loops.ray_workers); worker_affinity: CPU cores a
-    worker process pins itself to (os.sched_setaffinity; () = as started), e.g. the learner
+    | "ray" (rollout="static": the sampling done by `rollout_workers` Ray actors, on the
+    deterministic schedule (rl.loops.ray_workers) or streaming with the newest version
+    under the buffer's admission rule (mode="threaded", rl.loops.ray_stream), each asking
+    Ray for worker_cpus CPUs and worker_gpus GPUs (Ray then sets the actor's
+    CUDA_VISIBLE_DEVICES), on the cluster at ray_address, or a local one started when it
+    is ""); worker_affinity: CPU cores a worker process pins itself to (os.sched_setaffinity; () = as started), e.g. the learner
     under `taskset -c 0` and the worker on core 1 of a 2-core machine; sync_dtype: the
     dtype float32 params travel to the workers in (None: as they are; "bfloat16": half the
     bytes, the workers then sample with bf16-rounded weights, a deliberate train/inference
@@ -136,11 +137,11 @@ class AsyncConfig:
                 raise ValueError("AsyncConfig.rollout_workers / worker_requests / ray_address "
                                  "/ sync_dtype are for backend='ray' (--async-backend ray)")
             return
-        if self.mode != "deterministic" or self.rollout != "static":
-            raise ValueError("AsyncConfig.backend='ray' runs the deterministic schedule with "
-                             "static rollouts (--async-mode deterministic --rollout static): "
-                             "streaming Ray workers (the threaded producer's counterpart) and "
-                             "APRIL rounds on Ray are not built yet")
+        if self.rollout != "static":
+            raise ValueError("AsyncConfig.backend='ray' runs static rollouts (--rollout "
+                             "static), in either mode: the deterministic schedule or streaming "
+                             "(--async-mode threaded); continuous rollouts and APRIL rounds on "
+                             "Ray are not built yet")
 
     @property
     def ring_capacity(self) -> int:

@@ -46,10 +46,11 @@ where the in-process run meters them. AsyncConfig.worker_requests = R makes each
 sample R requests at once (Ray's threaded actor, max_concurrency = R): N × R requests in
 flight, which pays where sampling waits on tools rather than on the cores.
 
-Not here yet: the streaming mode (workers sampling continuously under the buffer's
-admission rule, the threaded producer's counterpart), APRIL rounds, prompt schedulers,
-online pruning and dynamic sampling (their side state lives with the sampler);
-`RunConfig.validate` refuses them with the reason.
+The streaming mode (workers sampling with the newest version under the buffer's admission
+rule, the threaded producer's counterpart) is rl.loops.ray_stream's RayStreamSource, on
+this module's workers and weight sync. Not on Ray yet: continuous rollouts, APRIL rounds,
+prompt schedulers, online pruning and dynamic sampling (their side state lives with the
+sampler); `RunConfig.validate` refuses them with the reason.
 """
 from __future__ import annotations
 

@@ -31,8 +31,11 @@ def make_source(config: RunConfig) -> BatchSource:
     acfg = config.asynchronous
     if acfg is None:
         return SyncSource(config)
-    if acfg.backend == "ray":
-        from rl.loops.ray_workers import RaySource  # ray is an optional extra
+    if acfg.backend == "ray":  # ray is an optional extra
+        if acfg.mode == "threaded":
+            from rl.loops.ray_stream import RayStreamSource
+            return RayStreamSource(config)
+        from rl.loops.ray_workers import RaySource
         return RaySource(config)
     if acfg.mode == "deterministic":
         return DeterministicSource(config)

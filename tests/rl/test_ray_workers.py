@@ -121,6 +121,47 @@ def test_ray_workers_run_episodes(tmp_path, local_ray, monkeypatch):
         assert b["tool_calls_in_flight"] >= 0 and "slot_occupancy" in b  # engine stats too
 
 
+def test_streaming_at_eta0_is_the_synchronous_run(policy, in_process, tmp_path, local_ray):
+    """Streaming Ray workers (mode threaded) at η = 0: the buffer admits one batch per
+    version, so every request samples with the learner's current version: the in-process
+    η = 0 run (itself the synchronous one, tests/rl/test_async_loop.py) bit for bit."""
+    config, params, task = policy
+    remote = AsyncConfig(max_staleness=0, mode="threaded", backend="ray")
+    got = run_async(config, params, task, cfg(tmp_path / "s0", LOOP4, asynchronous=remote))
+    assert_same_run(in_process(0), got)
+    assert got.train[-1]["buffer_consumed_groups"] == 4 * LOOP4.prompts_per_step
+
+
+def test_streaming_workers_keep_the_staleness_bound(policy, tmp_path, local_ray):
+    """Two streaming workers at η = 2 over 6 steps, worker 0 killed after step 2: every
+    batch trains on tokens at most 2 versions old, no prompt is sampled twice (the data
+    position advances b per request), every admitted group is consumed, queued or dropped
+    as stale, and the killed worker's request is sent again (counted)."""
+    config, params, task = policy
+    loop = dataclasses.replace(LOOP, steps=6)
+    remote = AsyncConfig(max_staleness=2, mode="threaded", backend="ray", rollout_workers=2)
+
+    def kill_once(rec):
+        if rec["step"] == 2:
+            ray.kill(ray.get_actor(worker_name(tmp_path / "st", 0)), no_restart=False)
+
+    got = run_async(config, params, task, cfg(tmp_path / "st", loop, asynchronous=remote),
+                    hooks=RunHooks(on_step=kill_once))
+    b = loop.prompts_per_step
+    assert [r["step"] for r in got.train] == list(range(1, 7))
+    for r in got.train:
+        v = r["step"] - 1  # the learner's version at that step
+        assert v - 2 <= r["behaviour_version_min"] <= r["behaviour_version_max"] <= v
+        assert r["ray_request_lag"] <= 2
+    last = got.train[-1]
+    assert last["buffer_consumed_groups"] == 6 * b
+    assert last["buffer_admitted_groups"] == last["buffer_consumed_groups"] + \
+        last["buffer_dropped_stale_groups"] + last["buffer_queued_groups"]
+    assert got.data_position % b == 0 and got.data_position >= 6 * b
+    assert max(r["behaviour_version_max"] for r in got.train) >= 3  # it did move on
+    assert last["ray_workers"] == 2
+
+
 def test_a_killed_worker_is_restarted_and_the_run_is_unchanged(policy, in_process, tmp_path,
                                                                local_ray):
     """Two workers at η = 2 (requests v and v + 1 in flight together); worker 0 is killed
@@ -234,7 +275,7 @@ def test_bf16_weight_sync_halves_the_bytes(policy, in_process, tmp_path, local_r
 
 
 @pytest.mark.parametrize("sets, match", [
-    ({"mode": "threaded"}, "deterministic schedule with static rollouts"),
+    ({"mode": "threaded", "rollout": "continuous"}, "runs static rollouts"),
     ({"mode": "deterministic", "rollout": "april"}, "not built yet"),
     ({"rollout_workers": 0, "mode": "deterministic"}, "rollout_workers must be an int >= 1"),
     ({"worker_requests": 0, "mode": "deterministic"}, "worker_requests must be an int >= 1"),
