@@ -46,6 +46,8 @@ def test_gain_and_verdict_match_a_direct_computation(tmp_path, lift):
     run = pg.read_run(dirs[0][0])
     assert run["initial_tool_calls"] == 0.5 and run["final_tool_calls"] == 1.25
     assert run["final_step"] == 4 and run["train_wall_s"] == 120.0
+    np.testing.assert_array_equal(run["problems"]["initial"], dirs[0][1])
+    np.testing.assert_array_equal(run["problems"]["final"], dirs[0][2])
 
 
 def test_the_committed_page_is_its_json_rendered():
@@ -54,3 +56,11 @@ def test_the_committed_page_is_its_json_rendered():
     assert pg.PAGE.read_text() == pg.render_page(res)
     assert pg.index_row(res) in pg.INDEX.read_text().splitlines()
     assert res["headline"]["value"] == res["summary"]["gain"]["value"]
+    # the per-problem results it saved give its gain and accuracies
+    runs = list(res["runs"].values())
+    if all("problems" in r for r in runs):
+        gain = np.mean([np.subtract(r["problems"]["final"], r["problems"]["initial"])
+                        for r in runs])
+        assert gain == pytest.approx(res["summary"]["gain"]["value"])
+        for r in runs:
+            assert np.mean(r["problems"]["final"]) == pytest.approx(r["final_accuracy"])

@@ -35,7 +35,7 @@ import numpy as np
 
 from experiments.common.benchmarking import machine, results_path
 from experiments.common.docs_rows import replace_row
-from experiments.common.paired import paired_bootstrap, seed_problem_matrix
+from experiments.common.paired import paired_bootstrap, problem_results, seed_problem_matrix
 from experiments.common.seeds import is_finished, read_metrics, train_in_process
 from rl.runtime.logging import atomic_write_json
 
@@ -58,15 +58,21 @@ def train_command(seed: int, run_dir: Path, args) -> list[str]:
 
 
 def read_run(run_dir: Path) -> dict:
-    """One finished run: the first / last greedy eval (accuracy, tool calls per episode),
-    each step's batch reward (a resumed run's repeated steps counted once)."""
+    """One finished run: the first / last greedy eval (accuracy, tool calls per episode,
+    and each problem's greedy result at both, by prompt index: what the paired comparison
+    rests on), each step's batch reward (a resumed run's repeated steps counted once)."""
     train, evals = read_metrics(run_dir)
     train = sorted({r["step"]: r for r in train}.values(), key=lambda r: r["step"])
     evals = sorted({r["step"]: r for r in evals}.values(), key=lambda r: r["step"])
     if not is_finished(run_dir) or len(evals) < 2:
         raise ValueError(f"{run_dir}: not finished (needs summary.json and two evals)")
     first, last = evals[0], evals[-1]
+    per = problem_results(run_dir)
+    at0, at1 = per[first["step"]]["greedy"], per[last["step"]]["greedy"]
+    index = sorted(at1)
     return {"run_dir": str(run_dir), "steps": len(train), "final_step": last["step"],
+            "problems": {"index": index, "initial": [at0[i] for i in index],
+                         "final": [at1[i] for i in index]},
             "initial_accuracy": first["greedy_accuracy"],
             "final_accuracy": last["greedy_accuracy"],
             "initial_tool_calls": first.get("greedy_episode_tool_calls"),
