@@ -99,6 +99,23 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
         epilog="Short flags are aliases of RunConfig paths: " + ", ".join(
             f"--{k.replace('_', '-')}={v}" for k, v in SIMPLE_FLAGS.items()) + "; any other "
         "leaf: --set PATH=VALUE (see --print-config for the paths).")
+    add_config_flags(p)
+    add_run_flags(p)
+    add_learner_flags(p)
+    add_loop_flags(p)
+    add_scheduler_flags(p)
+    add_distributed_flags(p)
+    add_prune_flags(p)
+    add_env_flags(p)
+    add_lora_flags(p)
+    add_vcpo_flags(p)
+    add_async_flags(p)
+    add_fault_flags(p)
+    return p
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """Where the config comes from, and the policy, task and reward it trains."""
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help=f"the run to start from (default {DEFAULT_PRESET})")
     p.add_argument("--config", metavar="FILE|RUN_DIR",
@@ -127,6 +144,10 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
     p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a task option (repeatable), e.g. max_terms=2 or chain_sum.max_digits=1; "
                         "values are Python literals or strings")
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The run's length, seed, directory, resume and logging."""
     p.add_argument("--steps", type=int, help="total optimizer steps (a resumed run continues to it)")
     p.add_argument("--seed", type=int, help="init and rollout seed (default 0)")
     p.add_argument("--run-dir", help="output directory (default runs/<preset>)")
@@ -143,6 +164,10 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
                         "reward, loss or gradient stops the run naming the step and group)")
     p.add_argument("--wandb", choices=WANDB_MODES,
                    help="wandb mode: offline (the presets', files in the run dir), online, disabled")
+
+
+def add_learner_flags(p: argparse.ArgumentParser) -> None:
+    """The learner's short flags (aliases of RunConfig paths) and its memory options."""
     p.add_argument("--lr", type=float, help="learning rate")
     p.add_argument("--group-size", type=int, help="samples per prompt")
     p.add_argument("--prompts-per-step", type=int, help="groups per batch")
@@ -169,6 +194,10 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
                         "--remat, --host-malloc and --set override it")
     p.add_argument("--packed", action="store_true",
                    help="learner runs each group's shared prompt once (DualKV P+NR packing)")
+
+
+def add_loop_flags(p: argparse.ArgumentParser) -> None:
+    """Evals, saves, time limit, dynamic sampling, outputs and the mesh."""
     p.add_argument("--eval-every", type=int, help="steps between evals (0: start and end only)")
     p.add_argument("--save-every", type=int, help="steps between checkpoints (0: end only)")
     p.add_argument("--eval-prompts", type=int, help="eval split prompts per eval")
@@ -179,15 +208,6 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--mesh", help=f"learner mesh over all devices: a preset {MESH_PRESETS} or "
                    "'data=N,fsdp=N,tensor=N' (default: one device; 'dp' with several processes)")
-    add_scheduler_flags(p)
-    add_distributed_flags(p)
-    add_prune_flags(p)
-    add_env_flags(p)
-    add_lora_flags(p)
-    add_vcpo_flags(p)
-    add_async_flags(p)
-    add_fault_flags(p)
-    return p
 
 
 def add_fault_flags(p: argparse.ArgumentParser) -> None:
