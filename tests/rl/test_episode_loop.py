@@ -87,6 +87,32 @@ def scripted(monkeypatch):
     TURNS.clear()
 
 
+def scripted_config(run_dir, asynchronous=None, **loop):
+    """The RunConfig the loop tests run the scripted game with (3 turns, 2 prompts x 4
+    episodes a step, one-token turns); `loop` overrides LoopConfig fields (steps: 3)."""
+    from rl.run import LoggingConfig, RunConfig, TaskSpec
+
+    loop = {"steps": 3, "prompts_per_step": 2, "group_size": 4, "eval_every": 0,
+            "eval_prompts": 4, **loop}
+    return RunConfig(
+        task=TaskSpec("env:scripted", {"max_turns": 3}),
+        train=TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
+                          optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3)),
+        rollout=RolloutOptions(segment_len=1), loop=LoopConfig(**loop),
+        asynchronous=asynchronous, run_dir=str(run_dir), logging=LoggingConfig(progress=False))
+
+
+def run_scripted(run_cfg):
+    """run_async of the tiny model from scratch on a scripted-game config; (task, result)."""
+    from models.config import get_config
+    from models.decoder import init_params
+    from rl.run import make_task
+
+    task = make_task(run_cfg.task, seed=0)
+    cfg = get_config("tiny", vocab_size=16)
+    return task, run_async(cfg, init_params(cfg, 0), task, run_cfg)
+
+
 ARGS = ["--env", "scripted", "--steps", "2", "--group-size", "4", "--prompts-per-step", "2",
         "--eval-prompts", "4", "--eval-every", "0", "--no-progress", "--wandb", "disabled"]
 
@@ -134,23 +160,9 @@ def test_train_env_end_to_end(scripted, tmp_path):
 
 
 def test_async_deterministic_runs_episodes(scripted, tmp_path):
-    from models.config import get_config
-    from models.decoder import init_params
-    from rl.run import LoggingConfig, RunConfig, TaskSpec, make_task
-
-    run_cfg = RunConfig(
-        task=TaskSpec("env:scripted", {"max_turns": 3}),
-        train=TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
-                          optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3)),
-        rollout=RolloutOptions(segment_len=1),
-        loop=LoopConfig(steps=3, prompts_per_step=2, group_size=4, eval_every=0,
-                        eval_prompts=4),
-        asynchronous=AsyncConfig(max_staleness=1, mode="deterministic", proximal="exact"),
-        run_dir=str(tmp_path / "a"), logging=LoggingConfig(progress=False))
-    task = make_task(run_cfg.task, seed=0)
+    task, res = run_scripted(scripted_config(tmp_path / "a", AsyncConfig(
+        max_staleness=1, mode="deterministic", proximal="exact")))
     assert isinstance(task, EnvTask) and task.options == EpisodeOptions()
-    cfg = get_config("tiny", vocab_size=16)
-    res = run_async(cfg, init_params(cfg, 0), task, run_cfg)
     assert [r["step"] for r in res.train] == [1, 2, 3]
     for rec in res.train:
         assert rec["episode_turns"] >= 1
@@ -170,24 +182,12 @@ def test_threaded_producer_runs_episodes(scripted, tmp_path, rollout):
     staleness bound counted from each episode's oldest model token, observation tokens
     carry the version of the turn they answer, and the engine's slot / tool metrics are
     logged. The reference for the rewards is the episodes' own outcomes."""
-    from models.config import get_config
-    from models.decoder import init_params
-    from rl.run import LoggingConfig, RunConfig, TaskSpec, make_task
-
     eta = 2
-    run_cfg = RunConfig(
-        task=TaskSpec("env:scripted", {"max_turns": 3}),
-        train=TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
-                          optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3)),
-        rollout=RolloutOptions(segment_len=1),
-        loop=LoopConfig(steps=4, prompts_per_step=2, group_size=4, eval_every=0, eval_prompts=4,
-                        max_concurrent_tool_calls=4, tool_latency="fixed:0.01"),
-        asynchronous=AsyncConfig(max_staleness=eta, mode="threaded", rollout=rollout,
-                                 proximal="exact" if rollout == "continuous" else "current"),
-        run_dir=str(tmp_path / rollout), logging=LoggingConfig(progress=False))
-    task = make_task(run_cfg.task, seed=0)
-    cfg = get_config("tiny", vocab_size=16)
-    res = run_async(cfg, init_params(cfg, 0), task, run_cfg)
+    _, res = run_scripted(scripted_config(
+        tmp_path / rollout, AsyncConfig(max_staleness=eta, mode="threaded", rollout=rollout,
+                                        proximal="exact" if rollout == "continuous"
+                                        else "current"),
+        steps=4, max_concurrent_tool_calls=4, tool_latency="fixed:0.01"))
     assert [r["step"] for r in res.train] == [1, 2, 3, 4]
     for rec in res.train:
         assert 0 <= rec["behaviour_version_max"] <= rec["step"] - 1
@@ -233,22 +233,13 @@ def test_april_rounds_run_episodes(scripted, tmp_path, mode):
     starts them again."""
     from models.config import get_config
     from models.decoder import init_params
-    from rl.run import LoggingConfig, RunConfig, TaskSpec, make_task
 
     eta = 2
-    run_cfg = RunConfig(
-        task=TaskSpec("env:scripted", {"max_turns": 3}),
-        train=TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
-                          optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3)),
-        rollout=RolloutOptions(segment_len=1),
-        loop=LoopConfig(steps=4, prompts_per_step=2, group_size=4, eval_every=0, eval_prompts=4,
-                        save_every=2, max_concurrent_tool_calls=0),
-        asynchronous=AsyncConfig(max_staleness=eta, mode=mode, rollout="april",
-                                 over_provision=2.0),
-        run_dir=str(tmp_path / mode), logging=LoggingConfig(progress=False))
-    task = make_task(run_cfg.task, seed=0)
+    run_cfg = scripted_config(tmp_path / mode, AsyncConfig(
+        max_staleness=eta, mode=mode, rollout="april", over_provision=2.0),
+        steps=4, save_every=2, max_concurrent_tool_calls=0)
+    task, res = run_scripted(run_cfg)
     cfg = get_config("tiny", vocab_size=16)
-    res = run_async(cfg, init_params(cfg, 0), task, run_cfg)
     assert [r["step"] for r in res.train] == [1, 2, 3, 4]
     for rec in res.train:
         assert rec["step"] - 1 - rec["behaviour_version_min"] <= eta

@@ -84,31 +84,16 @@ def test_ray_workers_run_episodes(tmp_path, local_ray, monkeypatch):
     import sys
 
     import test_episode_loop
+    from test_episode_loop import run_scripted, scripted_config
 
     import rl.envs
-    from models.config import get_config
-    from models.decoder import init_params
-    from rl.learner import OptimizerConfig, TrainConfig
-    from rl.loops import LoopConfig, RolloutOptions
-    from rl.objectives import LossConfig
-    from rl.run import LoggingConfig, RunConfig, TaskSpec, make_task
 
     ray.cloudpickle.register_pickle_by_value(sys.modules["test_episode_loop"])
     monkeypatch.setitem(rl.envs.ENVS, "scripted", test_episode_loop.ScriptedEnv)
 
     def run(name, acfg):
-        run_cfg = RunConfig(
-            task=TaskSpec("env:scripted", {"max_turns": 3}),
-            train=TrainConfig(loss=LossConfig(name="ppo_clip", aggregation="token-mean"),
-                              optimizer=OptimizerConfig(name="adamw", learning_rate=1e-3)),
-            rollout=RolloutOptions(segment_len=1),
-            loop=LoopConfig(steps=4, prompts_per_step=2, group_size=4, eval_every=0,
-                            eval_prompts=4, max_concurrent_tool_calls=4),
-            asynchronous=acfg, run_dir=str(tmp_path / name),
-            logging=LoggingConfig(progress=False))
-        config = get_config("tiny", vocab_size=16)
-        return run_async(config, init_params(config, 0), make_task(run_cfg.task, seed=0),
-                         run_cfg)
+        return run_scripted(scripted_config(tmp_path / name, acfg, steps=4,
+                                            max_concurrent_tool_calls=4))[1]
 
     local = AsyncConfig(max_staleness=2, mode="deterministic")
     want = run("local", local)
