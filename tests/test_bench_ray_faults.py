@@ -31,7 +31,8 @@ def test_fault_compare_counts_differing_and_missing_steps():
     # a resumed run repeats step 2: its last record counts, and it equals the reference
     redone = [ref[0], dict(ref[1], loss=9.0), ref[1], dict(ref[2], ray_worker_restarts=2.0)]
     got = ray_faults.compare(ref, redone)
-    assert got == {"steps": 3, "differing_steps": [], "ray_worker_restarts": 2.0}
+    assert got == {"steps": 3, "differing_steps": [], "ray_worker_restarts": 2.0,
+                   "ray_request_resends": None}
     assert ray_faults.compare(ref, ref[:2])["differing_steps"] == [3]
     assert ray_faults.compare(ref, [ref[0], dict(ref[1], tokens=63), ref[2]])[
         "differing_steps"] == [2]

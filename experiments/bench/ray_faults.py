@@ -179,7 +179,8 @@ def compare(reference: list[dict], train: list[dict]) -> dict:
               or any(by_step[s].get(k) != ref[s].get(k) for k in COMPARED)]
     last = by_step[max(by_step)] if by_step else {}
     return {"steps": len(by_step), "differing_steps": differ,
-            "ray_worker_restarts": last.get("ray_worker_restarts")}
+            "ray_worker_restarts": last.get("ray_worker_restarts"),
+            "ray_request_resends": last.get("ray_request_resends")}
 
 
 def measure(args) -> dict:
@@ -197,8 +198,9 @@ def measure(args) -> dict:
             out = fn(tmp / name, args)
             train, _ = read_metrics(tmp / name)
             out.update(compare(reference, train))
-            out["passed"] = (out.get("exit") == 0 and out["steps"] == args.steps
-                             and not out["differing_steps"])
+            out["passed"] = (out.get("exit") == 0 and out.get("resume_exit", 0) == 0
+                             and out.get("workers_left", 0) == 0
+                             and out["steps"] == args.steps and not out["differing_steps"])
             parts[name] = out
             print(f"{name}: {json.dumps(out)}", flush=True)
     return {"parts": parts, "reference_steps": len(reference)}
@@ -231,17 +233,18 @@ experiments/results/bench_ray_faults.json; do not edit by hand -->
 part against the same run undisturbed, step by step (loss, reward, gradient norm, tokens
 and behaviour versions equal: the same groups trained once each). Machine: {h['machine']}.
 
-| part | what was done | steps | steps differing | restarts counted | verdict |
+| part | what was done | steps | steps differing | restarts counted (resends) | verdict |
 |---|---|---|---|---|---|
-| worker_kills | `kill -9` of the worker after steps {', '.join(str(e['after_step']) for e in wk['events'])} | {wk['steps']} | {len(wk['differing_steps'])} | {wk['ray_worker_restarts']:g} | {verdict(wk)} |
-| learner_kill | `kill -9` of the learner after step 15 ({lk['session_processes_left']} of its session's processes left, killed), then `--resume` | {lk['steps']} | {len(lk['differing_steps'])} | {lk['ray_worker_restarts']:g} | {verdict(lk)} |
-| sigterm | SIGTERM to the learner after step 15: exit {st['exit']}, stopped after {st['stopped_after_steps']} steps, {st['workers_left']} worker processes left; then `--resume` | {st['steps']} | {len(st['differing_steps'])} | {st['ray_worker_restarts']:g} | {verdict(st)} |
+| worker_kills | `kill -9` of the worker after steps {', '.join(str(e['after_step']) for e in wk['events'])} | {wk['steps']} | {len(wk['differing_steps'])} | {wk['ray_worker_restarts']:g} ({wk['ray_request_resends']:g}) | {verdict(wk)} |
+| learner_kill | `kill -9` of the learner after step 15 ({lk['session_processes_left']} of its session's processes left, killed), then `--resume` | {lk['steps']} | {len(lk['differing_steps'])} | {lk['ray_worker_restarts']:g} ({lk['ray_request_resends']:g}) | {verdict(lk)} |
+| sigterm | SIGTERM to the learner after step 15: exit {st['exit']}, stopped after {st['stopped_after_steps']} steps, {st['workers_left']} worker processes left; then `--resume` | {st['steps']} | {len(st['differing_steps'])} | {st['ray_worker_restarts']:g} ({st['ray_request_resends']:g}) | {verdict(st)} |
 
 A killed worker's request is sent again to the process Ray restarts; the deterministic
 schedule fixes each request's inputs (params version, rng, data position), so the groups
 that come back are the ones that were lost, and nothing is trained twice. "Restarts
-counted" is the run's `ray_worker_restarts`: one per request sent again (a kill while the
-worker was idle between requests costs no resend). The lines the runs logged:
+counted" is the run's `ray_worker_restarts`: one per request whose worker died (a kill
+while the worker was idle between requests costs no resend and is not counted there);
+`ray_request_resends` adds the resends made while Ray was still restarting it. The lines the runs logged:
 
 {lines}
 

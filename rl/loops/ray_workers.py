@@ -33,7 +33,9 @@ b(v) of the batch trained).
 Faults. A worker that dies (killed, out of memory, an exception in sampling) is restarted
 by Ray (max_restarts); its in-flight request is sent again to the new process: the inputs
 are the same, so the groups are the same, nothing is lost and nothing is trained twice
-(counted: ray_worker_restarts, one line logged per event). A learner that dies ends the
+(counted: ray_worker_restarts, one per request whose worker died, and ray_request_resends,
+every request sent again, also while Ray was still restarting it; one line logged per
+event). A learner that dies ends the
 job; `--resume` continues from its checkpoint (the workers start fresh from the saved rng
 and position).
 
@@ -84,6 +86,24 @@ def import_ray():
         raise ValueError("AsyncConfig.backend='ray' needs Ray: pip install -e '.[ray]' (or "
                          "pip install 'ray[default]')") from None
     return ray
+
+
+def init_ray(ray: Any, address: str = "", **options: Any) -> None:
+    """ray.init (the cluster at `address`, or a local one), keeping this process's SIGTERM
+    and SIGINT handlers: Ray's core worker installs a failure handler for SIGTERM that
+    dumps a stack trace and aborts, which would skip rl.runtime.preemption's checkpoint and
+    clean stop (a driver stopped with SIGTERM exited -6 before this). options: more
+    ray.init arguments (e.g. num_cpus)."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    kept = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    ray.init(address=address or None, **{"include_dashboard": False, "log_to_driver": False,
+                                         "configure_logging": False, **options})
+    for sig, handler in kept.items():
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def worker_name(run_dir: Any, index: int) -> str:
@@ -153,7 +173,8 @@ class RaySource(AsyncSource):
         self.inflight: collections.OrderedDict[int, tuple[int, Any, tuple]] = \
             collections.OrderedDict()  # learner version v -> (worker, future, request)
         self.chain: dict[int, tuple[np.ndarray, int]] = {}  # v -> (rng_v, position_v)
-        self.counters = {"ray_worker_restarts": 0, "ray_sync_bytes": 0.0, "ray_sync_s": 0.0}
+        self.counters = {"ray_worker_restarts": 0, "ray_request_resends": 0,
+                         "ray_sync_bytes": 0.0, "ray_sync_s": 0.0}
         self.last_lag = 0
         self.lora_ref = None  # a LoRA run's LoraRun in the object store
         self.prompts_per_step = config.loop.prompts_per_step
@@ -164,8 +185,7 @@ class RaySource(AsyncSource):
         super().open(run, params)
         ray = self.ray = import_ray()
         if not ray.is_initialized():
-            ray.init(address=self.acfg.ray_address or None, include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
+            init_ray(ray, self.acfg.ray_address)
         lora = run.ctx.lora  # its frozen base goes to the object store once
         self.lora_ref = None if lora is None else ray.put(dataclasses.replace(
             lora, base=jax.device_get(process_local(lora.base))))
@@ -241,9 +261,12 @@ class RaySource(AsyncSource):
                     raise RuntimeError(f"rollout worker {worker} failed the request of version "
                                        f"{v} {retries + 1} times ({type(e).__name__}: {e}); "
                                        "see the Ray logs (/tmp/ray/session_latest/logs)") from e
-                self.counters["ray_worker_restarts"] += 1
-                log.warning("rollout worker %d died during the request of version %d (%s); "
-                            "sending it again", worker, v, type(e).__name__)
+                # one death per failed request; resends while Ray restarts it add up apart
+                self.counters["ray_worker_restarts"] += attempt == 0
+                self.counters["ray_request_resends"] += 1
+                log.warning("rollout worker %d %s during request %d (%s); sending it again",
+                            worker, "died" if attempt == 0 else "was still restarting", v,
+                            type(e).__name__)
                 time.sleep(0.5 * 2 ** attempt)
                 bv, rng, pos = request
                 fut = self.workers[worker].sample.remote(self._params_ref(run, bv), bv, rng,

@@ -28,6 +28,38 @@ def local_ray():
     ray.shutdown()
 
 
+SIGTERM_SELF = """
+import os, signal, sys, time
+import ray
+from rl.loops.ray_workers import init_ray
+hit = []
+signal.signal(signal.SIGTERM, lambda *a: hit.append(1))  # as rl.runtime.preemption does
+if sys.argv[1] == "init_ray":
+    init_ray(ray, num_cpus=1)
+else:
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("handled", len(hit))
+ray.shutdown()
+"""
+
+
+def test_a_driver_keeps_its_sigterm_handler_through_ray_init():
+    """Ray's core worker replaces the process's SIGTERM handler with one that aborts: a
+    preempted learner could not checkpoint (it exited -6). init_ray, which RaySource
+    uses, puts the process's own handler back; plain ray.init shows the failure."""
+    import subprocess
+    import sys
+
+    def run(how):
+        return subprocess.run([sys.executable, "-c", SIGTERM_SELF, how], capture_output=True,
+                              text=True, timeout=300)
+    fixed, raw = run("init_ray"), run("ray.init")
+    assert fixed.returncode == 0 and "handled 1" in fixed.stdout, fixed.stderr[-2000:]
+    assert raw.returncode != 0 and "handled" not in raw.stdout
+
+
 def leaves(result):
     return [np.asarray(x) for x in jax.tree.leaves(result.state.params)]
 
@@ -196,14 +228,15 @@ def test_a_request_whose_worker_died_is_sent_again(policy, local_ray):
     rng = np.asarray(state.rng)
     src = RaySource.__new__(RaySource)
     src.ray, src.workers, src.k, src.lora_ref = ray, [actor], 0, None
-    src.counters = {"ray_worker_restarts": 0}
+    src.counters = {"ray_worker_restarts": 0, "ray_request_resends": 0}
     host = jax.device_get(params)
     src.refs = {0: ray.put((host, [str(x.dtype) for x in jax.tree.leaves(host)]))}
     dead = actor.__ray_call__.remote(lambda self: os._exit(1))
     src.inflight = {0: (0, dead, (0, rng, 5))}
     groups, rng_after, pos, _, _, episodes = src.answer(types.SimpleNamespace(), 0)
     assert episodes is None  # a task, not an environment
-    assert src.counters["ray_worker_restarts"] >= 1  # (and once per retry while it restarts)
+    assert src.counters["ray_worker_restarts"] == 1  # one death
+    assert src.counters["ray_request_resends"] >= 1  # (and once per retry while it restarts)
     want, want_state, want_pos, _ = sample_batch_groups(
         state, 5, StreamSampler(spec=spec, config=run_cfg.train, loop=LOOP))
     assert pos == want_pos and np.array_equal(rng_after, np.asarray(want_state.rng))
