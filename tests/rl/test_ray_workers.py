@@ -29,7 +29,7 @@ def local_ray():
 
 
 SIGTERM_SELF = """
-import os, signal, sys, time
+import os, signal, time
 import ray
 from rl.loops.ray_workers import init_ray
 hit = []
