@@ -14,9 +14,9 @@
     threaded      ThreadedSource: a producer thread and the buffer (static, continuous,
                   APRIL rollouts), in-flight weight updates
     ray_workers   RaySource: the deterministic schedule sampled by Ray rollout-worker
-                  processes while the learner trains (async.backend = "ray"; optional)
-    ray_stream    RayStreamSource: Ray workers streaming with the newest version under
-                  the buffer's admission rule (backend "ray", mode "threaded")
+                  processes while the learner trains (async.backend = "ray"; optional);
+                  RayStreamSource: the same workers streaming with the newest version
+                  under the buffer's admission rule (mode "threaded")
     asynchronous  what the async sources share: ring, buffer, publishing, proximal
                   log-probs (exact / EWMA), APRIL's source, side files; train_config_for
     producer      the producer thread's work (RolloutProducer), APRIL rounds over the

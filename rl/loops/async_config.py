@@ -38,7 +38,7 @@ class AsyncConfig:
     shutdown waits for the producer thread. backend "local" (the sampler in this process)
     | "ray" (rollout="static": the sampling done by `rollout_workers` Ray actors, on the
     deterministic schedule (rl.loops.ray_workers) or streaming with the newest version
-    under the buffer's admission rule (mode="threaded", rl.loops.ray_stream), each asking
+    under the buffer's admission rule (mode="threaded"; rl.loops.ray_workers), each asking
     Ray for worker_cpus CPUs and worker_gpus GPUs (Ray then sets the actor's
     CUDA_VISIBLE_DEVICES), on the cluster at ray_address, or a local one started when it
     is ""); worker_affinity: CPU cores a worker process pins itself to (os.sched_setaffinity; () = as started), e.g. the learner

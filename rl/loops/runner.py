@@ -33,7 +33,7 @@ def make_source(config: RunConfig) -> BatchSource:
         return SyncSource(config)
     if acfg.backend == "ray":  # ray is an optional extra
         if acfg.mode == "threaded":
-            from rl.loops.ray_stream import RayStreamSource
+            from rl.loops.ray_workers import RayStreamSource
             return RayStreamSource(config)
         from rl.loops.ray_workers import RaySource
         return RaySource(config)
