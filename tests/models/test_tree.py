@@ -92,7 +92,8 @@ def test_decoder_on_a_tree_equals_the_leaves_run_alone():
     rng = np.random.default_rng(7)
     config = get_config("tiny", vocab_size=16)
     params = init_params(config, 0)
-    trees = [pack_tree(random_leaves(rng)), pack_tree(random_leaves(rng, n_leaves=3))]
+    # few leaves: each leaf length run alone compiles once
+    trees = [pack_tree(random_leaves(rng, n_leaves=4)), pack_tree(random_leaves(rng, n_leaves=2))]
     b = {k: jnp.asarray(x) for k, x in stack_trees(trees).items()}
     logits = tree_forward(params, config, b["tokens"], b["positions"], b["segment_ids"],
                           b["parents"])
