@@ -11,7 +11,8 @@ until the worker has the arrays in its process (Ray resolves the ref before the 
 runs) and cast back to their dtypes, as RolloutWorker.sample does. One sync = put +
 receive. The first rep is left out (it starts the actor's imports); the median of the
 others is reported. Writes experiments/results/bench_ray_sync.json (headline: seconds per
-sync of the full bf16 weights; no target: the issue asks for the number) and adds its
+sync of the full bf16 weights; target: under 1 s, a few % of a SmolLM2 step of 25-40 s
+on this machine, our own bar: the issue asks for the number) and adds its
 its page docs/results/ray-sync.md with the README and index rows.
 """
 from __future__ import annotations
@@ -113,7 +114,11 @@ def summary_row(result: dict, link: str, index: bool = False) -> str:
     text = (f"| [{TITLE}]({link}) | one version of {result['config']['model']} to a Ray "
             f"rollout worker through the object store: full fp32 {cell('full_fp32')}, full "
             f"bf16 {cell('full_bf16')}, LoRA r = 8 adapters {cell('lora_r8')} |")
-    return text + " measured (no target) | - |" if index else text
+    if not index:
+        return text
+    h = result["headline"]
+    return text + f" full bf16 < {h['target']:g} s | " + (
+        "met |" if h["value"] < h["target"] else "missed |")
 
 
 def render_page(result: dict) -> str:
@@ -142,9 +147,12 @@ bf16 back to float32 (receive, timed from the learner, the cast inside it). Medi
 |---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
-On one node Ray moves the object through shared memory; between nodes its object manager
-streams it, so the bytes column is what a second host would receive per version. A LoRA
-run's per-version payload is the adapters only.
+On one node Ray moves the object through shared memory (the worker reads the arrays in
+place: receive is milliseconds for any size), so there the bf16 option costs more than it
+saves: its time is the two casts (float32 -> bfloat16 before the put, back in the worker).
+It pays between nodes, where Ray's object manager streams the bytes and the bytes column is
+what a second host receives per version. A LoRA run's per-version payload is the adapters
+only.
 
 Command: `{result['command']}`.
 """
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"headline": {"metric": f"seconds per weight sync to a Ray rollout worker, "
                                      f"{args.model} full weights in bf16 "
                                      f"({m['bytes_sent'] / 1e6:.0f} MB)",
-                           "value": round(m["sync_s"], 4), "target": None,
+                           "value": round(m["sync_s"], 4), "target": 1.0,
                            "machine": machine()},
               "payloads": res, "config": {"reps": args.reps, "model": args.model},
               "command": "python -m experiments.bench.ray_sync " + " ".join(sys.argv[1:])}
