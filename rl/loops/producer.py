@@ -65,6 +65,7 @@ class AprilSource:
                                         (p.ids for p in stream), april)
         if saved is not None:
             self.rollout.load_state_dict(saved)
+        self.counts = dict(self.rollout.counts)  # as of the last finished round
 
     def _prompts(self, start: int):
         chunk = max(self.loop.prompts_per_step, 8)
@@ -86,6 +87,9 @@ class AprilSource:
         (episodes: their records and engine stats go to the task's metrics)."""
         accept = self._accept if self.loop.dynamic_sampling else None
         traj = self.rollout.collect(params, int(version), n, accept=accept)
+        # read by the learner thread while the next round runs: a round's groups held
+        # between the engine and the hand would be counted nowhere mid-round
+        self.counts = dict(self.rollout.counts)
         if self.episodic:
             traj, records = traj
             self.task.record(records, traj)
@@ -111,7 +115,8 @@ class AprilSource:
         return {"base": np.asarray(self.base, np.int64), "april": self.rollout.state_dict()}
 
     def metrics(self) -> dict[str, float]:
-        return {f"april_{k}": float(v) for k, v in self.rollout.counts.items()}
+        """The rollout's counters as of the last finished round (they balance there)."""
+        return {f"april_{k}": float(v) for k, v in self.counts.items()}
 
 
 def offpolicy_prefix_batch(batch: TrainBatch, group_size: int) -> TrainBatch:

@@ -243,10 +243,13 @@ def test_april_rounds_run_episodes(scripted, tmp_path, mode):
     assert [r["step"] for r in res.train] == [1, 2, 3, 4]
     for rec in res.train:
         assert rec["step"] - 1 - rec["behaviour_version_min"] <= eta
-        assert np.isfinite(rec["loss"]) and rec["episode_turns"] >= 1
+        # a threaded producer's episodes are metered at the step after the round that
+        # sampled them: a step whose batch was queued before has none of its own
+        assert np.isfinite(rec["loss"]) and rec.get("episode_turns", 1) >= 1
         assert rec["april_submitted"] + rec["april_restarted"] == (
             rec["april_harvested"] + rec["april_rejected"] + rec["april_lost"]
             + rec["april_in_engine"] + rec["april_in_hand"])
+    assert sum("episode_turns" in r for r in res.train) >= (4 if mode == "deterministic" else 1)
     last = res.train[-1]
     assert last["april_harvested"] >= 4 * 2 and last["april_resumed"] > 0  # carried episodes
     if mode != "deterministic":
