@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 from experiments.common.benchmarking import load_average, machine, results_path, write_results
-from experiments.common.docs_rows import add_docs_only_flag, docs_from_json, replace_row
+from experiments.common.docs_rows import add_docs_only_flag, docs_from_json, write_page_and_rows
 
 RESULT = results_path(__file__)
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,9 +190,9 @@ Command: `{result['command']}`.
 
 
 def write_docs(result: dict) -> None:
-    PAGE.write_text(render_page(result))
-    replace_row(README, summary_row(result, "docs/results/ray-agentic.md"), TITLE, ROW_AFTER)
-    replace_row(INDEX, summary_row(result, "ray-agentic.md", index=True), TITLE, ROW_AFTER)
+    write_page_and_rows(PAGE, render_page(result),
+                        lambda link, index=False: summary_row(result, link, index=index),
+                        TITLE, ROW_AFTER)
 
 
 def main(argv: list[str] | None = None) -> dict:

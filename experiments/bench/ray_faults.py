@@ -29,6 +29,7 @@ docs/results/ray-faults.md with its README and index rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 
 from experiments.common.benchmarking import machine, results_path, write_results
-from experiments.common.docs_rows import add_docs_only_flag, docs_from_json, replace_row
+from experiments.common.docs_rows import add_docs_only_flag, docs_from_json, write_page_and_rows
 from experiments.common.seeds import read_metrics
 
 RESULT = results_path(__file__)
@@ -111,10 +112,8 @@ def kill_session(sid: int) -> int:
     """SIGKILL what is left of a session; how many processes were left."""
     left = processes("", session=sid)
     for pid in left:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return len(left)
 
 
@@ -253,9 +252,9 @@ Command: `{result['command']}`.
 
 
 def write_docs(result: dict) -> None:
-    PAGE.write_text(render_page(result))
-    replace_row(README, summary_row(result, "docs/results/ray-faults.md"), TITLE, ROW_AFTER)
-    replace_row(INDEX, summary_row(result, "ray-faults.md", index=True), TITLE, ROW_AFTER)
+    write_page_and_rows(PAGE, render_page(result),
+                        lambda link, index=False: summary_row(result, link, index=index),
+                        TITLE, ROW_AFTER)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -40,3 +40,14 @@ def replace_row(path: Path, row: str, title: str, after: str) -> None:
                              "by hand once")
         lines.insert(anchor + 1, row)
     Path(path).write_text("\n".join(lines) + "\n")
+
+
+def write_page_and_rows(page: Path, text: str, summary_row, title: str, after: str) -> None:
+    """A results page and its two table rows: `text` into docs/results/<page>, then the
+    README row (summary_row(link to docs/results/<page>)) and the results index row
+    (summary_row(link to <page>, index=True)), each by `title`, placed after `after` the
+    first time (replace_row). The README and index are the ones beside `page`."""
+    page.write_text(text)
+    root = page.parents[2]
+    replace_row(root / "README.md", summary_row(f"docs/results/{page.name}"), title, after)
+    replace_row(page.parent / "index.md", summary_row(page.name, index=True), title, after)
