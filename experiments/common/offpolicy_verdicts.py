@@ -27,8 +27,9 @@ from experiments.common.paired import gain_kept, paired_bootstrap
 KEPT = 0.8  # the share of the synchronous gain a method must keep to hold
 
 RULE = """The rule, fixed before the runs (`experiments.common.offpolicy_verdicts`): the
-measure is the {measure}; every comparison is paired by seed and problem, with a 95 %
-bootstrap interval over both (4000 replicates, `experiments.common.paired`).
+measure is the {measure};
+every comparison is paired by seed and problem, with a 95 % bootstrap interval over both
+(4000 replicates, `experiments.common.paired`).
 
 - **G**, the synchronous gain: naive PPO at k = 0 minus the initial policy.
 - **kept(m, k)** = (m at k − initial) / G.
@@ -85,6 +86,13 @@ def verdicts_from_tables(cells: dict[tuple[str, int], dict[int, dict]]) -> dict:
     g = float(_table(base, every, "final").mean() - _table(base, every, "initial").mean())
     return {"sync_gain": round(g, 4), "ks": sorted({k for _, k in cells}),
             "staleness_hurts_at": sorted(hurts), "rows": rows, "verdicts": verdicts}
+
+
+def run_machines(cells: dict[tuple[str, int], dict[int, dict]]) -> str:
+    """The machines the cells' runs ran on (their records' "machine"), "; "-joined: what a
+    headline names, not the machine that computed the report."""
+    return "; ".join(sorted({r["machine"] for cell in cells.values() for r in cell.values()
+                             if r.get("machine")}))
 
 
 def fmt(e: dict | None) -> str:

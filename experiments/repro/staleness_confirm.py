@@ -45,7 +45,8 @@ import numpy as np
 
 from experiments.common.docs_rows import replace_row
 from experiments.common.offpolicy_methods import LABELS, METHODS
-from experiments.common.offpolicy_verdicts import KEPT, RULE, render_rows, verdicts_from_tables
+from experiments.common.offpolicy_verdicts import (KEPT, RULE, render_rows, run_machines,
+                                                   verdicts_from_tables)
 from experiments.common.paired import problem_results
 from experiments.repro.staleness_real.methods import SweepSetup, run_name
 from experiments.repro.staleness_real.tasks import CANDIDATES
@@ -134,12 +135,14 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT, page: bool = True) -
     and the README / results-index rows are rewritten from the JSON."""
     cells = load_tables(cells_dir)
     found = verdicts_from_tables(cells) if ("naive", 0) in cells else None
-    result = {"headline": headline(found), "setup": dataclasses.asdict(SETUP), "k": K,
+    ran_on = run_machines({key: {s: c["record"] for s, c in cell.items()}
+                           for key, cell in cells.items()}) or machine()
+    result = {"headline": headline(found, ran_on), "setup": dataclasses.asdict(SETUP), "k": K,
               "seeds_planned": list(SEEDS), "cells_planned": [run_name(*c) for c in grid()],
               "cells_finished": sorted(run_name(m, k, s) for (m, k), c in cells.items()
                                        for s in c),
               "rule": {"kept": KEPT, "ci": 0.95, "replicates": 4000},
-              "command": f"{COMMAND} report", "machine": machine(), **(found or {})}
+              "command": f"{COMMAND} report", "machine": ran_on, **(found or {})}
     atomic_write_json(out, result)
     if found:
         plot(cells, result, out.with_suffix(".png"))
@@ -153,15 +156,15 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT, page: bool = True) -
     return result
 
 
-def headline(found: dict | None) -> dict:
+def headline(found: dict | None, ran_on: str) -> dict:
     """The synchronous gain (target >= +0.20) until naive PPO's k = 8 cell exists, then
     naive PPO's loss at k = 8 against synchronous training."""
     if not found:
         return {"metric": "synchronous greedy-accuracy gain (no cell finished yet)",
-                "value": 0.0, "target": 0.2, "machine": machine()}
+                "value": 0.0, "target": 0.2, "machine": ran_on}
     return {"metric": "synchronous GRPO's greedy-accuracy gain on 512 held-out chain_sum "
                       "problems (mean over seeds)", "value": found["sync_gain"],
-            "target": 0.2, "machine": machine()}
+            "target": 0.2, "machine": ran_on}
 
 
 def summary_row(result: dict, link: str, index: bool = False) -> str:

@@ -41,9 +41,17 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common.docs_rows import replace_row
-from experiments.common.offpolicy_methods import (COLORS, LABELS, METHODS, method_proximal,
-                                                  method_train)
-from experiments.common.paired import gain_kept, paired_bootstrap, problem_results
+from experiments.common.offpolicy_methods import (
+    COLORS,
+    LABELS,
+    METHODS,
+    method_proximal,
+    method_train,
+)
+from experiments.common.offpolicy_verdicts import (KEPT, render_rows, run_machines,
+                                                   verdicts_from_tables)
+from experiments.common.offpolicy_verdicts import RULE as SHARED_RULE
+from experiments.common.paired import problem_results
 from rl.loops import AsyncConfig
 from rl.run import PRESETS, RunConfig, train
 from rl.runtime.host import machine
@@ -56,7 +64,6 @@ REGIME = RESULTS / "staleness_testbed_regime.json"  # how the learning rate was 
 PAGE = Path("docs/results/staleness-testbed.md")
 README, INDEX = Path("README.md"), Path("docs/results/index.md")
 WORK_DIR = Path("runs/staleness_testbed")
-KEPT = 0.8  # the share of the synchronous gain a method must keep to hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,48 +186,23 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT) -> dict:
     cells = load_cells(cells_dir)
     if ("naive", 0) not in cells:
         raise SystemExit("no synchronous baseline (naive, k=0) yet: run the sweep first")
-    ks = sorted({k for _, k in cells})
-    rows, verdicts = [], {}
-    base = cells[("naive", 0)]
-    for (m, k), cell in sorted(cells.items(), key=lambda c: (c[0][1], METHODS.index(c[0][0]))):
-        seeds = sorted(set(cell) & set(base))
-        if not seeds:
-            continue
-        init, sync, mine = (table(base, seeds, "initial_correct"), table(base, seeds),
-                            table(cell, seeds))
-        row = {"method": m, "k": k, "seeds": seeds, "final": float(mine.mean()),
-               "kept": gain_kept(mine, sync, init).as_dict()}
-        naive = cells.get(("naive", k), {})
-        both = sorted(set(seeds) & set(naive))
-        if m != "naive" and both:
-            row["vs_naive"] = paired_bootstrap(table(cell, both), table(naive, both)).as_dict()
-        rows.append(row)
-    def below(x, bound):  # an undefined statistic (no gain to keep) decides nothing
-        return x is not None and x < bound
-
-    hurts = {r["k"] for r in rows if r["method"] == "naive" and r["k"] > 0
-             and below(r["kept"]["high"], KEPT)}
-    for m in METHODS:
-        if m == "naive" or not any(r["method"] == m for r in rows):
-            continue
-        held = {r["k"] for r in rows if r["method"] == m and r["k"] in hurts
-                and not below(r["kept"]["value"], KEPT) and r["kept"]["value"] is not None
-                and not below(r.get("vs_naive", {}).get("low"), 1e-12)
-                and r.get("vs_naive", {}).get("low") is not None}
-        tested = {r["k"] for r in rows if r["method"] == m and r["k"] in hurts}
-        verdicts[m] = ("untested" if not tested else "reproduced" if held == tested and
-                       tested == hurts else "partly" if held else "not")
-    g = float(table(base, sorted(base)).mean() - table(base, sorted(base), "initial_correct").mean())
+    found = verdicts_from_tables({key: {s: {"initial": np.asarray(r["initial_correct"]) /
+                                            r["positions"],
+                                            "final": np.asarray(r["final_correct"]) /
+                                            r["positions"]} for s, r in cell.items()}
+                                  for key, cell in cells.items()})
+    rows, ks, base = found["rows"], found["ks"], cells[("naive", 0)]
     kmax = max(ks)
     lost = next((float(table(base, r["seeds"]).mean()) - r["final"] for r in rows
                  if r["method"] == "naive" and r["k"] == kmax), None)
     result = {"headline": {"metric": f"naive PPO's loss of greedy reward at k={kmax} against "
                                      "synchronous training (the same seeds)",
                            "value": None if lost is None else round(lost, 4), "target": 0.2,
-                           "machine": machine()},
-              "sync_gain": round(g, 4),
+                           "machine": run_machines(cells)},
+              "sync_gain": found["sync_gain"],
               "rule": {"kept": KEPT, "ci": 0.95, "replicates": 4000}, "ks": ks,
-              "staleness_hurts_at": sorted(hurts), "rows": rows, "verdicts": verdicts,
+              "staleness_hurts_at": found["staleness_hurts_at"], "rows": rows,
+              "verdicts": found["verdicts"],
               "setup": dataclasses.asdict(SETUP),
               "command": "python -m experiments.repro.staleness_testbed report"}
     atomic_write_json(out, result)
@@ -256,25 +238,8 @@ def summary_row(result: dict, link: str, index: bool = False) -> str:
         f"{'met' if result['headline']['value'] >= 0.2 else 'missed'} |" if index else "")
 
 
-RULE = """The rule, fixed before the sweep ran (`experiments/repro/staleness_testbed.py`): the
-measure is the greedy eval reward (the share of the 32 positions right) on 512 held-out
-problems at the last step; every comparison is paired by seed and problem, with a 95 %
-bootstrap interval over both (4000 replicates, `experiments.common.paired`).
-
-- **G**, the synchronous gain: naive PPO at k = 0 minus the initial policy.
-- **kept(m, k)** = (m at k − initial) / G.
-- **Staleness hurts at k** when naive PPO's kept share at k has its interval below 0.8.
-- **m holds at k** when kept(m, k) ≥ 0.8 and the paired interval of (m − naive PPO) at k
-  lies above 0.
-- **Verdict**: *reproduced* when m holds at every k where staleness hurts, *partly* at
-  some of them, *not* at none; *untested* where staleness hurts nowhere."""
-
-
-def fmt(e: dict | None) -> str:
-    if not e or e.get("value") is None:
-        return "–"
-    lo, hi = e.get("low"), e.get("high")
-    return f"{e['value']:.3f} [{lo:.3f}, {hi:.3f}]" if lo is not None else f"{e['value']:.3f}"
+RULE = SHARED_RULE.replace("{measure}", "greedy eval reward (the share of the 32 positions "
+                           "right) on 512 held-out problems at the last step")
 
 
 def render_page(result: dict, regime_result: dict | None = None,
@@ -304,11 +269,7 @@ def render_page(result: dict, regime_result: dict | None = None,
     lines += ["## Results", "", f"Synchronous gain G = {g:.3f}; naive PPO loses "
               f"{lost:.3f} of it at k = {max(result['ks'])} (target ≥ 0.2); staleness hurts "
               f"at k = {result['staleness_hurts_at'] or 'none'}.", "",
-              "| method | k | seeds | final greedy reward | kept share of G [95 % CI] | "
-              "− naive PPO [95 % CI] |", "|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {LABELS[r['method']]} | {r['k']} | {len(r['seeds'])} | "
-                     f"{r['final']:.3f} | {fmt(r['kept'])} | {fmt(r.get('vs_naive'))} |")
+              *render_rows(result["rows"])]
     fewest = min((len(r["seeds"]) for r in result["rows"]), default=0)
     if fewest < 2:
         lines += ["", f"Some cells have {fewest} seed so far (the sweep runs on, seed by seed): "
@@ -326,12 +287,7 @@ def render_page(result: dict, regime_result: dict | None = None,
                   "The same cells with a bf16 sampler beside the fp32 learner "
                   "(`rollout.dtype = \"bfloat16\"`, `sweep --suite mismatch`): π_prox at a "
                   "token's own version is no longer μ, which is what the exact proximal "
-                  "policy repairs.", "",
-                  "| method | k | seeds | final greedy reward | kept share of G [95 % CI] | "
-                  "− naive PPO [95 % CI] |", "|---|---|---|---|---|---|"]
-        for r in mismatch["rows"]:
-            lines.append(f"| {LABELS[r['method']]} | {r['k']} | {len(r['seeds'])} | "
-                         f"{r['final']:.3f} | {fmt(r['kept'])} | {fmt(r.get('vs_naive'))} |")
+                  "policy repairs.", "", *render_rows(mismatch["rows"])]
         lines += ["", "| method | verdict (same rule) |", "|---|---|"]
         lines += [f"| {LABELS[m]} | {v} |" for m, v in mismatch["verdicts"].items()]
         lines += ["", "![kept share against k, bf16 rollouts]"

@@ -1,0 +1,60 @@
+"""The real-model confirmation's plumbing on the tiny model: cells configured as the study
+says (the SmolLM2 setup: chain_sum, strict verifier, 512 problems, the k-stale source), a
+smoke sweep's records hold the per-problem greedy results its runs' eval_problems.jsonl
+gave, a finished cell is skipped, and the committed page is generated from the committed JSON."""
+import json
+from pathlib import Path
+
+import numpy as np
+
+from experiments.repro import staleness_confirm as sc
+from experiments.repro.staleness_real.methods import cell_config
+
+
+def test_the_study_cells_are_the_smollm2_setup(tmp_path):
+    cfg = cell_config(sc.SETUP, "naive", sc.K, 2, str(tmp_path))
+    assert cfg.model.name == "smollm2-135m" and cfg.task.spec == "reasoning_gym:chain_sum"
+    assert cfg.reward.verifier == "strict" and cfg.loop.eval_prompts == 512
+    assert cfg.asynchronous.max_staleness == 8 and cfg.asynchronous.mode == "deterministic"
+    assert cfg.train.old_logp == "behaviour" and cfg.loop.seed == 2
+    assert cell_config(sc.SETUP, "decoupled", 8, 0, str(tmp_path)).train.old_logp == "current"
+    order = sc.grid()
+    assert order[:6] == [("naive", 0, 0), ("naive", 8, 0), ("naive", 0, 1), ("naive", 8, 1),
+                         ("naive", 0, 2), ("naive", 8, 2)]
+    assert len(order) == 6 + 3 * len(sc.CORRECTIONS)
+
+
+def test_smoke_sweep_records_the_problems_and_reports(tmp_path):
+    cells, work = tmp_path / "cells", tmp_path / "work"
+    grid = [("naive", 0, 0), ("naive", 2, 0), ("decoupled", 2, 0)]
+    sc.sweep(grid, None, sc.smoke_setup(), cells, work)
+    rec = json.loads((cells / "naive_k2_s0.json").read_text())
+    lines = [json.loads(x) for x in (work / "naive_k2_s0" / "eval_problems.jsonl")
+             .read_text().splitlines()]
+    greedy = [r for r in lines if r["pass"] == "greedy"]
+    assert rec["final_step"] == 2 and rec["initial_step"] == 0
+    order = np.argsort(greedy[-1]["prompt_index"])
+    np.testing.assert_allclose(rec["final_correct"], np.asarray(greedy[-1]["accuracy"])[order])
+    np.testing.assert_allclose(rec["initial_correct"], np.asarray(greedy[0]["accuracy"])[order])
+    mtime = (cells / "naive_k2_s0.json").stat().st_mtime
+    sc.sweep(grid[1:2], None, sc.smoke_setup(), cells, work)  # done: skipped
+    assert (cells / "naive_k2_s0.json").stat().st_mtime == mtime
+    out = sc.report(cells, tmp_path / "r.json", page=False)
+    assert {(r["method"], r["k"]) for r in out["rows"]} == {
+        ("naive", 0), ("naive", 2), ("decoupled", 2)}
+    assert "decoupled" in out["verdicts"] and (tmp_path / "r.png").is_file()
+
+
+def test_the_committed_page_and_rows_are_generated_from_the_committed_json():
+    root = Path(__file__).resolve().parents[1]
+    result = json.loads((root / sc.RESULT).read_text())
+    assert (root / sc.PAGE).read_text() == sc.render_page(result)
+    if result.get("rows"):
+        readme = (root / "README.md").read_text().splitlines()
+        index = (root / "docs/results/index.md").read_text().splitlines()
+        assert sc.summary_row(result, "docs/results/staleness-confirm.md") in readme
+        assert sc.summary_row(result, "staleness-confirm.md", index=True) in index
+        # the records behind the JSON are committed, and give its synchronous gain
+        base = [json.loads(p.read_text()) for p in (root / sc.CELLS_DIR).glob("naive_k0_s*.json")]
+        gain = np.mean([np.mean(r["final_correct"]) - np.mean(r["initial_correct"]) for r in base])
+        assert abs(gain - result["sync_gain"]) < 1e-4
