@@ -74,3 +74,17 @@ def test_the_committed_page_is_its_json_rendered(bench):
     assert bench.PAGE.read_text() == bench.render_page(result)
     link = bench.PAGE.name
     assert bench.summary_row(result, link, index=True) in bench.INDEX.read_text().splitlines()
+
+
+def test_the_async_guide_quotes_the_committed_ray_figures():
+    """The guide's Ray tool-latency ratios and faults sentence are the committed JSONs'."""
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs/guides/async.md").read_text()
+    guide = " ".join(guide.split())  # the guide wraps its lines
+    ratios = json.loads(ray_agentic.RESULT.read_text())["ratios"]
+    assert f"{ratios['ray']:.2f}× the synchronous loop with one request a worker" in guide
+    assert f"{ratios['ray_x2']:.2f}× with `--worker-requests 2`" in guide
+    faults = json.loads(ray_faults.RESULT.read_text())
+    assert "every step equals the undisturbed run's" in guide
+    assert all(p["differing_steps"] == [] and p["passed"] for p in faults["parts"].values())
