@@ -44,15 +44,19 @@ tracebacks of those failures are kept out of the log while the Checkpointer is o
 (rl.runtime.storage.OrbaxErrorLog). A failed save leaves the earlier checkpoints intact
 (orbax writes into `<step>.orbax-checkpoint-tmp` and renames only a complete one); with
 cleanup_tmp=True (the loops, which hold the run lock) such leftovers of a failed or killed
-save are deleted when the Checkpointer opens. Before each save, `free_space_warning` warns
+save are deleted when the Checkpointer opens (`remove_unfinished_saves`: retried while late
+writes of a failed save still land). Before each save, `free_space_warning` warns
 (StorageWarning) when the disk has room for fewer than two more checkpoints the size of
 the last one.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -127,6 +131,27 @@ def record_checksum(record: dict) -> str:
     return xxhash.xxh3_128_hexdigest(text.encode())
 
 
+def remove_unfinished_saves(directory: Path, patience_s: float = 10.0) -> None:
+    """Delete `<step>.orbax-checkpoint-tmp*` folders under `directory` (unfinished saves).
+    A save of this process that failed can still have writes in flight on orbax's threads
+    (a full disk fails one file, the others go on), so a folder that fills again while it
+    is being deleted ("Directory not empty") is retried until `patience_s` has passed."""
+    if not directory.is_dir():
+        return
+    for tmp in directory.glob("*.orbax-checkpoint-tmp*"):
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                shutil.rmtree(tmp)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as err:
+                if err.errno != errno.ENOTEMPTY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
 class Checkpointer:
     """Keep the last `keep` checkpoints of a run under `directory` (created if needed).
 
@@ -150,6 +175,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save,
                                                cleanup_tmp_directories=cleanup_tmp)
+        if cleanup_tmp and jax.process_index() == 0:
+            remove_unfinished_saves(self.directory)
         ORBAX_ERRORS.take()
         quiet_orbax_echoes()  # a failed save's leftover writes fail noisily (storage doc)
         try:

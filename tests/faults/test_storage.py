@@ -14,6 +14,7 @@ takes a small append into the file's last, partly used page, so which record fai
 first is not up to the test. Permission denied, read-only and quota exceeded are
 injected too (root ignores file modes; no quota here).
 """
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -34,7 +35,7 @@ from conftest import (
 
 from rl.loops import AsyncConfig, run, run_async
 from rl.runtime import logging as run_logging
-from rl.runtime.checkpoint import Checkpointer
+from rl.runtime.checkpoint import Checkpointer, remove_unfinished_saves
 from rl.runtime.logging import MetricsLogger
 from rl.runtime.storage import (
     StorageError,
@@ -193,6 +194,37 @@ def test_full_disk_in_orbax_background_write(policy, disk, reference, caplog, mo
     err = stopped_then_resumed(policy, disk, reference, caplog, "cannot write checkpoint step 3",
                                last_good=2)
     assert err.path.endswith("checkpoints")
+
+
+def test_unfinished_saves_are_removed_while_late_writes_still_land(tmp_path):
+    """A failed save's writer threads can go on adding files to its tmp folder while the
+    next open deletes it (the "Directory not empty" race): the removal retries until they
+    stop; finished checkpoints beside it are kept."""
+    import threading
+    import time
+
+    tmp = tmp_path / "3.orbax-checkpoint-tmp-17"
+    (tmp / "state").mkdir(parents=True)
+    (tmp_path / "2").mkdir()
+    stop = time.monotonic() + 0.5
+
+    def late_writes():  # a leftover writer: new files as fast as it can for half a second
+        i = 0
+        while time.monotonic() < stop:
+            with contextlib.suppress(FileNotFoundError):
+                (tmp / "state").mkdir(parents=True, exist_ok=True)
+                (tmp / "state" / f"chunk{i}").write_bytes(b"x" * 64)
+            i += 1
+
+    writer = threading.Thread(target=late_writes)
+    writer.start()
+    try:  # many opens during the writes: a plain rmtree fails on some
+        while writer.is_alive():
+            remove_unfinished_saves(tmp_path)
+    finally:
+        writer.join()
+    remove_unfinished_saves(tmp_path)  # what the writer added after the last pass
+    assert not tmp.exists() and (tmp_path / "2").is_dir()
 
 
 def test_full_disk_at_the_metrics_record(policy, injected, reference, caplog, monkeypatch):
