@@ -200,3 +200,39 @@ def stack_trees(trees: Sequence[PackedTree], length: int | None = None,
             out[k][b, :n] = getattr(t, k)
         out["parents"][b, :len(t.parents)] = t.parents
     return out
+
+
+def leaf_index(trees: Sequence[PackedTree], length: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Where each leaf's tokens sit in a `stack_trees` batch of `trees` ([batch, length]):
+    index [L, n] int32 into the flattened batch (row * length + packed index) and valid
+    [L, n] bool, for the L leaves (tree by tree, in each tree's path order) padded to the
+    longest (n). `gather_leaves` turns any per-token tree value into its per-leaf view, so
+    a loss written for independent sequences runs unchanged on a tree, and its gradient
+    flows into each shared token once per leaf through it."""
+    length = length or max(t.num_tokens for t in trees)
+    paths = [(row, p) for row, t in enumerate(trees) for p in t.paths]
+    n = max(len(p) for _, p in paths)
+    index = np.zeros((len(paths), n), np.int32)
+    valid = np.zeros((len(paths), n), bool)
+    for leaf, (row, p) in enumerate(paths):
+        index[leaf, :len(p)] = row * length + p
+        valid[leaf, :len(p)] = True
+    return index, valid
+
+
+def gather_leaves(values: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
+    """The per-leaf view [L, n] of per-token tree values [batch, T] (e.g.
+    `tree_token_logprobs`: then out[l, j] = log p(leaf_l[j] | leaf_l[:j]), 0 at j = 0 and
+    at padding); index / valid from `leaf_index`."""
+    flat = values.reshape(-1, *values.shape[2:])
+    return jnp.where(valid, flat[index], jnp.zeros((), values.dtype))
+
+
+def tree_batch_stats(trees: Sequence[PackedTree]) -> dict[str, float]:
+    """What a batch of trees saves: leaf tokens (as independent sequences), tree tokens
+    (each shared prefix once) and their ratio, the batch's packing ratio."""
+    leaf = sum(len(p) for t in trees for p in t.paths)
+    tree = sum(t.num_tokens for t in trees)
+    return {"tree_leaf_tokens": float(leaf), "tree_tokens": float(tree),
+            "tree_packing_ratio": leaf / tree}
