@@ -96,7 +96,8 @@ def cell_record(setup: SweepSetup, cell: tuple[str, int, int], run_dir: Path, wa
 
 def sweep(cells: list[tuple[str, int, int]], max_cells: int | None, setup: SweepSetup = SETUP,
           cells_dir: Path = CELLS_DIR, work_dir: Path = WORK_DIR) -> None:
-    """Train every missing cell of `cells` in order (resuming an unfinished one)."""
+    """Train every missing cell of `cells` in order (resuming an unfinished one); into the
+    committed cells dir, the report (JSON, PNG, page, rows) is rewritten after each cell."""
     from experiments.repro.staleness_real.sweep import run_cell
     from rl.runtime.preemption import Preempted
 
@@ -116,6 +117,8 @@ def sweep(cells: list[tuple[str, int, int]], max_cells: int | None, setup: Sweep
         print(f"[{i + 1}/{len(todo)}] {run_name(*cell)}: greedy accuracy "
               f"{np.mean(rec['initial_correct']):.3f} -> {np.mean(rec['final_correct']):.3f} "
               f"({wall / 60:.1f} min)", file=sys.stderr, flush=True)
+        if cells_dir == CELLS_DIR:  # the committed summary stays current cell by cell
+            report()
 
 
 # ----------------------------------------------------------------------------- report
@@ -277,8 +280,6 @@ def main(argv: list[str] | None = None) -> None:
         cells = [c for c in grid(args.seeds) if not args.methods or c[0] in args.methods]
         sweep(cells, args.max_cells, smoke_setup() if args.smoke else SETUP,
               Path(args.runs_dir), Path(args.work_dir))
-        if not args.smoke and Path(args.runs_dir) == CELLS_DIR:
-            report()
     else:
         out = report(Path(args.runs_dir)) if Path(args.runs_dir) == CELLS_DIR else \
             report(Path(args.runs_dir), Path(args.runs_dir) / "summary.json", page=False)
