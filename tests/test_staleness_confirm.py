@@ -28,6 +28,9 @@ def test_smoke_sweep_records_the_problems_and_reports(tmp_path):
     cells, work = tmp_path / "cells", tmp_path / "work"
     grid = [("naive", 0, 0), ("naive", 2, 0), ("decoupled", 2, 0)]
     sc.sweep(grid, None, sc.smoke_setup(), cells, work)
+    # the tiny model learns nothing in 2 steps: no hurt at k = 2, so the correction waits
+    assert not sc.staleness_hurts(cells, 2) and not (cells / "decoupled_k2_s0.json").exists()
+    sc.sweep(grid, None, sc.smoke_setup(), cells, work, force=True)
     rec = json.loads((cells / "naive_k2_s0.json").read_text())
     lines = [json.loads(x) for x in (work / "naive_k2_s0" / "eval_problems.jsonl")
              .read_text().splitlines()]

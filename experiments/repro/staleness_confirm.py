@@ -24,7 +24,9 @@ stopped sweep continues when the command is run again.
 
 The order is the one that decides first: the synchronous baseline and naive PPO at k = 8,
 seed by seed (whether staleness hurts at all is the question every correction's verdict
-hangs on), then the corrections at k = 8, seed by seed.
+hangs on), then the corrections at k = 8, seed by seed. A correction's cell starts only if
+the finished naive cells show staleness hurting at its k (the rule judges corrections only
+there: elsewhere every verdict is "untested" whatever they score); `--force` runs them anyway.
 
 The rule is the testbed's (experiments.common.offpolicy_verdicts, written on
 docs/results/staleness-confirm.md before any cell ran): kept(m, k) = (m at k - initial) /
@@ -94,16 +96,33 @@ def cell_record(setup: SweepSetup, cell: tuple[str, int, int], run_dir: Path, wa
     return rec
 
 
+def staleness_hurts(cells_dir: Path, k: int) -> bool:
+    """Whether the rule finds that staleness hurts naive PPO at k on the finished cells
+    (False without the synchronous baseline or naive PPO at k)."""
+    cells = load_tables(cells_dir)
+    if ("naive", 0) not in cells or ("naive", k) not in cells:
+        return False
+    return k in verdicts_from_tables(cells)["staleness_hurts_at"]
+
+
 def sweep(cells: list[tuple[str, int, int]], max_cells: int | None, setup: SweepSetup = SETUP,
-          cells_dir: Path = CELLS_DIR, work_dir: Path = WORK_DIR) -> None:
+          cells_dir: Path = CELLS_DIR, work_dir: Path = WORK_DIR, force: bool = False) -> None:
     """Train every missing cell of `cells` in order (resuming an unfinished one); into the
-    committed cells dir, the report (JSON, PNG, page, rows) is rewritten after each cell."""
+    committed cells dir, the report (JSON, PNG, page, rows) is rewritten after each cell.
+    A correction's cell starts only where the finished naive cells show staleness hurting
+    (module doc; force: run it anyway)."""
     from experiments.repro.staleness_real.sweep import run_cell
     from rl.runtime.preemption import Preempted
 
     cells_dir.mkdir(parents=True, exist_ok=True)
     todo = [c for c in cells if not (cells_dir / f"{run_name(*c)}.json").is_file()]
     for i, cell in enumerate(todo[:max_cells]):
+        if cell[0] != "naive" and not force and not staleness_hurts(cells_dir, cell[1]):
+            print(f"naive PPO is not hurt at k = {cell[1]} on the finished seeds: no loss for "
+                  f"{cell[0]} and the other corrections to repair, so their cells are not run "
+                  "(the rule judges them only where staleness hurts; --force runs them)",
+                  file=sys.stderr, flush=True)
+            return
         try:
             run_dir, wall = run_cell(setup, *cell, work_dir)
         except Preempted:
@@ -209,7 +228,11 @@ def render_page(result: dict) -> str:
              f"{COMMAND} report", "```", "",
              "The order decides first: the synchronous run and naive PPO at k = "
              f"{result['k']}, seed by seed, then the corrections ("
-             + ", ".join(LABELS[m] for m in CORRECTIONS) + ").", "",
+             + ", ".join(LABELS[m] for m in CORRECTIONS) + "), which start only if the "
+             f"finished naive cells show staleness hurting at k = {result['k']}: the rule "
+             "judges a correction nowhere else (`--force` runs them anyway). This gate was "
+             "added after 3 of the 6 naive cells had finished; the rule itself is unchanged.",
+             "",
              RULE.replace("{measure}", f"greedy accuracy on the {s['eval_prompts']} held-out "
                           "problems at the last step"), ""]
     if not result.get("rows"):
@@ -271,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     s.add_argument("--max-cells", type=int)
     s.add_argument("--smoke", action="store_true", help="the tiny model, 2 steps a cell")
+    s.add_argument("--force", action="store_true",
+                   help="run the corrections' cells even where staleness does not hurt")
     s.add_argument("--runs-dir", default=str(CELLS_DIR))
     s.add_argument("--work-dir", default=str(WORK_DIR))
     r = sub.add_parser("report")
@@ -279,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "sweep":
         cells = [c for c in grid(args.seeds) if not args.methods or c[0] in args.methods]
         sweep(cells, args.max_cells, smoke_setup() if args.smoke else SETUP,
-              Path(args.runs_dir), Path(args.work_dir))
+              Path(args.runs_dir), Path(args.work_dir), args.force)
     else:
         out = report(Path(args.runs_dir)) if Path(args.runs_dir) == CELLS_DIR else \
             report(Path(args.runs_dir), Path(args.runs_dir) / "summary.json", page=False)
