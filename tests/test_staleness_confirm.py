@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.common.staleness_cells import cell_config
 from experiments.repro import staleness_confirm as sc
-from experiments.repro.staleness_real.methods import cell_config
 
 
 def test_the_study_cells_are_the_smollm2_setup(tmp_path):

@@ -47,11 +47,16 @@ import numpy as np
 
 from experiments.common.docs_rows import replace_row
 from experiments.common.offpolicy_methods import LABELS, METHODS
-from experiments.common.offpolicy_verdicts import (KEPT, RULE, render_rows, run_machines,
-                                                   verdicts_from_tables)
+from experiments.common.offpolicy_verdicts import (
+    KEPT,
+    RULE,
+    render_rows,
+    run_machines,
+    verdicts_from_tables,
+)
 from experiments.common.paired import problem_results
-from experiments.repro.staleness_real.methods import SweepSetup, run_name
-from experiments.repro.staleness_real.tasks import CANDIDATES
+from experiments.common.staleness_cells import SweepSetup, run_name
+from rl.run import PRESETS
 from rl.runtime.host import machine
 from rl.runtime.logging import atomic_write_json
 
@@ -62,8 +67,8 @@ RESULT = RESULTS / f"{NAME}.json"
 PAGE = Path("docs/results/staleness-confirm.md")
 README, INDEX = Path("README.md"), Path("docs/results/index.md")
 WORK_DIR = Path("runs") / NAME
-TASK = "chain_sum_2x2"
-SPEC, OPTIONS = CANDIDATES[TASK]
+# the smollm2-rg preset's own task: chain_sum, two terms of 1-2 digits
+SPEC, OPTIONS = PRESETS["smollm2-rg"].task.spec, dict(PRESETS["smollm2-rg"].task.kwargs)
 SETUP = SweepSetup(task=SPEC, task_options=OPTIONS, steps=24, prompts_per_step=8,
                    group_size=8, eval_every=24, eval_prompts=512, eval_sampled_prompts=8,
                    save_every=4)
@@ -83,7 +88,7 @@ def cell_record(setup: SweepSetup, cell: tuple[str, int, int], run_dir: Path, wa
                 ) -> dict:
     """The staleness sweep's record of a finished cell plus each held-out problem's greedy
     correctness (0/1 under the strict verifier) at the initial and final evals."""
-    from experiments.repro.staleness_real.sweep import cell_record as curves_record
+    from experiments.common.staleness_cells import cell_record as curves_record
 
     rec = curves_record(setup, *cell, run_dir, wall_s, f"{COMMAND} sweep")
     res = problem_results(run_dir)
@@ -111,7 +116,7 @@ def sweep(cells: list[tuple[str, int, int]], max_cells: int | None, setup: Sweep
     committed cells dir, the report (JSON, PNG, page, rows) is rewritten after each cell.
     A correction's cell starts only where the finished naive cells show staleness hurting
     (module doc; force: run it anyway)."""
-    from experiments.repro.staleness_real.sweep import run_cell
+    from experiments.common.staleness_cells import run_cell
     from rl.runtime.preemption import Preempted
 
     cells_dir.mkdir(parents=True, exist_ok=True)

@@ -157,7 +157,7 @@ def print_summary(summary: dict) -> None:
 def run_sweep(args, command: str) -> None:
     from tqdm.auto import tqdm
 
-    from experiments.repro.staleness_real.sweep import finish_cell, record_path, run_cell
+    from experiments.common.staleness_cells import finish_cell, record_path, run_cell
     from rl.runtime.preemption import Preempted
 
     runs_dir, work_dir = Path(args.runs_dir), Path(args.work_dir)

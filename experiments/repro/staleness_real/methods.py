@@ -28,68 +28,10 @@ and the learner logs both factors of π_θ/μ (mismatch_* = π_prox/μ, stalenes
 """
 from __future__ import annotations
 
-import dataclasses
-
-from experiments.common.offpolicy_methods import COLORS, LABELS, method_train  # noqa: F401
-from rl.loops import AsyncConfig
-from rl.loops.config import LoggingConfig, RewardConfig, RunConfig, TaskSpec
-from rl.run import PRESETS
+from experiments.common.offpolicy_methods import COLORS, LABELS  # noqa: F401
+from experiments.common.staleness_cells import SweepSetup, cell_config, run_name  # noqa: F401
 
 METHODS = ("naive", "decoupled", "m2po", "vcpo")  # of experiments.common.offpolicy_methods
-BASE_PRESET = "smollm2-rg"
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepSetup:
-    """What every cell of a sweep shares: the task (spec, options; its split is fixed by
-    task_seed), the schedule, the batch and the sampler's compute dtype (rollout_dtype
-    "bfloat16": a bf16 inference engine beside the fp32 learner, a real train/inference
-    mismatch). Recorded in every run's JSON."""
-
-    task: str | None  # None: the preset's own task (an environment such as the calculator)
-    task_options: dict  # with task None: options over the preset task's own
-    steps: int = 40
-    prompts_per_step: int = 8
-    group_size: int = 8
-    eval_every: int = 10
-    eval_prompts: int = 256
-    eval_sampled_prompts: int = 16
-    save_every: int = 5
-    task_seed: int = 0
-    preset: str = BASE_PRESET  # the learner, loop and model every method starts from
-    rollout_dtype: str | None = None  # the sampler's compute dtype (None: the model's, fp32)
-
-
-def cell_config(setup: SweepSetup, method: str, k: int, seed: int, run_dir: str) -> RunConfig:
-    """The whole RunConfig of one (method, staleness k, seed) cell."""
-    preset = PRESETS[setup.preset]
-    loop = dataclasses.replace(
-        preset.loop, steps=setup.steps, prompts_per_step=setup.prompts_per_step,
-        group_size=setup.group_size, eval_every=setup.eval_every,
-        eval_prompts=setup.eval_prompts, eval_greedy=True,
-        eval_sampled_prompts=setup.eval_sampled_prompts, save_every=setup.save_every,
-        keep_checkpoints=1, seed=seed, time_limit_s=0.0)
-    return dataclasses.replace(
-        preset, name=f"staleness-real-{method}-k{k}", run_dir=run_dir,
-        description=f"issue 35 sweep cell: {LABELS[method]}, max staleness {k}, seed {seed}"
-                    + (f", {setup.rollout_dtype} rollouts" if setup.rollout_dtype else ""),
-        task=TaskSpec(preset.task.spec, {**preset.task.kwargs, **setup.task_options},
-                      seed=preset.task.seed) if setup.task is None else
-        TaskSpec(setup.task, dict(setup.task_options), seed=setup.task_seed),
-        # the strict verifier: full credit only, not reasoning-gym's partial credit
-        reward=RewardConfig(verifier="strict" if (setup.task or "").startswith("reasoning_gym")
-                            else None),
-        train=method_train(method, preset.train), loop=loop,
-        rollout=dataclasses.replace(preset.rollout, dtype=setup.rollout_dtype),
-        # k > 0: the param ring on disk (bit-identical; at k = 32 the in-memory ring would
-        # be 34 x 0.54 GB of SmolLM2 weights beside a ~14 GB step)
-        asynchronous=AsyncConfig(mode="deterministic", max_staleness=k,
-                                 snapshot_store="disk" if k > 0 else "memory"),
-        logging=LoggingConfig(wandb="disabled", progress=False))
-
-
-def run_name(method: str, k: int, seed: int) -> str:
-    return f"{method}_k{k}_s{seed}"
 
 
 def grid_order(methods: list[str], ks: list[int], seeds: list[int],

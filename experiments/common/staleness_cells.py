@@ -1,24 +1,88 @@
-"""The sweep: one resumable run per (method, staleness k, seed) cell.
+"""One cell of a staleness study (method, staleness k, seed) as a resumable run of the
+library, shared by the real-model studies (experiments/repro/staleness_real,
+experiments/repro/staleness_confirm).
 
-A cell trains with rl.run.train (the library run layer: run record, checkpoints every
-`save_every` steps) in `<work dir>/<method>_k<k>_s<seed>`. A cell whose run dir holds a
-checkpoint resumes from it (deterministic async resumes bit for bit), so a stopped sweep
-(SIGTERM, Ctrl-C, a reboot) continues where it stopped: re-run the same command. A
-finished cell's record (curves, final greedy accuracy, config, timings) goes to
-`<runs dir>/<name>.json` and its checkpoints are deleted (the metrics and run record stay);
-a cell with a record is skipped.
+SweepSetup is what a study's cells share; cell_config the whole RunConfig of a cell (a
+method of experiments.common.offpolicy_methods on a preset's learner, trained by
+rl.loops.run_async in deterministic mode: step v trains on a batch sampled with the params
+of version max(v - k, 0)). A cell trains with rl.run.train in `<work dir>/<method>_k<k>_s<seed>`
+(run record, checkpoints every `save_every` steps); a cell whose run dir holds a checkpoint
+resumes from it (deterministic async resumes bit for bit), so a stopped sweep (SIGTERM,
+Ctrl-C, a reboot) continues where it stopped. A finished cell's record (curves, final
+greedy accuracy, config, timings) goes to `<runs dir>/<name>.json` and its checkpoints are
+deleted (the metrics and run record stay).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from experiments.repro.staleness_real.methods import SweepSetup, cell_config, run_name
+from experiments.common.offpolicy_methods import LABELS, method_train
+from rl.loops import AsyncConfig
+from rl.loops.config import LoggingConfig, RewardConfig, RunConfig, TaskSpec
+from rl.run import PRESETS
 from rl.runtime.host import load_average, machine
 from rl.runtime.logging import atomic_write_json
+
+BASE_PRESET = "smollm2-rg"
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSetup:
+    """What every cell of a sweep shares: the task (spec, options; its split is fixed by
+    task_seed), the schedule, the batch and the sampler's compute dtype (rollout_dtype
+    "bfloat16": a bf16 inference engine beside the fp32 learner, a real train/inference
+    mismatch). Recorded in every run's JSON."""
+
+    task: str | None  # None: the preset's own task (an environment such as the calculator)
+    task_options: dict  # with task None: options over the preset task's own
+    steps: int = 40
+    prompts_per_step: int = 8
+    group_size: int = 8
+    eval_every: int = 10
+    eval_prompts: int = 256
+    eval_sampled_prompts: int = 16
+    save_every: int = 5
+    task_seed: int = 0
+    preset: str = BASE_PRESET  # the learner, loop and model every method starts from
+    rollout_dtype: str | None = None  # the sampler's compute dtype (None: the model's, fp32)
+
+
+def cell_config(setup: SweepSetup, method: str, k: int, seed: int, run_dir: str) -> RunConfig:
+    """The whole RunConfig of one (method, staleness k, seed) cell."""
+    preset = PRESETS[setup.preset]
+    loop = dataclasses.replace(
+        preset.loop, steps=setup.steps, prompts_per_step=setup.prompts_per_step,
+        group_size=setup.group_size, eval_every=setup.eval_every,
+        eval_prompts=setup.eval_prompts, eval_greedy=True,
+        eval_sampled_prompts=setup.eval_sampled_prompts, save_every=setup.save_every,
+        keep_checkpoints=1, seed=seed, time_limit_s=0.0)
+    return dataclasses.replace(
+        preset, name=f"staleness-real-{method}-k{k}", run_dir=run_dir,
+        description=f"issue 35 sweep cell: {LABELS[method]}, max staleness {k}, seed {seed}"
+                    + (f", {setup.rollout_dtype} rollouts" if setup.rollout_dtype else ""),
+        task=TaskSpec(preset.task.spec, {**preset.task.kwargs, **setup.task_options},
+                      seed=preset.task.seed) if setup.task is None else
+        TaskSpec(setup.task, dict(setup.task_options), seed=setup.task_seed),
+        # the strict verifier: full credit only, not reasoning-gym's partial credit
+        reward=RewardConfig(verifier="strict" if (setup.task or "").startswith("reasoning_gym")
+                            else None),
+        train=method_train(method, preset.train), loop=loop,
+        rollout=dataclasses.replace(preset.rollout, dtype=setup.rollout_dtype),
+        # k > 0: the param ring on disk (bit-identical; at k = 32 the in-memory ring would
+        # be 34 x 0.54 GB of SmolLM2 weights beside a ~14 GB step)
+        asynchronous=AsyncConfig(mode="deterministic", max_staleness=k,
+                                 snapshot_store="disk" if k > 0 else "memory"),
+        logging=LoggingConfig(wandb="disabled", progress=False))
+
+
+def run_name(method: str, k: int, seed: int) -> str:
+    return f"{method}_k{k}_s{seed}"
+
 
 # per-step train metrics kept in a run's record (None where the method does not log one)
 TRAIN_KEYS = ("reward_mean", "reward_correct", "zero_spread_frac", "vcpo_ess", "vcpo_lr_scale",
