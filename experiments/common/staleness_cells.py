@@ -23,7 +23,7 @@ from pathlib import Path
 
 from experiments.common.offpolicy_methods import LABELS, method_train
 from rl.loops import AsyncConfig
-from rl.loops.config import LoggingConfig, RewardConfig, RunConfig, TaskSpec
+from rl.loops.config import LoggingConfig, RewardConfig, RunConfig, TaskSpec, TrainConfig
 from rl.run import PRESETS
 from rl.runtime.host import load_average, machine
 from rl.runtime.logging import atomic_write_json
@@ -50,6 +50,7 @@ class SweepSetup:
     task_seed: int = 0
     preset: str = BASE_PRESET  # the learner, loop and model every method starts from
     rollout_dtype: str | None = None  # the sampler's compute dtype (None: the model's, fp32)
+    learning_rate: float | None = None  # the optimizer's peak rate (None: the preset's)
 
 
 def cell_config(setup: SweepSetup, method: str, k: int, seed: int, run_dir: str) -> RunConfig:
@@ -71,13 +72,24 @@ def cell_config(setup: SweepSetup, method: str, k: int, seed: int, run_dir: str)
         # the strict verifier: full credit only, not reasoning-gym's partial credit
         reward=RewardConfig(verifier="strict" if (setup.task or "").startswith("reasoning_gym")
                             else None),
-        train=method_train(method, preset.train), loop=loop,
+        train=method_train(method, train_with_rate(preset.train, setup.learning_rate)),
+        loop=loop,
         rollout=dataclasses.replace(preset.rollout, dtype=setup.rollout_dtype),
         # k > 0: the param ring on disk (bit-identical; at k = 32 the in-memory ring would
         # be 34 x 0.54 GB of SmolLM2 weights beside a ~14 GB step)
         asynchronous=AsyncConfig(mode="deterministic", max_staleness=k,
                                  snapshot_store="disk" if k > 0 else "memory"),
         logging=LoggingConfig(wandb="disabled", progress=False))
+
+
+def train_with_rate(train: TrainConfig, learning_rate: float | None) -> TrainConfig:
+    """`train` with its optimizer's peak learning rate replaced (None: unchanged)."""
+    if learning_rate is None:
+        return train
+    if not learning_rate > 0:
+        raise ValueError(f"SweepSetup.learning_rate must be > 0 (or None), got {learning_rate}")
+    return dataclasses.replace(train, optimizer=dataclasses.replace(
+        train.optimizer, learning_rate=float(learning_rate)))
 
 
 def run_name(method: str, k: int, seed: int) -> str:

@@ -301,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--smoke", action="store_true", help="the tiny model, 2 steps a cell")
     s.add_argument("--force", action="store_true",
                    help="run the corrections' cells even where staleness does not hurt")
+    s.add_argument("--learning-rate", type=float,
+                   help="the learner's peak rate instead of the preset's (a pilot of another "
+                        "regime: give it its own --runs-dir and --work-dir)")
     s.add_argument("--runs-dir", default=str(CELLS_DIR))
     s.add_argument("--work-dir", default=str(WORK_DIR))
     r = sub.add_parser("report")
@@ -308,8 +311,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.cmd == "sweep":
         cells = [c for c in grid(args.seeds) if not args.methods or c[0] in args.methods]
-        sweep(cells, args.max_cells, smoke_setup() if args.smoke else SETUP,
-              Path(args.runs_dir), Path(args.work_dir), args.force)
+        setup = smoke_setup() if args.smoke else SETUP
+        if args.learning_rate is not None:
+            if Path(args.runs_dir) == CELLS_DIR:
+                p.error("--learning-rate is another regime: give it its own --runs-dir (the "
+                        "committed cells are the preset's rate)")
+            setup = dataclasses.replace(setup, learning_rate=args.learning_rate)
+        sweep(cells, args.max_cells, setup, Path(args.runs_dir), Path(args.work_dir), args.force)
     else:
         out = report(Path(args.runs_dir)) if Path(args.runs_dir) == CELLS_DIR else \
             report(Path(args.runs_dir), Path(args.runs_dir) / "summary.json", page=False)

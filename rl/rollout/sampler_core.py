@@ -264,6 +264,39 @@ def fill_impl(params: Params, state: SamplerState, fill: ReplicatedFill | Segmen
     return _fill_replicated(params, state, fill, context_kv)
 
 
+def decode_one(params: Params, st: SamplerState, version: jax.Array,
+               kv_bound: int | None = None) -> tuple[SamplerState, jax.Array]:
+    """One decode step of every live slot (the body of `decode_segment_impl`): feed its
+    pending token, draw the next from the logits with key fold_in(keys[s], t), stamp
+    `version`, stop on a stop id or the budget. Returns (state, logits [S, vocab] float32
+    of this step; done slots' rows are throw-away). Not jitted."""
+    s, r_max = st.response_ids.shape
+    rows = jnp.arange(s)
+    live = ~st.done
+    logits, cache = decode_jit(params, st.pending, st.cache, config=st.config,
+                                attn_impl=st.attn_impl, kv_bound=kv_bound,
+                                layer_loop=st.layer_loop)
+    # Done slots computed a throw-away step: keep their cache length (the write they
+    # made lies past it, or is dropped, and is never read).
+    cache = kvc.keep_lengths_where(cache, st.cache, live)
+    keys = jax.vmap(jax.random.fold_in)(st.keys, st.num_generated)
+    tok, logp = sample_tokens(logits, keys, st.sampling)
+    col = jnp.where(live, st.num_generated, r_max)  # r_max: out of range, dropped
+    n = st.num_generated + live.astype(jnp.int32)
+    hit = live & (tok[:, None] == st.stop_ids[None, :]).any(axis=-1)
+    st = st.replace(
+        cache=cache,
+        pending=jnp.where(live, tok, st.pending),
+        response_ids=st.response_ids.at[rows, col].set(tok, mode="drop"),
+        logprobs=st.logprobs.at[rows, col].set(logp, mode="drop"),
+        versions=st.versions.at[rows, col].set(version, mode="drop"),
+        num_generated=n,
+        done=st.done | hit | (live & (n >= st.budget)),
+        stopped=st.stopped | hit,
+    )
+    return st, logits
+
+
 def decode_segment_impl(params: Params, state: SamplerState, num_tokens: jax.Array,
                         version: jax.Array, kv_bound: int | None = None) -> SamplerState:
     """Pure body of `decode_segment`: up to num_tokens decode steps in one while_loop;
@@ -273,39 +306,13 @@ def decode_segment_impl(params: Params, state: SamplerState, num_tokens: jax.Arr
     of each cache row / response segment, so the caller must keep every live slot's cache
     length below kv_bound for all num_tokens steps (`rl.rollout.sampler.decode_segment`
     plans that). Not jitted."""
-    s, r_max = state.response_ids.shape
-    rows = jnp.arange(s)
-    stop = state.stop_ids
-
     def cond(carry):
         i, st = carry
         return (i < num_tokens) & jnp.any(~st.done)
 
     def body(carry):
         i, st = carry
-        live = ~st.done
-        logits, cache = decode_jit(params, st.pending, st.cache, config=st.config,
-                                    attn_impl=st.attn_impl, kv_bound=kv_bound,
-                                    layer_loop=st.layer_loop)
-        # Done slots computed a throw-away step: keep their cache length (the write they
-        # made lies past it, or is dropped, and is never read).
-        cache = kvc.keep_lengths_where(cache, st.cache, live)
-        keys = jax.vmap(jax.random.fold_in)(st.keys, st.num_generated)
-        tok, logp = sample_tokens(logits, keys, st.sampling)
-        col = jnp.where(live, st.num_generated, r_max)  # r_max: out of range, dropped
-        n = st.num_generated + live.astype(jnp.int32)
-        hit = live & (tok[:, None] == stop[None, :]).any(axis=-1)
-        st = st.replace(
-            cache=cache,
-            pending=jnp.where(live, tok, st.pending),
-            response_ids=st.response_ids.at[rows, col].set(tok, mode="drop"),
-            logprobs=st.logprobs.at[rows, col].set(logp, mode="drop"),
-            versions=st.versions.at[rows, col].set(version, mode="drop"),
-            num_generated=n,
-            done=st.done | hit | (live & (n >= st.budget)),
-            stopped=st.stopped | hit,
-        )
-        return i + 1, st
+        return i + 1, decode_one(params, st, version, kv_bound)[0]
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state

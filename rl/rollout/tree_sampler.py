@@ -1,0 +1,202 @@
+"""Rollout trees in the sampler: a live sample forks into children that continue its prefix.
+
+A tree rollout decodes one token at a time and lets the host decide, between steps, which
+token each live slot keeps and which slots fork (a rollout strategy such as
+`rl.rollout.latr`). The device side is four jitted pieces over the segmented state
+(`rl.rollout.sampler`; a group's N slots are one aligned block sharing its prompt segment):
+
+    tree_decode_step(params, state, version, kv_bound) -> (state, TreeCandidates)
+        one decode step of every live slot, exactly the sampler's (`decode_one`: the slot's
+        key fold_in(keys[s], t), the same draw, the same stop rules), plus the top-m
+        candidates of the step's distribution: ids [S, m], their untempered probabilities
+        softmax(z)[c] (what a branching rule reads) and tempered log-probs
+        log softmax(z / T)[c] (the behaviour log-prob a chosen candidate is stamped with).
+    rewrite_tokens(state, slots, tokens, logprobs)
+        replace the token a slot drew at its last step by another (a candidate the strategy
+        chose instead): response id, behaviour log-prob, pending token, stop / budget.
+    fork_slots(state, parents, children, tokens, logprobs)
+        child := parent (its response segment's keys / values, response ids, log-probs,
+        versions, length, budget), then its last token replaced by `tokens`. Parent and
+        child are slots of one block (one group). The child keeps its own rng key, so after
+        the fork it samples its own stream.
+    retire_slots(state, slots)
+        mark slots done (a pruned branch, a slot the tree does not use yet).
+
+Token-for-token twin: a tree rollout that never rewrites and never forks is the sampler's
+own decode, one token per call (tests/rl/test_tree_sampler.py checks it against
+`rl.rollout.generate`). A fork *copies* the parent's response segment into the child's
+(the prompt segment stays shared, as for every group); a tree-of-segments cache where
+the children read the parent's keys in place is the next step (not built). The prefix is
+still decoded once: the child starts at the fork instead of recomputing it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from rl.rollout.sampler_core import decode_one
+from rl.rollout.sampler_state import SamplerState, bucket
+
+Params = Any
+
+
+@struct.dataclass
+class TreeCandidates:
+    """The top-m tokens of one decode step per slot: ids [S, m] int32 (most likely first),
+    probs [S, m] float32 under softmax(logits) (untempered), logprobs [S, m] float32 under
+    the sampling distribution log softmax(logits / T); token [S] / logprob [S]: what the
+    sampler drew this step (for done slots: throw-away)."""
+
+    ids: jax.Array
+    probs: jax.Array
+    logprobs: jax.Array
+    token: jax.Array
+    logprob: jax.Array
+
+
+def _tree_decode_step(params: Params, state: SamplerState, version: jax.Array, *,
+                      kv_bound: int | None, top_m: int) -> tuple[SamplerState, TreeCandidates]:
+    before = state.num_generated
+    state, logits = decode_one(params, state, version, kv_bound)
+    z = logits.astype(jnp.float32)
+    probs, ids = jax.lax.top_k(jax.nn.softmax(z, axis=-1), top_m)
+    temp = 1.0 if state.sampling.greedy else state.sampling.temperature
+    logz = jax.nn.log_softmax(z / temp, axis=-1)
+    rows = jnp.arange(state.num_slots)
+    col = jnp.clip(before, 0, state.max_new_tokens - 1)
+    return state, TreeCandidates(
+        ids=ids.astype(jnp.int32), probs=probs,
+        logprobs=jnp.take_along_axis(logz, ids, axis=-1),
+        token=state.response_ids[rows, col], logprob=state.logprobs[rows, col])
+
+
+_tree_decode_step_jit = jax.jit(_tree_decode_step, static_argnames=("kv_bound", "top_m"))
+
+
+def tree_decode_step(params: Params, state: SamplerState, version: int, *, top_m: int = 2,
+                     kv_bound: int | None = None) -> tuple[SamplerState, TreeCandidates]:
+    """One decode step of every live slot plus its top-m candidates (module doc). kv_bound:
+    the bounded decode's static bound (every live slot's response length must stay below
+    it; `rl.rollout.sampler.kv_bucket` picks one), None for the masked decode."""
+    if state.kv_layout != "segmented":
+        raise ValueError("tree rollouts fork inside a group's block: they need "
+                         "kv_layout='segmented'")
+    if not 1 <= top_m <= state.config.vocab_size:
+        raise ValueError(f"top_m must be in [1, vocab_size={state.config.vocab_size}], got {top_m}")
+    return _tree_decode_step_jit(params, state, np.int32(version), kv_bound=kv_bound,
+                                 top_m=int(top_m))
+
+
+def _padded(idx: np.ndarray, fill: int, size: int) -> np.ndarray:
+    """idx padded to a power-of-two bucket with `fill` (an out-of-range slot: dropped)."""
+    out = np.full((bucket(idx.size, size, floor=1),), fill, idx.dtype)
+    out[:idx.size] = idx
+    return out
+
+
+def _last_token_set(st: SamplerState, slots, tokens, logprobs) -> SamplerState:
+    """Slots' last response token (index num_generated - 1) := tokens, with log-probs,
+    pending token, stop and budget redone; slots >= S are dropped."""
+    s = st.num_slots
+    safe = jnp.minimum(slots, s - 1)
+    col = jnp.where(slots < s, st.num_generated[safe] - 1, st.max_new_tokens)
+    hit = (tokens[:, None] == st.stop_ids[None, :]).any(axis=-1)
+    n = st.num_generated[safe]
+    return st.replace(
+        response_ids=st.response_ids.at[slots, col].set(tokens, mode="drop"),
+        logprobs=st.logprobs.at[slots, col].set(logprobs, mode="drop"),
+        pending=st.pending.at[slots].set(tokens, mode="drop"),
+        stopped=st.stopped.at[slots].set(hit, mode="drop"),
+        done=st.done.at[slots].set(hit | (n >= st.budget[safe]), mode="drop"))
+
+
+@jax.jit
+def _rewrite_jit(st: SamplerState, slots, tokens, logprobs) -> SamplerState:
+    return _last_token_set(st, slots, tokens, logprobs)
+
+
+def _check(slots: np.ndarray, state: SamplerState, what: str) -> np.ndarray:
+    slots = np.asarray(slots, np.int32).reshape(-1)
+    if slots.size and (slots.min() < 0 or slots.max() >= state.num_slots):
+        raise ValueError(f"{what}: slots must be in [0, {state.num_slots}), got {slots.tolist()}")
+    if len(set(slots.tolist())) != slots.size:
+        raise ValueError(f"{what}: slots must be distinct, got {slots.tolist()}")
+    return slots
+
+
+def rewrite_tokens(state: SamplerState, slots, tokens, logprobs) -> SamplerState:
+    """Replace the last drawn token of `slots` (each has drawn at least one) by `tokens`
+    with behaviour log-probs `logprobs` (module doc)."""
+    slots = _check(slots, state, "rewrite_tokens")
+    if not slots.size:
+        return state
+    s = state.num_slots
+    return _rewrite_jit(state, _padded(slots, s, s),
+                        _padded(np.asarray(tokens, np.int32).reshape(-1), 0, s),
+                        _padded(np.asarray(logprobs, np.float32).reshape(-1), 0, s))
+
+
+@jax.jit
+def _fork_jit(st: SamplerState, parents, children, tokens, logprobs) -> SamplerState:
+    s, n = st.num_slots, st.cache.group_size
+    safe = jnp.minimum(parents, s - 1)
+    g, i, j = safe // n, safe % n, jnp.minimum(children, s - 1) % n
+    cache = st.cache
+    # children >= S (padding) are dropped by the scatters (their group index is out of range)
+    gc = jnp.where(children < s, g, cache.groups)
+
+    def copy(x):  # x [layers, groups, N, R, kv_heads, head_dim]
+        return x.at[:, gc, j].set(x[:, g, i], mode="drop")
+
+    cache = cache.replace(k_resp=copy(cache.k_resp), v_resp=copy(cache.v_resp),
+                          resp_lengths=cache.resp_lengths.at[gc, j].set(
+                              cache.resp_lengths[g, i], mode="drop"))
+
+    def put(field):
+        x = getattr(st, field)
+        return x.at[children].set(x[safe], mode="drop")
+
+    st = st.replace(cache=cache, **{f: put(f) for f in (
+        "pending", "response_ids", "logprobs", "versions", "num_generated", "budget")},
+        done=st.done.at[children].set(False, mode="drop"),
+        stopped=st.stopped.at[children].set(False, mode="drop"))
+    return _last_token_set(st, children, tokens, logprobs)
+
+
+def fork_slots(state: SamplerState, parents, children, tokens, logprobs) -> SamplerState:
+    """Fork `parents` into `children` (same group block each; the parents have drawn at
+    least one token this rollout): the child continues the parent's prefix with its last
+    token replaced by `tokens` (module doc). A child may not be a parent of the same call."""
+    parents = np.asarray(parents, np.int32).reshape(-1)
+    children = _check(children, state, "fork_slots")
+    if parents.size != children.size:
+        raise ValueError(f"fork_slots: {parents.size} parents for {children.size} children")
+    if not children.size:
+        return state
+    n = state.group_size
+    if (parents // n != children // n).any():
+        raise ValueError("fork_slots: a child must be a slot of its parent's group block "
+                         f"(blocks of {n}); parents {parents.tolist()}, children {children.tolist()}")
+    if set(parents.tolist()) & set(children.tolist()):
+        raise ValueError("fork_slots: a slot cannot be a parent and a child in one call")
+    s = state.num_slots
+    return _fork_jit(state, _padded(parents, 0, s), _padded(children, s, s),
+                     _padded(np.asarray(tokens, np.int32).reshape(-1), 0, s),
+                     _padded(np.asarray(logprobs, np.float32).reshape(-1), 0, s))
+
+
+@jax.jit
+def _retire_jit(st: SamplerState, slots) -> SamplerState:
+    return st.replace(done=st.done.at[slots].set(True, mode="drop"))
+
+
+def retire_slots(state: SamplerState, slots) -> SamplerState:
+    """Mark `slots` done (they decode no further; their contents are left as they are)."""
+    slots = _check(slots, state, "retire_slots")
+    if not slots.size:
+        return state
+    return _retire_jit(state, _padded(slots, state.num_slots, state.num_slots))

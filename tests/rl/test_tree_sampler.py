@@ -1,0 +1,181 @@
+"""Tree rollouts (rl.rollout.tree_sampler, rl.rollout.latr) on the tiny model.
+
+- no branching (mix_ratio 0): the tree path is `generate` token for token;
+- forks: every row's behaviour log-probs equal a full forward of that row alone
+  (float64 reference), every forked row shares its parent's tokens up to its fork and
+  differs at it, and the leaves pack into fewer tokens than they hold;
+- the branching rule and the pruning rule against hand-worked cases, and the edit
+  distance against a naive recursion.
+"""
+import functools
+import math
+
+import numpy as np
+import pytest
+
+from models.config import get_config
+from models.decoder import forward, init_params
+from rl.rollout import SamplingConfig, generate
+from rl.rollout.latr import (
+    Branch,
+    LatrConfig,
+    _choose,
+    _GroupTree,
+    _prune,
+    edit_distance,
+    sample_latr,
+)
+
+CFG = get_config("tiny")
+PROMPTS = [[5, 17, 33], [9, 10, 11, 12, 13, 200]]
+TEMP = SamplingConfig(temperature=0.7)
+N, R = 4, 12
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, 0)
+
+
+def test_without_a_tree_the_rows_are_generates_token_for_token(params):
+    ref = generate(params, CFG, PROMPTS, max_new_tokens=R, sampling=TEMP, stop_ids=(),
+                   rng=3, num_samples=N)
+    out = sample_latr(params, CFG, PROMPTS, group_size=N, max_new_tokens=R, sampling=TEMP,
+                      stop_ids=(), rng=3, latr=LatrConfig(mix_ratio=0.0))
+    assert out.tokens == ref.tokens
+    for a, b in zip(out.logprobs, ref.logprobs):
+        np.testing.assert_allclose(np.stack(a), np.stack(b), atol=1e-6)
+    assert out.stats.decoded_tokens == len(PROMPTS) * N * R and out.stats.branches == 0
+
+
+def ref_logprobs(params, prompt, response, temperature):
+    """log softmax(logits / T) of each response token, from one full forward (float64)."""
+    toks = np.asarray([list(prompt) + list(response)], np.int32)
+    lg = np.asarray(forward(params, CFG, toks), np.float64)[0]
+    out = []
+    for t, tok in enumerate(response):
+        z = lg[len(prompt) - 1 + t] / temperature
+        out.append(z[tok] - (z.max() + math.log(np.exp(z - z.max()).sum())))
+    return np.array(out)
+
+
+def test_forked_rows_are_exact_continuations_of_their_parents(params):
+    # every candidate passes (τ_abs = 0, no τ_rel): the tree fills at its first steps;
+    # no pruning (no lookahead reached)
+    cfg = LatrConfig(prob_abs=0.0, prob_rel=None, lookahead=(R + 1,), max_branch_per_token=3)
+    out = sample_latr(params, CFG, PROMPTS, group_size=N, max_new_tokens=R, sampling=TEMP,
+                      stop_ids=(), rng=1, latr=cfg)
+    assert out.stats.branches == len(PROMPTS) * (N - 1)
+    for g, prompt in enumerate(PROMPTS):
+        rows = out.tokens[g]
+        assert len(rows) == N and len({tuple(r) for r in rows}) == N  # N distinct leaves
+        for i, row in enumerate(rows):
+            assert len(row) == R
+            np.testing.assert_allclose(out.logprobs[g][i], ref_logprobs(params, prompt, row, 0.7),
+                                       atol=1e-4)
+            p, f = out.parent[g][i], out.fork_at[g][i]
+            if p >= 0:
+                assert rows[p][:f] == row[:f] and rows[p][f] != row[f]
+        # before the tree is full a branch takes its most likely token (c_1), so the root's
+        # first token is the argmax of the prompt's next-token distribution
+        lg = np.asarray(forward(params, CFG, np.asarray([prompt], np.int32)))[0, -1]
+        assert rows[0][0] == int(np.argmax(lg))
+    assert out.stats.tree_tokens < out.stats.leaf_tokens
+    assert out.stats.decoded_tokens < out.stats.leaf_tokens  # prefixes decoded once
+
+
+def test_pruned_branches_leave_and_the_first_leaf_fills_their_place(params):
+    # δ = 1 prunes every branch at lookahead 2 (edit distance / 2 <= 1 always): what is
+    # left at the end is the root and whatever forked in the last two steps
+    cfg = LatrConfig(prob_abs=0.0, prob_rel=None, lookahead=(2,), edit_threshold=1.01)
+    out = sample_latr(params, CFG, PROMPTS[:1], group_size=N, max_new_tokens=R,
+                      sampling=TEMP, stop_ids=(), rng=2, latr=cfg)
+    assert out.stats.pruned > 0
+    rows, parent, fork = out.tokens[0], out.parent[0], out.fork_at[0]
+    assert len(rows) == N
+    for i in range(1, N):
+        # a surviving branch forked at R - 1 (age 1 at the end); a filler repeats row 0
+        assert (parent[i] >= 0 and fork[i] == R - 1) or rows[i] == rows[0]
+
+
+def probs_of(rows):
+    """Candidates for slots 0..len(rows)-1: ids k * 10 + slot, the given probabilities."""
+    p = np.asarray(rows, np.float32)
+    ids = (np.arange(p.shape[1])[None, :] * 10 + np.arange(p.shape[0])[:, None]).astype(np.int32)
+    return ids, p, np.log(np.maximum(p, 1e-9))
+
+
+def test_branching_rule_admits_candidates_by_rank_then_branch():
+    tree = _GroupTree(0, 4, 4)
+    tree.branches.append(Branch(slot=1, parent=0, fork_at=0))
+    tree.free.remove(1)
+    cfg = LatrConfig(max_branch_per_token=3)  # τ_abs = τ_rel = 0.2
+    # slot 0: c2 passes (0.25 > 0.2, 0.5 - 0.25 > 0.2), c3 fails τ_abs; slot 1: c2 and c3 pass
+    cand = probs_of([[0.5, 0.25, 0.1], [0.6, 0.21, 0.21]])
+    rewrites, forks, new = _choose(tree, cfg, cand, None, {0: 7, 1: 1})
+    # room for 2: both 2nd candidates first (slot 0's, slot 1's), slot 1's 3rd left out
+    assert [(p, t) for p, _, t, _ in forks] == [(0, 10), (1, 11)]
+    assert [b for b, _ in new] == [0, 1]
+    # both branching slots take their top token c_1: slot 0 drew 7, so it is rewritten
+    assert [(s, t) for s, t, _ in rewrites] == [(0, 0)]
+
+
+def test_a_full_tree_samples_and_a_growing_one_takes_the_top_token():
+    cfg = LatrConfig()
+    cand = probs_of([[0.9, 0.05], [0.9, 0.05]])  # nobody branches (0.05 < τ_abs)
+    growing = _GroupTree(0, 4, 4)
+    rewrites, forks, _ = _choose(growing, cfg, cand, None, {0: 3})
+    assert forks == [] and [(s, t) for s, t, _ in rewrites] == [(0, 0)]
+    full = _GroupTree(0, 2, 1)  # K = 1: the root alone is a full tree
+    rewrites, forks, _ = _choose(full, cfg, cand, None, {0: 3})
+    assert forks == [] and rewrites == []  # keeps its sampled token
+    always = _GroupTree(0, 4, 4)
+    assert _choose(always, LatrConfig(sample_when="always"), cand, None, {0: 3})[0] == []
+    # τ_rel: p1 - p2 = 0.1 is not > 0.2, so no branch; dropping τ_rel lets it branch
+    close = probs_of([[0.45, 0.35]])
+    assert _choose(_GroupTree(0, 4, 4), cfg, close, None, {0: 0})[1] == []
+    assert len(_choose(_GroupTree(0, 4, 4), LatrConfig(prob_rel=None), close, None,
+                       {0: 0})[1]) == 1
+
+
+def test_pruning_at_the_lookahead_by_edit_distance_with_descendants():
+    tree = _GroupTree(0, 4, 4)
+    tree.branches += [Branch(slot=1, parent=0, fork_at=2), Branch(slot=2, parent=1, fork_at=3),
+                      Branch(slot=3, parent=0, fork_at=1)]
+    tree.free = []
+    mirror = {0: [1, 2, 3, 4, 5, 6], 1: [1, 2, 9, 4, 5], 2: [1, 2, 9, 8], 3: [1, 7, 7, 7]}
+    # branch 1: age 3, window [9, 4, 5] vs the root's [3, 4, 5]: distance 1/3 < 0.4 -> pruned,
+    # and branch 2 (forked from it) with it; branch 3: age 3, [7, 7, 7] vs [2, 3, 4]: 3/3, kept
+    cfg = LatrConfig(lookahead=(3,), edit_threshold=0.4)
+    assert _prune(tree, cfg, mirror, stop=set()) == [1, 2]
+    assert tree.alive() == [0, 3] and sorted(tree.free) == [1, 2]
+    # a stop token in a window skips the comparison
+    tree2 = _GroupTree(0, 4, 4)
+    tree2.branches.append(Branch(slot=1, parent=0, fork_at=2))
+    assert _prune(tree2, cfg, mirror, stop={5}) == []
+
+
+@functools.lru_cache(maxsize=None)
+def naive_distance(a: tuple, b: tuple) -> int:
+    if not a or not b:
+        return len(a) + len(b)
+    return min(naive_distance(a[1:], b) + 1, naive_distance(a, b[1:]) + 1,
+               naive_distance(a[1:], b[1:]) + (a[0] != b[0]))
+
+
+def test_edit_distance_matches_the_naive_recursion():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a = tuple(rng.integers(0, 4, rng.integers(0, 8)).tolist())
+        b = tuple(rng.integers(0, 4, rng.integers(0, 8)).tolist())
+        assert edit_distance(a, b) == naive_distance(a, b)
+
+
+def test_invalid_settings_are_refused(params):
+    with pytest.raises(ValueError, match="plain temperature"):
+        sample_latr(params, CFG, PROMPTS, group_size=N, max_new_tokens=R,
+                    sampling=SamplingConfig(greedy=True))
+    with pytest.raises(ValueError, match="mix_ratio"):
+        LatrConfig(mix_ratio=1.5)
+    with pytest.raises(ValueError, match="sample_when"):
+        LatrConfig(sample_when="sometimes")
