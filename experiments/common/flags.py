@@ -32,6 +32,7 @@ from rl.objectives.advantages import ADVANTAGE_PRESETS
 from rl.objectives.losses import LOSS_PRESETS
 from rl.objectives.turn_credit import TURN_CREDITS
 from rl.objectives.vcpo import GRAD_NORMS
+from rl.rollout.latr import LatrConfig
 from rl.rollout.pruning import PruneConfig
 from rl.run import DEFAULT_PRESET, PRESETS
 from rl.run.policy import BUDGET_OPTIONS
@@ -88,6 +89,9 @@ SCHEDULER_FLAGS = {"prompt_scheduler": "name", "scheduler_pool": "pool_size",
 PRUNE_FLAGS = {"prune_at": "prune_at", "prune_target": "target_ratio",
                "prune_max_frac": "max_prune_frac", "prune_warmup": "warmup",
                "prune_threshold": "threshold", "prune_lr": "lr"}
+LATR_FLAGS = {"latr_abs": "prob_abs", "latr_rel": "prob_rel", "latr_candidates":
+              "max_branch_per_token", "latr_lookahead": "lookahead", "latr_edit": "edit_threshold",
+              "latr_mix": "mix_ratio"}
 LORA_SHORT = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
               "up": "up_proj", "down": "down_proj"}
 
@@ -106,6 +110,7 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
     add_scheduler_flags(p)
     add_distributed_flags(p)
     add_prune_flags(p)
+    add_latr_flags(p)
     add_env_flags(p)
     add_lora_flags(p)
     add_vcpo_flags(p)
@@ -291,6 +296,27 @@ def add_prune_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prune-threshold", type=float,
                    help=f"a reward above it counts as a success (default {d.threshold})")
     g.add_argument("--prune-lr", type=float, help=f"the head's step size (default {d.lr})")
+
+
+def add_latr_flags(p: argparse.ArgumentParser) -> None:
+    d = LatrConfig()
+    g = p.add_argument_group("tree rollouts (LATR; rl.rollout.latr)")
+    g.add_argument("--latr", action="store_true",
+                   help="grow each group as a LATR tree: branch at uncertain tokens, prune "
+                        "branches that stay like their parent (latr section)")
+    g.add_argument("--latr-abs", type=float,
+                   help=f"τ_abs: a candidate branches if its probability exceeds it (default {d.prob_abs})")
+    g.add_argument("--latr-rel", type=float,
+                   help=f"τ_rel: ... and p(c_1) - p(c_k) exceeds it (default {d.prob_rel})")
+    g.add_argument("--latr-candidates", type=int,
+                   help=f"top-m tokens considered per step (default {d.max_branch_per_token})")
+    g.add_argument("--latr-lookahead", type=int, nargs="+",
+                   help=f"steps after a fork at which a branch is compared with its parent "
+                        f"(default {' '.join(map(str, d.lookahead))})")
+    g.add_argument("--latr-edit", type=float,
+                   help=f"δ: prune when edit distance / L is below it (default {d.edit_threshold})")
+    g.add_argument("--latr-mix", type=float,
+                   help=f"share of each group grown as the tree (default {d.mix_ratio})")
 
 
 def add_env_flags(p: argparse.ArgumentParser) -> None:
@@ -494,6 +520,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     elif prune:
         flag = next(k for k in PRUNE_FLAGS if getattr(args, k) is not None)
         raise ValueError(f"--{flag.replace('_', '-')} goes with --prune")
+    latr = _given(args, LATR_FLAGS)
+    if args.latr:
+        cfg = dataclasses.replace(cfg, latr=dataclasses.replace(cfg.latr or LatrConfig(), **latr))
+    elif latr:
+        flag = next(k for k in LATR_FLAGS if getattr(args, k) is not None)
+        raise ValueError(f"--{flag.replace('_', '-')} goes with --latr")
     acfg = _given(args, ASYNC_FLAGS)
     if args.mask_offpolicy_prefix:
         acfg["mask_offpolicy_prefix"] = True

@@ -26,7 +26,7 @@ from rl.learner.batch import TrainBatch, TrainState, batch_from_trajectory
 from rl.learner.config import TrainConfig
 from rl.loops import episodes
 from rl.loops.buffer import ScoredGroup
-from rl.loops.rollouts import RolloutSpec, next_seed, sample_groups, take_rows
+from rl.loops.rollouts import RolloutSpec, latr_groups, next_seed, sample_groups, take_rows
 from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_source
 from rl.loops.scoring import accuracy_name, batch_reward_metrics, score, total_reward
 from rl.objectives.offpolicy import kept_group_indices
@@ -127,6 +127,17 @@ def sample_batch_groups(state: TrainState, data_position: int, sampler: StreamSa
     return groups, state, data_position, {**stats, **ref_stats}
 
 
+def tree_ratios(counts: dict[str, float]) -> dict[str, float]:
+    """A batch's LATR counts with their ratios: tokens decoded per leaf token (< 1: the
+    shared prefixes were decoded once) and the packing ratio (leaf tokens / distinct tree
+    tokens: what a tree-packed learner would save); {} without a tree."""
+    if not counts:
+        return {}
+    leaf = max(counts["tree_leaf_tokens"], 1.0)
+    return {**counts, "tree_decoded_per_leaf_token": counts["tree_decoded_tokens"] / leaf,
+            "tree_packing_ratio": leaf / max(counts["tree_tokens"], 1.0)}
+
+
 def stream_rounds(state: TrainState, data_position: int, sampler: StreamSampler, params: Any,
                   profile) -> tuple:
     """The sampling rounds of one batch (sample_batch_groups): one round of the scheduler's
@@ -138,14 +149,19 @@ def stream_rounds(state: TrainState, data_position: int, sampler: StreamSampler,
     kept, dropped = [], []
     n_kept = rounds = sampled_tokens = 0
     pstats: dict[str, float] = {}
+    tstats: dict[str, float] = {}  # a LATR tree's counts (rl.loops.rollouts.latr_groups)
     while True:
         with profile.phase("host_s"):
             chosen, data_position = source.next(int(state.step), data_position)
             offset, prompts = process_shard(chosen)
             g = len(prompts)
             seed, state = next_seed(state)
-        traj = sample_groups(params, version, spec, prompts, seed=seed, first_group_id=offset,
-                             profile=profile, pruner=sampler.pruner)
+        if spec.latr is not None:  # a tree per prompt, its counts kept for the record
+            traj = latr_groups(params, version, spec, prompts, seed=seed,
+                               first_group_id=offset, profile=profile, stats=tstats)
+        else:
+            traj = sample_groups(params, version, spec, prompts, seed=seed,
+                                 first_group_id=offset, profile=profile, pruner=sampler.pruner)
         sampled_tokens += traj.num_tokens()
         with profile.phase("reward_s"):
             rewards = score(spec.task, prompts, traj)
@@ -172,7 +188,7 @@ def stream_rounds(state: TrainState, data_position: int, sampler: StreamSampler,
             "the group size or the temperature, or turn dynamic sampling off")
     stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
              "kept_groups": n_kept if loop.dynamic_sampling else loop.prompts_per_step,
-             **{f"prune_{k}": v for k, v in pstats.items()}}
+             **{f"prune_{k}": v for k, v in pstats.items()}, **tree_ratios(tstats)}
     return state, data_position, g, kept, dropped, stats
 
 

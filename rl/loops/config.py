@@ -15,6 +15,8 @@
                                "async"; rl.loops.async_config)
       scheduler  SchedulerOptions  prompt scheduler and rollout replay (rl.loops.scheduling)
       prune      PruneConfig | None    online rollout pruning (rl.rollout.pruning)
+      latr       LatrConfig | None     tree rollouts: each group grown as a LATR tree
+                               (rl.rollout.latr; None: N independent samples)
       mesh       str | None    learner mesh: a preset of rl.runtime.mesh or "data=N,fsdp=N,tensor=N"
       distributed DistributedConfig   multi-process coordinates (rl.runtime.distributed)
       logging    LoggingConfig wandb mode, progress bar
@@ -50,6 +52,7 @@ from models.config import DTYPES
 from models.decoder import LAYER_LOOPS
 from rl.envs.latency import parse_latency
 from rl.learner.config import TrainConfig
+from rl.rollout.latr import LatrConfig
 from rl.loops.async_config import (  # noqa: F401 - re-exported: the async section
     BACKENDS,
     MODES,
@@ -360,6 +363,7 @@ class RunConfig:
     asynchronous: AsyncConfig | None = None
     scheduler: SchedulerOptions = SchedulerOptions()
     prune: PruneConfig | None = None
+    latr: LatrConfig | None = None
     mesh: str | None = None
     distributed: DistributedConfig = DistributedConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -381,7 +385,8 @@ class RunConfig:
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"RunConfig.{name} must be a {cls.__name__}, got "
                                  f"{type(getattr(self, name)).__name__}")
-        for name, cls in (("asynchronous", AsyncConfig), ("prune", PruneConfig)):
+        for name, cls in (("asynchronous", AsyncConfig), ("prune", PruneConfig),
+                          ("latr", LatrConfig)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, cls):
                 raise ValueError(f"RunConfig.{name} must be a {cls.__name__} or None, got "

@@ -227,11 +227,11 @@ def make_evaluator(spec: RolloutSpec, loop: Any, logger: MetricsLogger, *,
     run's train rollouts (rollout_spec); evals sample at the learner's dtype (they measure
     its policy). loop.eval_max_rows > 0 samples the prompts in chunks of that many rows (a
     smaller KV cache; the same samples: the rng keys follow the prompt's index)."""
-    eval_prompts = spec.task.eval_prompts(loop.eval_prompts)
+    eval_prompts = spec.task.eval_prompts(loop.eval_prompts)  # evals sample, never as trees
     weights = dict(reward_weights)
     # its own episode records: a producer thread that keeps sampling during the eval
     # records into the train task, whose episodes this eval must neither drain nor report
-    spec = spec.replace(compute_dtype=None, task=episodes.own_records(spec.task))
+    spec = spec.replace(compute_dtype=None, task=episodes.own_records(spec.task), latr=None)
 
     def do_eval(step: int, params: Any, version: int) -> dict:
         if loop.eval_clear_programs:  # the train step's programs: not resident beside the eval's

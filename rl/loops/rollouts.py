@@ -29,6 +29,7 @@ import numpy as np
 from models.config import ModelConfig
 from rl.loops import episodes
 from rl.rollout.engine import RolloutConfig, RolloutEngine
+from rl.rollout.latr import LatrConfig, TreeRequest, TreeRollout, sample_latr
 from rl.rollout.multiturn import TimeLimits
 from rl.rollout.pruning import Pruner
 from rl.rollout.sampler_state import SamplingConfig
@@ -59,7 +60,8 @@ class RolloutSpec:
     compute_dtype the sampler's own (None: the model's; `sampler_config` applies it);
     max_new_tokens the response budget (the task's unless an eval overrides it);
     time_limits an environment's per-call and per-episode limits; max_concurrent_tool_calls
-    and tool_latency how its calls run (rl.rollout.multiturn, rl.envs.latency)."""
+    and tool_latency how its calls run (rl.rollout.multiturn, rl.envs.latency); latr: grow
+    each group as a LATR tree (rl.rollout.latr; None: independent samples, the engine)."""
 
     task: Task
     model_config: ModelConfig
@@ -74,6 +76,7 @@ class RolloutSpec:
     max_concurrent_tool_calls: int = 0
     tool_latency: str = ""
     park_after_s: float | None = None
+    latr: LatrConfig | None = None
 
     @property
     def sampler_config(self) -> ModelConfig:
@@ -109,7 +112,8 @@ def rollout_spec(model_config: ModelConfig, task: Task, config: Any) -> RolloutS
         layer_loop=ro.layer_loop, bucket_slots=ro.bucket_slots,
         time_limits=TimeLimits(step_s=loop.env_step_timeout_s, episode_s=loop.episode_timeout_s),
         max_concurrent_tool_calls=loop.max_concurrent_tool_calls, tool_latency=loop.tool_latency,
-        park_after_s=None if loop.park_after_s < 0 else float(loop.park_after_s))
+        park_after_s=None if loop.park_after_s < 0 else float(loop.park_after_s),
+        latr=config.latr)
 
 
 def rollout_seed(rng: jax.Array) -> tuple[int, jax.Array]:
@@ -140,7 +144,9 @@ def sample_groups(params: Any, version: int, spec: RolloutSpec, prompts: Sequenc
     profile: a StepProfile that gets the engine's prefill_s / decode_s and the rest as
     host_s. pruner: online pruning in the engine (rl.rollout.pruning; None = off; single-turn
     tasks only). A stop request inside an abandonable phase (rl.runtime.preemption) ends it
-    between segments. An environment's task samples multi-turn episodes (rl.loops.episodes)."""
+    between segments. An environment's task samples multi-turn episodes (rl.loops.episodes).
+    spec.latr grows each group as a LATR tree (rl.rollout.latr) instead (`latr_groups`,
+    which also returns the tree's counts)."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
     if episodes.is_episodic(spec.task):
@@ -149,6 +155,9 @@ def sample_groups(params: Any, version: int, spec: RolloutSpec, prompts: Sequenc
                              "for single-turn tasks; drop --prune for an environment")
         return episodes.sample_episodes(params, version, spec, prompts, seed=seed,
                                         first_group_id=first_group_id, profile=profile)
+    if spec.latr is not None:
+        return latr_groups(params, version, spec, prompts, seed=seed,
+                           first_group_id=first_group_id, profile=profile)
     t0 = time.perf_counter()
     rc = spec.engine(len(prompts) * spec.group_size, seed, first_group_id)
     engine = RolloutEngine(spec.sampler_config, rc, pruner=pruner)
@@ -170,3 +179,55 @@ def sample_groups(params: Any, version: int, spec: RolloutSpec, prompts: Sequenc
     profile.add("decode_s", dec)
     profile.add("host_s", time.perf_counter() - t0 - fill - dec)
     return traj
+
+
+def latr_groups(params: Any, version: int, spec: RolloutSpec, prompts: Sequence[Prompt], *,
+                seed: int, first_group_id: int = 0, profile=NULL_PROFILE,
+                stats: dict | None = None) -> Trajectory:
+    """`sample_groups` with spec.latr: one LATR tree per prompt (rl.rollout.latr), its
+    rows (the leaves, then any independent samples) as a Trajectory grouped in prompt
+    order; the tree's counts are added into `stats` (tree_* keys)."""
+    t = spec.task
+    t0 = time.perf_counter()
+    request = TreeRequest(spec.group_size, int(spec.max_new_tokens or t.max_new_tokens),
+                          sampling=spec.sampling, stop_ids=tuple(t.stop_ids))
+    tree = sample_latr(params, spec.sampler_config, [p.ids for p in prompts], request,
+                       latr=spec.latr, rng=seed, first_group_id=first_group_id,
+                       version=int(version))
+    profile.add("decode_s", time.perf_counter() - t0)
+    if stats is not None:
+        for key, value in tree_counts(tree).items():
+            stats[key] = stats.get(key, 0.0) + value
+    return tree_trajectory(tree, prompts, t.max_prompt_len,
+                           int(spec.max_new_tokens or t.max_new_tokens), version)
+
+
+def tree_counts(tree: TreeRollout) -> dict[str, float]:
+    """The additive counts of a tree rollout (ratios: decoded / leaf, leaf / tree)."""
+    s = tree.stats
+    return {"tree_decoded_tokens": float(s.decoded_tokens),
+            "tree_leaf_tokens": float(s.leaf_tokens), "tree_tokens": float(s.tree_tokens),
+            "tree_branches": float(s.branches), "tree_pruned": float(s.pruned)}
+
+
+def tree_trajectory(tree: TreeRollout, prompts: Sequence[Prompt], max_prompt_len: int,
+                    max_new_tokens: int, version: int) -> Trajectory:
+    """A TreeRollout's rows as a Trajectory (group g = prompts[g], its N rows in order)."""
+    rows = [(g, i) for g in range(len(tree.tokens)) for i in range(len(tree.tokens[g]))]
+    b = len(rows)
+    out = {"prompt_ids": np.zeros((b, max_prompt_len), np.int32),
+           "prompt_lengths": np.zeros((b,), np.int32),
+           "response_ids": np.zeros((b, max_new_tokens), np.int32),
+           "response_mask": np.zeros((b, max_new_tokens), bool),
+           "behaviour_logprobs": np.zeros((b, max_new_tokens), np.float32),
+           "versions": np.zeros((b, max_new_tokens), np.int32),
+           "group_ids": np.array([g for g, _ in rows], np.int32),
+           "finished": np.array([tree.finished[g][i] for g, i in rows], bool)}
+    out["truncated"] = ~out["finished"]
+    for r, (g, i) in enumerate(rows):
+        p, toks = np.asarray(prompts[g].ids), tree.tokens[g][i]
+        out["prompt_ids"][r, :p.size], out["prompt_lengths"][r] = p, p.size
+        out["response_ids"][r, :len(toks)], out["response_mask"][r, :len(toks)] = toks, True
+        out["behaviour_logprobs"][r, :len(toks)] = tree.logprobs[g][i]
+        out["versions"][r, :len(toks)] = version
+    return Trajectory.create(**out)

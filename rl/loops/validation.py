@@ -125,6 +125,30 @@ def check_sources(cfg: Any) -> None:
     if cfg.task.is_env and p is not None:
         raise ValueError(f"{cfg.task.spec}: --prune (online rollout pruning) is for "
                          "single-turn tasks; drop it for an environment")
+    check_latr(cfg)
+
+
+def check_latr(cfg: Any) -> None:
+    """ValueError where LATR tree rollouts (cfg.latr, rl.rollout.latr) cannot run: they
+    grow whole groups one token per call in the synchronous and deterministic sources."""
+    if cfg.latr is None:
+        return
+    a = cfg.asynchronous
+    refused = [name for name, on in (
+        ("an environment (multi-turn episodes; TRACE-style turn trees are not built)",
+         cfg.task.is_env),
+        ("online pruning (--prune)", cfg.prune is not None),
+        ("the threaded producer or APRIL rounds", a is not None and (
+            a.mode == "threaded" or a.rollout == "april")),
+        ("Ray rollout workers", a is not None and a.backend == "ray")) if on]
+    if refused:
+        raise ValueError(f"LATR tree rollouts (latr) do not run with {'; '.join(refused)}: "
+                         "use a single-turn task in the synchronous loop or with "
+                         "--async-mode deterministic, or drop latr")
+    if cfg.latr.tree_size(cfg.loop.group_size) < 2 and cfg.latr.mix_ratio > 0:
+        raise ValueError(f"latr.mix_ratio = {cfg.latr.mix_ratio} of group_size "
+                         f"{cfg.loop.group_size} leaves a tree of under 2 leaves, which cannot "
+                         "branch; raise one of them (or set mix_ratio 0: independent samples)")
 
 
 def check_reward(cfg: Any) -> None:

@@ -235,21 +235,39 @@ def _prune(tree: _GroupTree, cfg: LatrConfig, mirror: dict[int, list[int]],
     return slots
 
 
-def sample_latr(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
-                group_size: int, max_new_tokens: int, latr: LatrConfig = LatrConfig(),
-                sampling: SamplingConfig = SamplingConfig(), stop_ids: Sequence[int] | None = None,
-                rng: Any = 0, first_group_id: int = 0, version: int = 0,
-                attn_impl: str | None = None) -> TreeRollout:
-    """Grow one LATR tree per prompt (module doc): group_size = N rows per prompt, the
-    first round(N · mix_ratio) the tree's leaves, the rest independent samples. rng keys
-    follow the engine's (sample_keys of the global group ids from first_group_id), so with
-    mix_ratio 0 the rows are `rl.rollout.generate`'s token for token."""
+@dataclasses.dataclass(frozen=True)
+class TreeRequest:
+    """What to sample per prompt: group_size rows (N), up to max_new_tokens each, with
+    `sampling` (plain temperature), stopping at stop_ids (None: the model's EOS ids)."""
+
+    group_size: int
+    max_new_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    stop_ids: tuple[int, ...] | None = None
+    attn_impl: str | None = None
+
+    def __post_init__(self):
+        if int(self.group_size) < 1 or int(self.max_new_tokens) < 1:
+            raise ValueError(f"TreeRequest: group_size ({self.group_size}) and "
+                             f"max_new_tokens ({self.max_new_tokens}) must be >= 1")
+        if self.sampling.greedy or self.sampling.truncated:
+            raise ValueError("LATR samples from softmax(z / T) once a tree is full and "
+                             "stamps every token with that distribution's log-prob: use "
+                             "plain temperature sampling (no greedy, top_k or top_p)")
+
+
+def sample_latr(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]],
+                request: TreeRequest, *, latr: LatrConfig = LatrConfig(), rng: Any = 0,
+                first_group_id: int = 0, version: int = 0) -> TreeRollout:
+    """Grow one LATR tree per prompt (module doc): request.group_size = N rows per
+    prompt, the first round(N · mix_ratio) the tree's leaves, the rest independent
+    samples. rng keys follow the engine's (sample_keys of the global group ids from
+    first_group_id), so with mix_ratio 0 the rows are `rl.rollout.generate`'s token for
+    token."""
     if not prompts:
         raise ValueError("sample_latr: no prompts")
-    if sampling.greedy or sampling.truncated:
-        raise ValueError("LATR samples from softmax(z / T) once a tree is full and stamps "
-                         "every token with that distribution's log-prob: use plain "
-                         "temperature sampling (no greedy, top_k or top_p)")
+    max_new_tokens, sampling = int(request.max_new_tokens), request.sampling
+    stop_ids, group_size = request.stop_ids, request.group_size
     n = int(group_size)
     k = latr.tree_size(n)
     stop_ids = tuple(config.eos_token_ids if stop_ids is None else stop_ids)
@@ -257,7 +275,7 @@ def sample_latr(params: Params, config: ModelConfig, prompts: Sequence[Sequence[
     ctx = [check_prompt(p, max(len(q) for q in prompts), config) for p in prompts]
     state = new_state(config, num_slots=g * n, max_prompt_len=max(c.size for c in ctx),
                       max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
-                      attn_impl=attn_impl, cache_dtype=None, group_size=n)
+                      attn_impl=request.attn_impl, cache_dtype=None, group_size=n)
     keys = sample_keys(rng, first_group_id + np.arange(g), n)
     state = prefill(params, state, ctx, np.arange(g * n).reshape(g, n), keys)
     trees = [_GroupTree(b, n, k) for b in range(g)] if k > 0 else []

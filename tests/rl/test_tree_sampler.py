@@ -23,6 +23,7 @@ from rl.rollout.latr import (
     _GroupTree,
     _prune,
     edit_distance,
+    TreeRequest,
     sample_latr,
 )
 
@@ -40,8 +41,8 @@ def params():
 def test_without_a_tree_the_rows_are_generates_token_for_token(params):
     ref = generate(params, CFG, PROMPTS, max_new_tokens=R, sampling=TEMP, stop_ids=(),
                    rng=3, num_samples=N)
-    out = sample_latr(params, CFG, PROMPTS, group_size=N, max_new_tokens=R, sampling=TEMP,
-                      stop_ids=(), rng=3, latr=LatrConfig(mix_ratio=0.0))
+    out = sample_latr(params, CFG, PROMPTS, TreeRequest(N, R, sampling=TEMP, stop_ids=()),
+                      rng=3, latr=LatrConfig(mix_ratio=0.0))
     assert out.tokens == ref.tokens
     for a, b in zip(out.logprobs, ref.logprobs):
         np.testing.assert_allclose(np.stack(a), np.stack(b), atol=1e-6)
@@ -63,8 +64,8 @@ def test_forked_rows_are_exact_continuations_of_their_parents(params):
     # every candidate passes (τ_abs = 0, no τ_rel): the tree fills at its first steps;
     # no pruning (no lookahead reached)
     cfg = LatrConfig(prob_abs=0.0, prob_rel=None, lookahead=(R + 1,), max_branch_per_token=3)
-    out = sample_latr(params, CFG, PROMPTS, group_size=N, max_new_tokens=R, sampling=TEMP,
-                      stop_ids=(), rng=1, latr=cfg)
+    out = sample_latr(params, CFG, PROMPTS, TreeRequest(N, R, sampling=TEMP, stop_ids=()),
+                      rng=1, latr=cfg)
     assert out.stats.branches == len(PROMPTS) * (N - 1)
     for g, prompt in enumerate(PROMPTS):
         rows = out.tokens[g]
@@ -88,8 +89,8 @@ def test_pruned_branches_leave_and_the_first_leaf_fills_their_place(params):
     # δ = 1 prunes every branch at lookahead 2 (edit distance / 2 <= 1 always): what is
     # left at the end is the root and whatever forked in the last two steps
     cfg = LatrConfig(prob_abs=0.0, prob_rel=None, lookahead=(2,), edit_threshold=1.01)
-    out = sample_latr(params, CFG, PROMPTS[:1], group_size=N, max_new_tokens=R,
-                      sampling=TEMP, stop_ids=(), rng=2, latr=cfg)
+    out = sample_latr(params, CFG, PROMPTS[:1], TreeRequest(N, R, sampling=TEMP, stop_ids=()),
+                      rng=2, latr=cfg)
     assert out.stats.pruned > 0
     rows, parent, fork = out.tokens[0], out.parent[0], out.fork_at[0]
     assert len(rows) == N
@@ -173,9 +174,35 @@ def test_edit_distance_matches_the_naive_recursion():
 
 def test_invalid_settings_are_refused(params):
     with pytest.raises(ValueError, match="plain temperature"):
-        sample_latr(params, CFG, PROMPTS, group_size=N, max_new_tokens=R,
-                    sampling=SamplingConfig(greedy=True))
+        TreeRequest(N, R, sampling=SamplingConfig(greedy=True))
     with pytest.raises(ValueError, match="mix_ratio"):
         LatrConfig(mix_ratio=1.5)
     with pytest.raises(ValueError, match="sample_when"):
         LatrConfig(sample_when="sometimes")
+
+
+def test_train_with_latr_logs_its_tree_and_round_trips(tmp_path):
+    import json
+
+    from experiments.common.flags import build_train_parser, config_from_args
+    from experiments.common.train_cli import main
+    from rl.loops.config import RunConfig
+
+    flags = ["--steps", "3", "--segment-len", "2", "--latr", "--latr-abs", "0.0", "--latr-rel", "-1",
+             "--latr-lookahead", "2", "4", "--eval-prompts", "8", "--eval-every", "3",
+             "--save-every", "0", "--run-dir", str(tmp_path / "run"), "--wandb", "disabled",
+             "--no-progress"]
+    cfg = config_from_args(build_train_parser().parse_args(flags))
+    assert cfg.latr == LatrConfig(prob_abs=0.0, prob_rel=-1.0, lookahead=(2, 4))
+    assert RunConfig.from_json(cfg.to_json()) == cfg
+    main(flags)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if r["kind"] == "train"]
+    assert len(train) == 3
+    for r in train:
+        assert r["tree_branches"] > 0 and r["tree_packing_ratio"] > 1.0
+        assert r["tree_decoded_per_leaf_token"] < 1.0
+    with pytest.raises(ValueError, match="goes with --latr"):
+        config_from_args(build_train_parser().parse_args(["--latr-abs", "0.1"]))
+    with pytest.raises(ValueError, match="LATR tree rollouts"):
+        cfg.override("prune.warmup", 4).validate()
