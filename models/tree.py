@@ -27,6 +27,14 @@ checked against.
 
 The packing ratio of a tree is (tokens of the leaves as independent sequences) / T: the
 compute the tree saves on everything but attention.
+
+The learner's layout (`TreeGroups`, `tree_groups`, `tree_row_logprobs`): each group of a
+batch's naive rows [B, W] (prompt + response, as rl.learner.batch builds them) packed as
+one tree of its rows, so a prefix that several rows share (the prompt; past it, the
+tokens before a LATR fork) runs through the decoder once; the vocabulary head runs once
+per tree token, and the log-probs come back in the naive rows' [B, W-1] layout, so every
+loss runs unchanged (TrainConfig.tree; tests/rl/test_tree_learner.py: the step's loss,
+metrics and gradients equal the naive rows').
 """
 from __future__ import annotations
 
@@ -37,10 +45,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from models.config import ModelConfig
 from models.decoder import Decoder, Params
 from models.inputs import validate_tokens
+from models.logprobs import chunked_logprobs, head_matrix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,3 +246,91 @@ def tree_batch_stats(trees: Sequence[PackedTree]) -> dict[str, float]:
     tree = sum(t.num_tokens for t in trees)
     return {"tree_leaf_tokens": float(leaf), "tree_tokens": float(tree),
             "tree_packing_ratio": leaf / tree}
+
+
+# ----------------------------------------------------------------------------- the learner
+@struct.dataclass
+class TreeGroups:
+    """A batch's G groups of N rows, each packed as one tree (a pytree; host or device).
+
+    tokens / positions / segment_ids / pred [G, L] int32 and parents [G, S + 1] as
+    `stack_trees` pads them; target [B, W-1] int32: for row b (of group b // N) and naive
+    column c, the packed index in its group's tree of the row's token c + 1 when that token
+    is a response token, else -1 (the loss masks those columns)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    pred: jax.Array
+    parents: jax.Array
+    target: jax.Array
+
+    @property
+    def num_tokens(self) -> int:
+        """Tree tokens (padding included): what the learner's decoder runs on."""
+        return int(np.prod(self.tokens.shape))
+
+
+def bucket(n: int, step: int) -> int:
+    """n rounded up to a multiple of step (a few compiled shapes, not one per batch)."""
+    return -(-int(n) // step) * step
+
+
+def tree_groups(tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
+                group_size: int, *, length_step: int = 64) -> tuple[TreeGroups, dict]:
+    """The naive rows tokens [B, W] (row b = tokens[b, :P_b + R_b], groups contiguous blocks
+    of group_size rows) as one tree per group, every tree padded to the largest rounded up
+    to a multiple of length_step (segments to a power of two). Returns (TreeGroups, the
+    batch's tree_batch_stats)."""
+    tokens = np.asarray(tokens)
+    b, width = tokens.shape
+    if b % group_size:
+        raise ValueError(f"{b} rows are not whole groups of {group_size}")
+    plen, rlen = np.asarray(prompt_lengths), np.asarray(response_lengths)
+    trees = [pack_tree([tokens[r, :plen[r] + rlen[r]].tolist()
+                        for r in range(g, g + group_size)]) for g in range(0, b, group_size)]
+    length = bucket(max(t.num_tokens for t in trees), length_step)
+    segments = 1 << int(np.ceil(np.log2(max(len(t.parents) - 1 for t in trees))))
+    packed = stack_trees(trees, length=length, segments=max(segments, 1))
+    target = np.full((b, width - 1), -1, np.int32)
+    for r in range(b):
+        path, p = trees[r // group_size].paths[r % group_size], int(plen[r])
+        target[r, p - 1:p - 1 + int(rlen[r])] = path[p:p + int(rlen[r])]
+    groups = TreeGroups(tokens=packed["tokens"], positions=packed["positions"],
+                        segment_ids=packed["segment_ids"], pred=packed["pred"],
+                        parents=packed["parents"], target=target)
+    return groups, tree_batch_stats(trees)
+
+
+@partial(jax.jit, static_argnames=("config", "attn_impl", "chunk", "entropy", "keep_logits"))
+def _tree_rows_jit(params, trees, temperature, *, config, attn_impl, chunk, entropy,
+                   keep_logits):
+    hidden, _ = Decoder(config, "forward", attn_impl, return_hidden=True).apply(
+        {"params": params}, trees.tokens, trees.positions,
+        tree_mask(trees.segment_ids, trees.parents))
+    # token i is predicted by the hidden state at pred[i] (its path's previous token)
+    at_pred = jnp.take_along_axis(hidden, jnp.maximum(trees.pred, 0)[:, :, None], axis=1)
+    g, length = trees.tokens.shape
+    logp, ent = chunked_logprobs(at_pred, head_matrix(params, config), trees.tokens,
+                                 temperature, chunk=chunk or g * length, entropy=entropy,
+                                 keep_logits=keep_logits)
+    b = trees.target.shape[0]
+    flat = (jnp.arange(b) // (b // g))[:, None] * length + jnp.maximum(trees.target, 0)
+    on = trees.target >= 0
+    return (jnp.where(on, logp.reshape(-1)[flat], 0.0),
+            jnp.where(on, ent.reshape(-1)[flat], 0.0))
+
+
+def tree_row_logprobs(params: Params, config: ModelConfig, trees: TreeGroups, *,
+                      temperature: float = 1.0, attn_impl: str | None = None, chunk: int = 0,
+                      entropy: bool = True, keep_logits: bool = False
+                      ) -> tuple[jax.Array, jax.Array]:
+    """(logp [B, W-1], entropy [B, W-1]) of the naive rows `trees` was built from: at every
+    column whose next token is a response token they equal models.logprobs.token_logprobs'
+    on the rows (and its entropy of softmax(z / temperature)); 0 elsewhere. The decoder
+    runs on the trees (each shared prefix once) and the vocabulary head on each tree token
+    once, `chunk` tokens at a time (0: all at once; models.logprobs.chunked_logprobs)."""
+    validate_tokens(trees.tokens, config)
+    return _tree_rows_jit(params, trees, jnp.asarray(temperature, jnp.float32), config=config,
+                          attn_impl=attn_impl, chunk=int(chunk), entropy=bool(entropy),
+                          keep_logits=bool(keep_logits))

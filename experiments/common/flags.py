@@ -317,6 +317,9 @@ def add_latr_flags(p: argparse.ArgumentParser) -> None:
                    help=f"δ: prune when edit distance / L is below it (default {d.edit_threshold})")
     g.add_argument("--latr-mix", type=float,
                    help=f"share of each group grown as the tree (default {d.mix_ratio})")
+    g.add_argument("--tree-batches", action="store_true",
+                   help="the learner packs each group's rows as one prefix tree (train.tree: "
+                        "the prompt and every prefix the rows share once; replaces --packed)")
 
 
 def add_env_flags(p: argparse.ArgumentParser) -> None:
@@ -526,6 +529,11 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     elif latr:
         flag = next(k for k in LATR_FLAGS if getattr(args, k) is not None)
         raise ValueError(f"--{flag.replace('_', '-')} goes with --latr")
+    if args.tree_batches:
+        if args.packed:
+            raise ValueError("--tree-batches and --packed are two learner layouts; pick one")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, tree=True,
+                                                                 packed=False))
     acfg = _given(args, ASYNC_FLAGS)
     if args.mask_offpolicy_prefix:
         acfg["mask_offpolicy_prefix"] = True

@@ -14,6 +14,7 @@ from flax import struct
 
 from models.config import ModelConfig
 from models.packed import PackedGroups, groups_share_prompts, pack_groups
+from models.tree import TreeGroups, tree_groups
 from rl.learner.config import TrainConfig, make_optimizer
 from rl.objectives.turn_credit import TurnCreditConfig, token_turn_advantages
 from rl.runtime.mesh import batch_sharding, mesh_axes
@@ -69,7 +70,10 @@ class TrainBatch:
     weights; the aggregation's normaliser still counts the mask). Static: group_size
     (contiguous groups of that many rows), reward_names. packed: None, or the same batch
     as PackedGroups with G = B / group_size groups first (G shards over ("data", "fsdp"))
-    and rows[g, n] = g * group_size + n (what batch_from_trajectory builds)."""
+    and rows[g, n] = g * group_size + n (what batch_from_trajectory builds). tree: None, or
+    each group's rows as one prefix tree (models.tree.TreeGroups; TrainConfig.tree).
+    tree_stats: the host-side counts of that tree layout (leaf tokens, tree tokens, their
+    ratio; () without one), for the run's records."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -81,8 +85,10 @@ class TrainBatch:
     reward_names: tuple[str, ...] = struct.field(pytree_node=False)
     packed: PackedGroups | None = None
     proximal_logprobs: jax.Array | None = None
+    tree: TreeGroups | None = None
     loss_weights: jax.Array | None = None
     token_advantages: jax.Array | None = None
+    tree_stats: tuple = struct.field(pytree_node=False, default=())
 
 
 class NonFiniteError(ValueError):
@@ -128,6 +134,7 @@ def batch_from_trajectory(
     seq_len: int | None = None,
     packed: bool = False,
     turn_credit: TurnCreditConfig | None = None,
+    tree: bool = False,
 ) -> TrainBatch:
     """Host-side: pack a Trajectory into a TrainBatch (numpy on host; jit moves it).
 
@@ -138,7 +145,9 @@ def batch_from_trajectory(
     packed=True also attaches the packed shared-prefix layout (TrainBatch.packed, widths
     P_max and R_max of the trajectory: one compiled shape) when every group shares its
     prompt, some response is non-empty and P_max + R_max fits the model; otherwise
-    TrainBatch.packed stays None and the step uses the naive rows.
+    TrainBatch.packed stays None and the step uses the naive rows. tree=True attaches
+    each group's rows as one prefix tree instead (TrainBatch.tree, models.tree.tree_groups;
+    single-turn batches whose groups share their prompt, like packed).
     Multi-turn episodes (traj.env_mask given): the loss mask holds the model's tokens only
     (observations are context, never targets); turn_credit (rl.objectives.turn_credit;
     None or name "outcome": nothing) fills TrainBatch.token_advantages with the turn-level
@@ -212,10 +221,22 @@ def batch_from_trajectory(
             and groups_share_prompts(tokens, plen, rlen, gid):
         # contiguous groups (checked above) => rows[g, n] = g * group_size + n
         groups = pack_groups(tokens, plen, rlen, gid, prompt_width=p_w, response_width=r_w)
+    trees, tree_stats = None, {}
+    if tree:
+        if packed:
+            raise ValueError("batch_from_trajectory: tree=True and packed=True are two "
+                             "layouts; pick one")
+        if traj.multi_turn or rlen.max() == 0 \
+                or not groups_share_prompts(tokens, plen, rlen, gid):
+            raise ValueError("tree=True packs single-turn groups that share their prompt and "
+                             "have some response token; this batch is not that: build it "
+                             "with tree=False")
+        trees, tree_stats = tree_groups(tokens, plen, rlen, group_size)
     return TrainBatch(tokens=tokens, positions=positions, loss_mask=mask,
                       behaviour_logprobs=behaviour, versions=versions, rewards=reward_cols,
                       group_size=group_size, reward_names=names, packed=groups,
-                      token_advantages=token_adv)
+                      token_advantages=token_adv, tree=trees,
+                      tree_stats=tuple(sorted(tree_stats.items())))
 
 
 # ----------------------------------------------------------------------------- many processes

@@ -203,6 +203,13 @@ class TrainConfig:
         carries one (`batch_from_trajectory(..., packed=True)` attaches it when every group
         shares its prompt); batches without it use the naive rows. Same results up to
         float rounding; needs the groups to split evenly into micro_batches.
+    tree: compute log-probs on the tree layout whenever the batch carries one
+        (`batch_from_trajectory(..., tree=True)`; models.tree.TreeGroups): each group's
+        rows packed as one prefix tree, so the prompt and every prefix rows share past it
+        (a LATR tree's tokens before its forks) run through the decoder once, and the
+        vocabulary head once per tree token. Same results up to float rounding; exclusive
+        with `packed` (two layouts of the same log-probs); needs the groups to split evenly
+        into micro_batches. Its attention is a dense [L, L] tree mask (XLA).
     logprob_chunk: tokens per chunk of the vocabulary head in the learner's log-probs
         (models.logprobs.chunked_logprobs: the [tokens, vocab] logits exist one chunk at a
         time in the forward); 0 = the slow twin, full logits at once.
@@ -244,6 +251,7 @@ class TrainConfig:
     reward_weights: Any = ()
     attn_impl: str | None = None
     packed: bool = False
+    tree: bool = False
     vcpo: VCPOConfig = VCPOConfig()
     logprob_chunk: int = DEFAULT_CHUNK
     head_remat: bool | None = None
@@ -270,6 +278,12 @@ class TrainConfig:
                              f"{self.head_remat!r}")
         if not isinstance(self.packed, bool):
             raise ValueError(f"TrainConfig.packed must be True or False, got {self.packed!r}")
+        if not isinstance(self.tree, bool):
+            raise ValueError(f"TrainConfig.tree must be True or False, got {self.tree!r}")
+        if self.tree and self.packed:
+            raise ValueError("TrainConfig.tree and TrainConfig.packed are two layouts of the "
+                             "same log-probs (a prefix tree per group, or the prompt once per "
+                             "group): set one of them")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"TrainConfig.temperature must be a finite number > 0, got {self.temperature}")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \

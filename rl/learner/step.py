@@ -12,10 +12,11 @@ The step, in the order `train_step` runs it:
     advantages [B, T-1];
  3. the loss's normaliser over the whole batch (tokens for "token-mean", non-empty
     sequences for the seq-mean modes);
- 4. split every per-row field into M = micro_batches `MicroBatch`es (packed: whole groups);
+ 4. split every per-row field into M = micro_batches `MicroBatch`es (packed or tree:
+    whole groups);
  5. `lax.scan` over them of value_and_grad(`micro_loss`), summing gradients from zeros.
-    `micro_loss` recomputes the token log-probs (`row_logprobs`: naive rows, or the packed
-    shared-prefix forward), picks the PPO "old" policy π_prox (`proximal_logprobs`: one of
+    `micro_loss` recomputes the token log-probs (`row_logprobs`: naive rows, the packed
+    shared-prefix forward, or a prefix tree per group), picks the PPO "old" policy π_prox (`proximal_logprobs`: one of
     the four `TrainConfig.old_logp` sources), weights tokens (`offpolicy_token_weights`,
     then the batch's loss_weights / VCPO's sequence weights), runs
     `rl.objectives.losses.compute_loss` (PPO-clip / GSPO / CISPO, aggregation, optional
@@ -42,6 +43,7 @@ from models.config import ModelConfig
 from models.logprobs import token_logprobs, token_logprobs_fused
 from models.lora import compose
 from models.packed import PackedGroups, packed_token_logprobs, packed_token_logprobs_fused
+from models.tree import TreeGroups, tree_row_logprobs
 from rl.learner.batch import TrainBatch, TrainState
 from rl.learner.config import OffPolicyConfig, TrainConfig, make_optimizer, make_schedule, scales_lr
 from rl.learner.rewards import reward_advantages, scalar_rewards
@@ -69,6 +71,7 @@ class MicroBatch(NamedTuple):
     proximal: jax.Array | None  # [b, T-1] TrainBatch.proximal_logprobs, or None
     loss_weights: jax.Array | None  # [b, T-1] per-token loss factor (batch's × VCPO's), or None
     packed: PackedGroups | None  # this micro-batch's whole groups, rows local to it; or None
+    tree: TreeGroups | None = None  # this micro-batch's whole groups as prefix trees; or None
 
 
 _LOSS_KEYS = ("loss", "pg_loss", "kl")  # aggregated like the loss (not per token)
@@ -193,7 +196,8 @@ def row_logprobs(config: TrainConfig, model_config: ModelConfig, params: Params,
                  mb: MicroBatch, entropy: bool = True) -> tuple[jax.Array, jax.Array]:
     """(logp [b, T-1], entropy [b, T-1]) of the micro-batch's rows under `params`, in the
     naive row layout either way: the packed shared-prefix forward when the micro-batch
-    carries groups (each prompt runs once per group), else one forward over the rows.
+    carries groups (each prompt runs once per group), the tree forward when it carries
+    trees (each shared prefix once per group), else one forward over the rows.
     Entries off the loss mask are meaningless (the caller masks them).
 
     TrainConfig.logprob_chunk > 0 runs the vocabulary head chunk by chunk
@@ -201,6 +205,14 @@ def row_logprobs(config: TrainConfig, model_config: ModelConfig, params: Params,
     backward unless TrainConfig.head_remat); 0 is the slow
     twin that materialises every logit. entropy=False: zeros instead (the reference)."""
     chunk, temp, impl = config.logprob_chunk, config.temperature, config.attn_impl
+    if mb.tree is not None:  # each group's rows as one prefix tree (models.tree)
+        head_tokens = mb.tree.tokens.size
+        logp, ent = tree_row_logprobs(
+            params, model_config, mb.tree, temperature=temp, attn_impl=impl, chunk=chunk,
+            entropy=entropy,
+            keep_logits=config.keeps_head_logits(min(chunk or head_tokens, head_tokens),
+                                                 model_config.vocab_size))
+        return logp, ent
     if mb.packed is None:
         if chunk:
             b, t = mb.tokens.shape
@@ -315,7 +327,13 @@ def split_micro_batches(config: TrainConfig, batch: TrainBatch, mask: jax.Array,
         loss_weights = w if loss_weights is None else w * loss_weights
     optional = tuple(None if f is None else split(f[:, 1:])
                      for f in (batch.proximal_logprobs, loss_weights))
-    return MicroBatch(*rows, *optional, None if packed is None else jax.tree.map(split, packed))
+    tree = batch.tree if config.tree else None
+    if tree is not None and tree.tokens.shape[0] % m:
+        raise ValueError(f"the tree batch has {tree.tokens.shape[0]} groups, which do not "
+                         f"split into micro_batches={m} whole groups; make the number of "
+                         "groups a multiple of micro_batches or set TrainConfig.tree=False")
+    return MicroBatch(*rows, *optional, None if packed is None else jax.tree.map(split, packed),
+                      None if tree is None else jax.tree.map(split, tree))
 
 
 def combine_micro_metrics(stacked: dict, shares: jax.Array, n_toks: jax.Array) -> dict:

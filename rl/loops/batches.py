@@ -212,7 +212,7 @@ def build_batch(groups: Sequence[ScoredGroup], spec: RolloutSpec, config: TrainC
     width = task.max_prompt_len + task.max_new_tokens
     batch = batch_from_trajectory(traj, group_size=n, model_config=spec.model_config,
                                   rewards=rewards, seq_len=width, packed=config.packed,
-                                  turn_credit=episodes.turn_credit_of(task))
+                                  turn_credit=episodes.turn_credit_of(task), tree=config.tree)
     live = np.repeat(np.asarray([gr.live for gr in groups]), n)
     if not live.all():
         batch = batch.replace(loss_mask=batch.loss_mask & live[:, None])
@@ -288,8 +288,15 @@ def sampler_can_abandon(config: Any) -> bool:
 
 
 def batch_metrics(run: Any, batch: Any) -> dict:
-    """A train batch's metrics for its record: an environment's episodes, the reward spread."""
+    """A train batch's metrics for its record: an environment's episodes, the reward spread,
+    and with TrainConfig.tree the tokens the learner's trees hold (learner_tree_tokens,
+    learner_leaf_tokens: the rows as independent sequences, learner_packing_ratio)."""
     out = episodes.take_episode_metrics(run.task)
     out.update(batch_reward_metrics(batch.reward_names, batch.rewards, run.loop.group_size,
                                     run.train.reward_weights))
+    tree = dict(getattr(batch, "tree_stats", ()))
+    if tree:
+        out.update(learner_tree_tokens=tree["tree_tokens"],
+                   learner_leaf_tokens=tree["tree_leaf_tokens"],
+                   learner_packing_ratio=tree["tree_packing_ratio"])
     return out

@@ -207,7 +207,8 @@ def tree_counts(tree: TreeRollout) -> dict[str, float]:
     s = tree.stats
     return {"tree_decoded_tokens": float(s.decoded_tokens),
             "tree_leaf_tokens": float(s.leaf_tokens), "tree_tokens": float(s.tree_tokens),
-            "tree_branches": float(s.branches), "tree_pruned": float(s.pruned)}
+            "tree_branches": float(s.branches), "tree_pruned": float(s.pruned),
+            "tree_filled": float(s.filled)}
 
 
 def tree_trajectory(tree: TreeRollout, prompts: Sequence[Prompt], max_prompt_len: int,

@@ -126,6 +126,7 @@ def check_sources(cfg: Any) -> None:
         raise ValueError(f"{cfg.task.spec}: --prune (online rollout pruning) is for "
                          "single-turn tasks; drop it for an environment")
     check_latr(cfg)
+    check_tree_learner(cfg)
 
 
 def check_latr(cfg: Any) -> None:
@@ -149,6 +150,20 @@ def check_latr(cfg: Any) -> None:
         raise ValueError(f"latr.mix_ratio = {cfg.latr.mix_ratio} of group_size "
                          f"{cfg.loop.group_size} leaves a tree of under 2 leaves, which cannot "
                          "branch; raise one of them (or set mix_ratio 0: independent samples)")
+
+
+def check_tree_learner(cfg: Any) -> None:
+    """ValueError where the learner's tree layout (train.tree, models.tree.TreeGroups)
+    cannot run: it packs single-turn groups that share their prompt, one process's."""
+    if not cfg.train.tree:
+        return
+    if cfg.task.is_env:
+        raise ValueError(f"{cfg.task.spec}: train.tree packs single-turn groups as prefix "
+                         "trees; an environment's episodes interleave observations: drop "
+                         "--tree-batches")
+    if cfg.distributed.enabled:
+        raise ValueError("train.tree builds each process's trees on its own shapes; run it in "
+                         "one process, or drop --tree-batches")
 
 
 def check_reward(cfg: Any) -> None:
@@ -189,8 +204,8 @@ def validate_run(train: TrainConfig, loop: Any) -> None:
         raise ConfigError(f"micro_batches {m} does not divide the batch of {rows} rows "
                          f"(prompts_per_step {groups} x group_size {n}); choose micro_batches "
                          f"among {_divisors(rows)}")
-    if train.packed and groups % m:
-        raise ConfigError(f"with packed=True the micro-batches hold whole groups: micro_batches "
+    if (train.packed or train.tree) and groups % m:
+        raise ConfigError(f"with packed=True or tree=True the micro-batches hold whole groups: micro_batches "
                          f"{m} must divide prompts_per_step {groups}; choose among "
                          f"{_divisors(groups)}")
 

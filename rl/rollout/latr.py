@@ -133,6 +133,7 @@ class TreeStats:
     tree_tokens: int = 0        # distinct tokens of the returned rows (shared prefixes once)
     branches: int = 0           # branches opened (forks)
     pruned: int = 0             # branches pruned (descendants included)
+    filled: int = 0             # rows that repeat a tree's first leaf (fewer than K leaves)
     fork_fraction: list = dataclasses.field(default_factory=list)  # fork_at / leaf length
 
     def metrics(self) -> dict[str, float]:
@@ -141,6 +142,7 @@ class TreeStats:
         return {"tree_decoded_per_leaf_token": self.decoded_tokens / leaf,
                 "tree_packing_ratio": leaf / max(self.tree_tokens, 1),
                 "tree_branches": float(self.branches), "tree_pruned": float(self.pruned),
+                "tree_filled": float(self.filled),
                 "tree_fork_fraction_mean": float(np.mean(self.fork_fraction))
                 if self.fork_fraction else 0.0}
 
@@ -338,6 +340,7 @@ def _collect(state, trees: list[_GroupTree], n: int, k: int, g: int,
                 node = tree.branches[br]
                 rows.append((node.slot, -1 if node.parent is None else row_of[node.parent],
                              node.fork_at))
+            stats.filled += k - len(rows)
             rows += [(rows[0][0], 0, 0)] * (k - len(rows))
         rows += [(s, -1, 0) for s in range(b * n + k, (b + 1) * n)]
         toks = [samples[s].response_ids.tolist() for s, _, _ in rows]

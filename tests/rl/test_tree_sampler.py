@@ -19,11 +19,11 @@ from rl.rollout import SamplingConfig, generate
 from rl.rollout.latr import (
     Branch,
     LatrConfig,
+    TreeRequest,
     _choose,
     _GroupTree,
     _prune,
     edit_distance,
-    TreeRequest,
     sample_latr,
 )
 
@@ -156,7 +156,7 @@ def test_pruning_at_the_lookahead_by_edit_distance_with_descendants():
     assert _prune(tree2, cfg, mirror, stop={5}) == []
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def naive_distance(a: tuple, b: tuple) -> int:
     if not a or not b:
         return len(a) + len(b)
@@ -191,9 +191,10 @@ def test_train_with_latr_logs_its_tree_and_round_trips(tmp_path):
     flags = ["--steps", "3", "--segment-len", "2", "--latr", "--latr-abs", "0.0", "--latr-rel", "-1",
              "--latr-lookahead", "2", "4", "--eval-prompts", "8", "--eval-every", "3",
              "--save-every", "0", "--run-dir", str(tmp_path / "run"), "--wandb", "disabled",
-             "--no-progress"]
+             "--no-progress", "--tree-batches"]
     cfg = config_from_args(build_train_parser().parse_args(flags))
     assert cfg.latr == LatrConfig(prob_abs=0.0, prob_rel=-1.0, lookahead=(2, 4))
+    assert cfg.train.tree and not cfg.train.packed
     assert RunConfig.from_json(cfg.to_json()) == cfg
     main(flags)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -202,6 +203,11 @@ def test_train_with_latr_logs_its_tree_and_round_trips(tmp_path):
     for r in train:
         assert r["tree_branches"] > 0 and r["tree_packing_ratio"] > 1.0
         assert r["tree_decoded_per_leaf_token"] < 1.0
+        # the learner trained on the trees: fewer tokens than its rows hold
+        assert r["learner_tree_tokens"] < r["learner_leaf_tokens"]
+        assert np.isfinite(r["loss"])
+    with pytest.raises(ValueError, match="two learner layouts"):
+        config_from_args(build_train_parser().parse_args(["--tree-batches", "--packed"]))
     with pytest.raises(ValueError, match="goes with --latr"):
         config_from_args(build_train_parser().parse_args(["--latr-abs", "0.1"]))
     with pytest.raises(ValueError, match="LATR tree rollouts"):
