@@ -52,6 +52,7 @@ from experiments.common.offpolicy_verdicts import (KEPT, render_rows, run_machin
                                                    verdicts_from_tables)
 from experiments.common.offpolicy_verdicts import RULE as SHARED_RULE
 from experiments.common.paired import problem_results
+from experiments.common.testbed import Setup
 from rl.loops import AsyncConfig
 from rl.run import PRESETS, RunConfig, train
 from rl.runtime.host import machine
@@ -64,35 +65,6 @@ REGIME = RESULTS / "staleness_testbed_regime.json"  # how the learning rate was 
 PAGE = Path("docs/results/staleness-testbed.md")
 README, INDEX = Path("README.md"), Path("docs/results/index.md")
 WORK_DIR = Path("runs/staleness_testbed")
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """What every cell shares (recorded in each cell's record)."""
-
-    task_options: tuple = (("kind", "shift"), ("length", 32), ("alphabet", 4))
-    steps: int = 400
-    prompts_per_step: int = 8
-    group_size: int = 8
-    learning_rate: float = 1e-3
-    entropy_coef: float = 0.03
-    segment_len: int = 8
-    eval_every: int = 50
-    eval_prompts: int = 512
-    rollout_dtype: str | None = None  # "bfloat16": a bf16 sampler beside the fp32 learner
-
-    def paths(self) -> dict:
-        return {"task.options": dict(self.task_options), "loop.steps": self.steps,
-                "rollout.dtype": self.rollout_dtype,
-                "loop.prompts_per_step": self.prompts_per_step,
-                "loop.group_size": self.group_size, "loop.eval_every": self.eval_every,
-                "loop.eval_prompts": self.eval_prompts, "loop.eval_greedy": True,
-                "loop.eval_sampled_prompts": 64, "loop.save_every": 0,
-                "train.optimizer.learning_rate": self.learning_rate,
-                "train.optimizer.decay_steps": max(self.steps - 10, 1),
-                "train.loss.entropy_coef": self.entropy_coef,
-                "rollout.segment_len": self.segment_len,
-                "logging.wandb": "disabled", "logging.progress": False}
 
 
 SETUP = Setup()
