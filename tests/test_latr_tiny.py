@@ -17,17 +17,20 @@ def test_cells_are_configured_as_the_doc_says(tmp_path):
     assert grpo.latr is None and not grpo.train.tree
     assert latr.latr is not None and latr.train.tree and not latr.train.packed
     assert latr.loop.seed == grpo.loop.seed == 1 and latr.model.init_seed == 1
+    assert latr.latr.mix_ratio == 1.0
+    assert lt.cell_config(TINY, "latr_mix", 1, tmp_path).latr.mix_ratio == lt.MIX == 0.5
     latr.validate()
 
 
 def test_sweep_records_both_methods(tmp_path):
     cells, work = tmp_path / "cells", tmp_path / "work"
-    lt.sweep([0], None, TINY, cells, work)
+    lt.sweep([0], None, dataclasses.replace(TINY), cells, work)
     found = lt.load_cells(cells)
     rec = found["latr"][0]
     assert rec["eval_steps"] == [0, 2, 4]
     assert len(rec["eval_problems"]["4"]) == 8
-    assert rec["tokens_at_eval"][0] == 0 and rec["tokens_at_eval"][-1] > rec["tokens_at_eval"][1] > 0
+    tokens = rec["tokens_at_eval"]
+    assert tokens[0] == 0 and tokens[-1] > tokens[1] > 0
     out = lt.analyse(found)
     assert out["seeds"] == [0] and out["verdict"] in ("reproduced", "partly", "not")
 
@@ -56,3 +59,16 @@ def test_the_rule_reads_the_curves():
     never = {"grpo": fast["grpo"],
              "latr": {s: record("latr", s + 10, [0.1, 0.2, 0.3, 0.4, 0.45]) for s in range(3)}}
     assert lt.analyse(never)["verdict"] == "not" and lt.analyse(never)["speedup"] is None
+
+
+def test_the_page_gives_each_arm_its_verdict():
+    fast = {"grpo": {s: record("grpo", s, [0.1, 0.3, 0.4, 0.5, 0.6]) for s in range(3)},
+            "latr": {s: record("latr", s + 10, [0.1, 0.65, 0.7, 0.8, 0.8]) for s in range(3)},
+            "latr_mix": {s: record("latr", s + 20, [0.1, 0.2, 0.3, 0.4, 0.45]) for s in range(3)}}
+    arms = {a: lt.analyse(fast, a) for a in lt.ARMS}
+    result = {"setup": dataclasses.asdict(lt.SETUP), "eval_steps": arms["latr"]["eval_steps"],
+              "machine": "m", "arms": arms}
+    page = lt.render_page(result)
+    assert "**Verdict: reproduced.**" in page and "**Verdict: not.**" in page
+    row = lt.summary_row(result, "latr-tiny.md", index=True)
+    assert "LATR (defaults): reproduced" in row and "LATR, mix 0.5: not" in row

@@ -12,13 +12,19 @@ methods, the same seeds (the same initial policy and prompt stream):
 - grpo: every sample an independent chain (the tiny-synthetic preset's GRPO);
 - latr: each group grown as a LATR tree (rl.rollout.latr, the authors' defaults:
   τ_abs = τ_rel = 0.2, m = 2, lookahead 20/30/50, δ = 0.4) and trained tree-packed
-  (TrainConfig.tree).
+  (TrainConfig.tree);
+- latr_mix: the same with mix_ratio 0.5 (4 of a group's 8 samples grown as the tree, 4
+  independent). Added after the first latr cell, and before any latr_mix cell ran: a
+  policy from scratch has a near-uniform next-token distribution, so no candidate passes
+  τ_abs, the default tree never branches, every group is its greedy path repeated 8 times
+  (all rewards equal: no GRPO signal) and the policy never moves. With half the group
+  independent the policy learns, sharpens, and the tree starts to branch.
 
 A finished cell's record (every eval's per-problem greedy reward, the cumulative sampled
 tokens and training seconds at each eval, the train curves) goes to
 experiments/results/latr_tiny/<method>_s<seed>.json; a cell with a record is skipped.
 
-The rule, fixed before any cell ran (the paper reports LATR learning 131 % faster, i.e. a
+The rule, fixed before any cell ran and applied to each LATR arm against GRPO (the paper reports LATR learning 131 % faster, i.e. a
 speed-up of 2.31 in steps to a given accuracy):
   S            GRPO's final greedy reward (mean over the seeds, step 400)
   t_LATR       the first eval step at which LATR's seed-mean greedy reward reaches S
@@ -58,7 +64,9 @@ README, INDEX = Path("README.md"), Path("docs/results/index.md")
 WORK_DIR = Path("runs") / NAME
 TITLE, ROW_AFTER = "LATR vs GRPO (tiny)", "Tree rollouts (LATR)"
 SETUP = Setup()
-METHODS = ("grpo", "latr")
+METHODS = ("grpo", "latr", "latr_mix")
+ARMS = METHODS[1:]  # each judged against grpo
+MIX = 0.5  # latr_mix's share of the group grown as the tree
 SEEDS = (0, 1, 2)
 CLAIM = 2.31  # LATR's reported learning speed-up (131 % faster)
 TRAIN_KEYS = ("reward_mean", "zero_spread_frac", "sampled_tokens", "step_s", "tree_branches",
@@ -78,8 +86,9 @@ def cell_config(setup: Setup, method: str, seed: int, run_dir: Path):
                                                 "model.init_seed": seed,
                                                 "run_dir": str(run_dir)})
     cfg = dataclasses.replace(cfg, name=f"latr-tiny-{cell_name(method, seed)}")
-    if method == "latr":
-        cfg = dataclasses.replace(cfg, latr=LatrConfig(), train=dataclasses.replace(
+    if method in ARMS:
+        latr = LatrConfig() if method == "latr" else LatrConfig(mix_ratio=MIX)
+        cfg = dataclasses.replace(cfg, latr=latr, train=dataclasses.replace(
             cfg.train, tree=True, packed=False))
     return cfg
 
@@ -134,7 +143,7 @@ def sweep(seeds, max_cells: int | None, setup: Setup = SETUP, cells_dir: Path = 
         print(f"[{i + 1}/{len(todo)}] {cell_name(m, s)}: greedy reward {final:.3f} "
               f"({rec['wall_s']} s)", file=sys.stderr, flush=True)
         if cells_dir == CELLS_DIR and all((cells_dir / f"{cell_name(x, s)}.json").is_file()
-                                          for x in METHODS):
+                                          for x in ("grpo", "latr")):
             report()
 
 
@@ -147,12 +156,13 @@ def load_cells(cells_dir: Path = CELLS_DIR) -> dict[str, dict[int, dict]]:
     return out
 
 
-def analyse(cells: dict[str, dict[int, dict]]) -> dict:
-    """The rule's numbers (module doc) over the seeds both methods finished."""
-    seeds = sorted(set(cells["grpo"]) & set(cells["latr"]))
+def analyse(cells: dict[str, dict[int, dict]], arm: str = "latr") -> dict:
+    """The rule's numbers (module doc) for one LATR arm against GRPO, over the seeds both
+    finished (the keys say "latr" for the arm)."""
+    seeds = sorted(set(cells.get("grpo", {})) & set(cells.get(arm, {})))
     if not seeds:
-        raise ValueError("no seed has both methods finished")
-    g, lt = [cells["grpo"][s] for s in seeds], [cells["latr"][s] for s in seeds]
+        raise ValueError(f"no seed has both grpo and {arm} finished")
+    g, lt = [cells["grpo"][s] for s in seeds], [cells[arm][s] for s in seeds]
     steps = g[0]["eval_steps"]
 
     def table(recs, step):  # [seeds, problems]
@@ -204,14 +214,20 @@ def analyse(cells: dict[str, dict[int, dict]]) -> dict:
 
 
 def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT, page: bool = True) -> dict:
-    found = analyse(load_cells(cells_dir))
+    cells = load_cells(cells_dir)
+    arms = {a: analyse(cells, a) for a in ARMS
+            if set(cells.get("grpo", {})) & set(cells.get(a, {}))}
+    if "latr" not in arms:
+        raise SystemExit("no seed has grpo and latr finished: run the sweep first")
+    found = arms["latr"]
     d = found["diff_latr_minus_grpo"][-1]
-    result = {"headline": {"metric": "LATR - GRPO greedy reward at step "
-                                     f"{found['eval_steps'][-1]} (tiny testbed, paired)",
+    result = {"headline": {"metric": "LATR (the authors' defaults) - GRPO greedy reward at "
+                                     f"step {found['eval_steps'][-1]} (tiny testbed, paired)",
                            "value": d["value"], "target": 0.0, "machine": found["machine"],
                            "low": d["low"], "high": d["high"], "verdict": found["verdict"]},
-              "setup": dataclasses.asdict(SETUP), "claim_speedup": CLAIM,
-              "command": f"python -m experiments.repro.{NAME} report", **found}
+              "setup": dataclasses.asdict(SETUP), "claim_speedup": CLAIM, "mix_ratio": MIX,
+              "command": f"python -m experiments.repro.{NAME} report", **found,
+              "arms": arms}
     atomic_write_json(out, result)
     plot(result, out.with_suffix(".png"))
     if page:
@@ -221,41 +237,68 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT, page: bool = True) -
     return result
 
 
+LABEL = {"latr": "LATR (defaults)", "latr_mix": f"LATR, mix {MIX:g}"}
+
+
+def arm_phrase(name: str, a: dict) -> str:
+    d, sp = a["diff_latr_minus_grpo"][-1], a["speedup"]
+    reach = ("never reaches GRPO's final" if sp is None else
+             f"reaches GRPO's final at step {a['latr_reaches_at']} ({sp['steps']:.2f}× in "
+             f"steps, {sp['seconds']:.2f}× in training time)")
+    return (f"{LABEL[name]} {a['curve']['latr'][-1]:.3f}, paired {d['value']:+.3f} "
+            f"[{d['low']:+.3f}, {d['high']:+.3f}], {reach}")
+
+
 def summary_row(result: dict, link: str, index: bool = False) -> str:
-    d, sp = result["diff_latr_minus_grpo"][-1], result["speedup"]
-    reach = ("never reaches GRPO's final reward" if sp is None else
-             f"reaches GRPO's final reward at step {result['latr_reaches_at']} "
-             f"({sp['steps']:.2f}× in steps, {sp['seconds']:.2f}× in training time)")
-    text = (f"| [{TITLE}]({link}) | a tiny policy from scratch, {len(result['seeds'])} seeds: "
-            f"greedy reward {result['curve']['latr'][-1]:.3f} (LATR, tree-packed) vs "
-            f"{result['curve']['grpo'][-1]:.3f} (GRPO) at step {result['eval_steps'][-1]}, "
-            f"paired difference {d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]; LATR "
-            f"{reach} |")
+    arms = result["arms"]
+    first = next(iter(arms.values()))
+    text = (f"| [{TITLE}]({link}) | a tiny policy from scratch, {len(first['seeds'])} seeds, "
+            f"greedy reward at step {first['eval_steps'][-1]}: GRPO "
+            f"{first['curve']['grpo'][-1]:.3f}; " + "; ".join(
+                arm_phrase(n, a) for n, a in arms.items()) + " |")
     if not index:
         return text
-    return text + f" {CLAIM:g}× faster (the paper's +131 %) | {result['verdict']} |"
+    verdicts = ", ".join(f"{LABEL[n]}: {a['verdict']}" for n, a in arms.items())
+    return text + f" {CLAIM:g}× faster (the paper's +131 %) | {verdicts} |"
 
 
-def render_page(result: dict) -> str:
-    steps, c = result["eval_steps"], result["curve"]
+def arm_section(name: str, a: dict) -> str:
+    steps, c = a["eval_steps"], a["curve"]
     rows = []
     for i, s in enumerate(steps):
-        d = result["diff_latr_minus_grpo"][i]
+        d = a["diff_latr_minus_grpo"][i]
         rows.append(f"| {s} | {c['grpo'][i]:.3f} | {c['latr'][i]:.3f} | {d['value']:+.3f} "
                     f"[{d['low']:+.3f}, {d['high']:+.3f}] | "
-                    f"{result['tokens_at_eval']['grpo'][i]:.0f} / "
-                    f"{result['tokens_at_eval']['latr'][i]:.0f} | "
-                    f"{result['seconds_at_eval']['grpo'][i]:.0f} / "
-                    f"{result['seconds_at_eval']['latr'][i]:.0f} |")
-    sp, tree = result["speedup"], result["latr_tree"]
-    speed = ("LATR never reaches GRPO's final reward in the run." if sp is None else
-             f"LATR reaches GRPO's final reward ({result['grpo_final']:.3f}) at step "
-             f"{result['latr_reaches_at']}: a speed-up of {sp['steps']:.2f}× in steps, "
+                    f"{a['tokens_at_eval']['grpo'][i]:.0f} / {a['tokens_at_eval']['latr'][i]:.0f} | "
+                    f"{a['seconds_at_eval']['grpo'][i]:.0f} / {a['seconds_at_eval']['latr'][i]:.0f} |")
+    sp, tree = a["speedup"], a["latr_tree"]
+    speed = (f"{LABEL[name]} never reaches GRPO's final reward in the run." if sp is None else
+             f"{LABEL[name]} reaches GRPO's final reward ({a['grpo_final']:.3f}) at step "
+             f"{a['latr_reaches_at']}: a speed-up of {sp['steps']:.2f}× in steps, "
              f"{sp['sampled_tokens']:.2f}× in sampled tokens and {sp['seconds']:.2f}× in "
              "training seconds.")
 
     def fmt(x, f=".2f"):
         return "n/a" if x is None else format(x, f)
+    return f"""## {LABEL[name]} against GRPO ({len(a['seeds'])} seeds)
+
+| step | GRPO | {LABEL[name]} | difference | sampled tokens GRPO / LATR | training s GRPO / LATR |
+|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+{speed} **Verdict: {a['verdict']}.** Groups with mixed rewards: GRPO
+{fmt(a['mixed_share']['grpo'], '.3f')}, {LABEL[name]} {fmt(a['mixed_share']['latr'], '.3f')}.
+The trees: {fmt(tree['tree_branches'], '.1f')} branches a batch,
+{fmt(tree['tree_filled'], '.1f')} rows a batch repeating a tree's first leaf,
+{fmt(tree['tree_decoded_per_leaf_token'], '.3f')} tokens decoded per leaf token; the
+learner's trees hold {fmt(tree['learner_packing_ratio'])}× fewer tokens than its rows.
+Whole-run wall time: GRPO {a['wall_s']['grpo']:.0f} s, {LABEL[name]} {a['wall_s']['latr']:.0f} s.
+"""
+
+
+def render_page(result: dict) -> str:
+    st, steps = result["setup"], result["eval_steps"]
+    sections = "\n".join(arm_section(n, a) for n, a in result["arms"].items())
     return f"""# LATR vs GRPO on the tiny testbed
 
 <!-- generated by `python -m experiments.repro.{NAME} report` from
@@ -263,33 +306,27 @@ experiments/results/{NAME}.json; do not edit by hand -->
 
 Does growing each group as a LATR tree make a policy learn faster? The off-policy testbed's
 task and learner (a tiny policy from scratch on 32-token "shift" responses, reward = the
-share of correct positions, {result['setup']['steps']} steps of
-{result['setup']['prompts_per_step']} prompts × {result['setup']['group_size']} samples),
-synchronous, {len(result['seeds'])} seeds (the same initial policy and prompts for both
-methods): GRPO with independent samples against LATR (the authors' defaults) trained
-tree-packed (`--latr --tree-batches`). Greedy reward on {result['setup']['eval_prompts']}
+share of correct positions, {st['steps']} steps of {st['prompts_per_step']} prompts ×
+{st['group_size']} samples), synchronous, the same seeds (the same initial policy and
+prompts) for every method: GRPO with independent samples against LATR trained tree-packed
+(`--latr --tree-batches`), with the authors' defaults and with mix_ratio {MIX:g} (half of
+each group independent; added after the first LATR cell showed the default tree never
+branching from scratch, before any of its cells ran). Greedy reward on {st['eval_prompts']}
 held-out problems; intervals: 95 %, paired bootstrap over seeds and problems.
 Machine: {result['machine']}.
 
 **The rule** (fixed before any cell ran): S = GRPO's final greedy reward; t = the first
-eval step at which LATR's seed-mean reaches S. Reproduced (the paper's +131 %, a
+eval step at which the LATR arm's seed-mean reaches S. Reproduced (the paper's +131 %, a
 {CLAIM:g}× speed-up) when t ≤ {steps[-1]} / {CLAIM:g} and the paired interval of
-LATR − GRPO at t lies above 0; partly when LATR reaches S before the last step or the paired
+LATR − GRPO at t lies above 0; partly when it reaches S before the last step or the paired
 interval at the last step lies above 0; not otherwise.
 
-| step | GRPO | LATR | LATR − GRPO | sampled tokens GRPO / LATR | training s GRPO / LATR |
-|---|---|---|---|---|---|
-{chr(10).join(rows)}
-
-{speed} **Verdict: {result['verdict']}.**
-
-Groups with mixed rewards: GRPO {fmt(result['mixed_share']['grpo'], '.3f')}, LATR
-{fmt(result['mixed_share']['latr'], '.3f')}. LATR's trees: {fmt(tree['tree_branches'], '.1f')}
-branches a batch, {fmt(tree['tree_filled'], '.1f')} rows a batch repeating a tree's first
-leaf, {fmt(tree['tree_decoded_per_leaf_token'], '.3f')} tokens decoded per leaf token, the
-learner's trees {fmt(tree['learner_packing_ratio'])}× fewer tokens than its rows. Whole-run
-wall time: GRPO {result['wall_s']['grpo']:.0f} s, LATR {result['wall_s']['latr']:.0f} s
-(LATR decodes one token per device call).
+{sections}
+Why the default tree cannot learn from scratch: a random policy's next-token distribution
+is near uniform, so no candidate passes τ_abs = {0.2:g}; LATR takes the most likely token
+while the tree is not full, so a tree that never branches is one greedy path, repeated to
+fill the group (the authors' rule): every reward of the group is equal and GRPO's advantage
+is zero.
 
 ![greedy reward by step, sampled tokens and training time](../../experiments/results/{NAME}.png)
 
@@ -306,15 +343,20 @@ def plot(result: dict, path: Path) -> None:
     from experiments.common.plots import save_png
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
-    for m, color in (("grpo", "tab:blue"), ("latr", "tab:green")):
-        y = result["curve"][m]
-        for ax, x in zip(axes, (result["eval_steps"], result["tokens_at_eval"][m],
-                                result["seconds_at_eval"][m])):
-            ax.plot(x, y, marker="o", color=color, label=m.upper())
+    colors = {"grpo": "tab:blue", "latr": "tab:red", "latr_mix": "tab:green"}
+    lines = {"grpo": next(iter(result["arms"].values()))}
+    lines.update(result["arms"])
+    for name, a in lines.items():
+        side = "grpo" if name == "grpo" else "latr"
+        for ax, x in zip(axes, (a["eval_steps"], a["tokens_at_eval"][side],
+                                a["seconds_at_eval"][side])):
+            ax.plot(x, a["curve"][side], marker="o", color=colors[name],
+                    label="GRPO" if name == "grpo" else LABEL[name])
+    grpo_final = lines["grpo"]["grpo_final"]
     for ax, label in zip(axes, ("step", "sampled tokens", "training seconds")):
-        ax.axhline(result["grpo_final"], ls="--", c="gray", lw=1)
+        ax.axhline(grpo_final, ls="--", c="gray", lw=1)
         ax.set_xlabel(label)
-    axes[0].set_ylabel(f"greedy reward (mean of {len(result['seeds'])} seeds)")
+    axes[0].set_ylabel("greedy reward (seed mean)")
     axes[0].legend(fontsize=8)
     fig.suptitle("LATR vs GRPO, tiny testbed", fontsize=10)
     fig.tight_layout()
@@ -335,7 +377,8 @@ def main(argv: list[str] | None = None) -> None:
         sweep(args.seeds, args.max_cells)
     else:
         r = report()
-        print(json.dumps({k: r[k] for k in ("curve", "speedup", "verdict")}, indent=1))
+        print(json.dumps({a: {k: v[k] for k in ("curve", "speedup", "verdict")}
+                          for a, v in r["arms"].items()}, indent=1))
 
 
 if __name__ == "__main__":
