@@ -256,7 +256,9 @@ class TreeGroups:
     tokens / positions / segment_ids / pred [G, L] int32 and parents [G, S + 1] as
     `stack_trees` pads them; target [B, W-1] int32: for row b (of group b // N) and naive
     column c, the packed index in its group's tree of the row's token c + 1 when that token
-    is a response token, else -1 (the loss masks those columns)."""
+    is a response token, else -1 (the loss masks those columns); leaf_tokens [G] int32: the
+    tokens of each group's rows as independent sequences (for the packing ratio). All
+    arrays, nothing static: batches of other counts reuse the compiled step."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -264,6 +266,7 @@ class TreeGroups:
     pred: jax.Array
     parents: jax.Array
     target: jax.Array
+    leaf_tokens: jax.Array
 
     @property
     def num_tokens(self) -> int:
@@ -277,11 +280,10 @@ def bucket(n: int, step: int) -> int:
 
 
 def tree_groups(tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
-                group_size: int, *, length_step: int = 64) -> tuple[TreeGroups, dict]:
+                group_size: int, *, length_step: int = 64) -> TreeGroups:
     """The naive rows tokens [B, W] (row b = tokens[b, :P_b + R_b], groups contiguous blocks
     of group_size rows) as one tree per group, every tree padded to the largest rounded up
-    to a multiple of length_step (segments to a power of two). Returns (TreeGroups, the
-    batch's tree_batch_stats)."""
+    to a multiple of length_step (segments to a power of two)."""
     tokens = np.asarray(tokens)
     b, width = tokens.shape
     if b % group_size:
@@ -296,10 +298,19 @@ def tree_groups(tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths
     for r in range(b):
         path, p = trees[r // group_size].paths[r % group_size], int(plen[r])
         target[r, p - 1:p - 1 + int(rlen[r])] = path[p:p + int(rlen[r])]
-    groups = TreeGroups(tokens=packed["tokens"], positions=packed["positions"],
-                        segment_ids=packed["segment_ids"], pred=packed["pred"],
-                        parents=packed["parents"], target=target)
-    return groups, tree_batch_stats(trees)
+    return TreeGroups(tokens=packed["tokens"], positions=packed["positions"],
+                      segment_ids=packed["segment_ids"], pred=packed["pred"],
+                      parents=packed["parents"], target=target,
+                      leaf_tokens=np.asarray([sum(len(p) for p in t.paths) for t in trees],
+                                             np.int32))
+
+
+def tree_groups_stats(trees: TreeGroups) -> dict[str, float]:
+    """tree_batch_stats of a TreeGroups (host or device arrays): the rows' tokens as
+    independent sequences, the trees' tokens (padding not counted) and their ratio."""
+    leaf = float(np.asarray(trees.leaf_tokens).sum())
+    tree = float((np.asarray(trees.segment_ids) > 0).sum())
+    return {"tree_leaf_tokens": leaf, "tree_tokens": tree, "tree_packing_ratio": leaf / tree}
 
 
 @partial(jax.jit, static_argnames=("config", "attn_impl", "chunk", "entropy", "keep_logits"))

@@ -20,15 +20,15 @@ methods, the same seeds (the same initial policy and prompt stream):
   (all rewards equal: no GRPO signal) and the policy never moves. With half the group
   independent the policy learns, sharpens, and the tree starts to branch.
 
-A finished cell's record (every eval's per-problem greedy reward, the cumulative sampled
-tokens and training seconds at each eval, the train curves) goes to
+A finished cell's record (every eval's per-problem greedy reward, the cumulative tokens
+decoded and training seconds at each eval, the train curves) goes to
 experiments/results/latr_tiny/<method>_s<seed>.json; a cell with a record is skipped.
 
 The rule, fixed before any cell ran and applied to each LATR arm against GRPO (the paper reports LATR learning 131 % faster, i.e. a
 speed-up of 2.31 in steps to a given accuracy):
   S            GRPO's final greedy reward (mean over the seeds, step 400)
   t_LATR       the first eval step at which LATR's seed-mean greedy reward reaches S
-  speed-up     400 / t_LATR in steps (and the same ratio in sampled tokens and in
+  speed-up     400 / t_LATR in steps (and the same ratio in tokens decoded and in
                training seconds, at the two runs' cumulative counts)
   reproduced   t_LATR <= 400 / 2.31 and the paired 95 % interval of (LATR - GRPO) at that
                eval (over seeds and problems) lies above 0
@@ -94,13 +94,15 @@ def cell_config(setup: Setup, method: str, seed: int, run_dir: Path):
 
 
 def cell_record(setup: Setup, method: str, seed: int, run_dir: Path, wall_s: float) -> dict:
-    """A finished cell's record: per-problem greedy reward at every eval, cumulative sampled
+    """A finished cell's record: per-problem greedy reward at every eval, cumulative decoded
     tokens and training seconds at each eval step, train curves."""
     res = problem_results(run_dir)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if r["kind"] == "train"]
     steps = sorted(res)
-    tokens = np.cumsum([float(r.get("sampled_tokens", 0.0)) for r in train])
+    # tokens decoded (a tree decodes each shared prefix once; its repeated rows not at all)
+    tokens = np.cumsum([float(r.get("tree_decoded_tokens", r.get("sampled_tokens", 0.0)))
+                        for r in train])
     seconds = np.cumsum([float(r.get("step_s", 0.0)) for r in train])
     done = np.asarray([int(r["step"]) for r in train])
 
@@ -180,7 +182,7 @@ def analyse(cells: dict[str, dict[int, dict]], arm: str = "latr") -> dict:
     speed = None
     if reach is not None:
         speed = {"steps": steps[last] / steps[reach],
-                 "sampled_tokens": mean_at(g, "tokens_at_eval", last)
+                 "decoded_tokens": mean_at(g, "tokens_at_eval", last)
                  / max(mean_at(lt, "tokens_at_eval", reach), 1.0),
                  "seconds": mean_at(g, "seconds_at_eval", last)
                  / max(mean_at(lt, "seconds_at_eval", reach), 1e-9)}
@@ -275,14 +277,14 @@ def arm_section(name: str, a: dict) -> str:
     speed = (f"{LABEL[name]} never reaches GRPO's final reward in the run." if sp is None else
              f"{LABEL[name]} reaches GRPO's final reward ({a['grpo_final']:.3f}) at step "
              f"{a['latr_reaches_at']}: a speed-up of {sp['steps']:.2f}× in steps, "
-             f"{sp['sampled_tokens']:.2f}× in sampled tokens and {sp['seconds']:.2f}× in "
+             f"{sp['decoded_tokens']:.2f}× in decoded tokens and {sp['seconds']:.2f}× in "
              "training seconds.")
 
     def fmt(x, f=".2f"):
         return "n/a" if x is None else format(x, f)
     return f"""## {LABEL[name]} against GRPO ({len(a['seeds'])} seeds)
 
-| step | GRPO | {LABEL[name]} | difference | sampled tokens GRPO / LATR | training s GRPO / LATR |
+| step | GRPO | {LABEL[name]} | difference | decoded tokens GRPO / LATR | training s GRPO / LATR |
 |---|---|---|---|---|---|
 {chr(10).join(rows)}
 
@@ -328,7 +330,7 @@ while the tree is not full, so a tree that never branches is one greedy path, re
 fill the group (the authors' rule): every reward of the group is equal and GRPO's advantage
 is zero.
 
-![greedy reward by step, sampled tokens and training time](../../experiments/results/{NAME}.png)
+![greedy reward by step, decoded tokens and training time](../../experiments/results/{NAME}.png)
 
 Command: `python -m experiments.repro.{NAME} sweep` then `report`.
 """
@@ -353,7 +355,7 @@ def plot(result: dict, path: Path) -> None:
             ax.plot(x, a["curve"][side], marker="o", color=colors[name],
                     label="GRPO" if name == "grpo" else LABEL[name])
     grpo_final = lines["grpo"]["grpo_final"]
-    for ax, label in zip(axes, ("step", "sampled tokens", "training seconds")):
+    for ax, label in zip(axes, ("step", "tokens decoded", "training seconds")):
         ax.axhline(grpo_final, ls="--", c="gray", lw=1)
         ax.set_xlabel(label)
     axes[0].set_ylabel("greedy reward (seed mean)")

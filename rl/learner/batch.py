@@ -71,9 +71,8 @@ class TrainBatch:
     (contiguous groups of that many rows), reward_names. packed: None, or the same batch
     as PackedGroups with G = B / group_size groups first (G shards over ("data", "fsdp"))
     and rows[g, n] = g * group_size + n (what batch_from_trajectory builds). tree: None, or
-    each group's rows as one prefix tree (models.tree.TreeGroups; TrainConfig.tree).
-    tree_stats: the host-side counts of that tree layout (leaf tokens, tree tokens, their
-    ratio; () without one), for the run's records."""
+    each group's rows as one prefix tree (models.tree.TreeGroups; TrainConfig.tree;
+    models.tree.tree_groups_stats counts what it saves)."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -88,7 +87,6 @@ class TrainBatch:
     tree: TreeGroups | None = None
     loss_weights: jax.Array | None = None
     token_advantages: jax.Array | None = None
-    tree_stats: tuple = struct.field(pytree_node=False, default=())
 
 
 class NonFiniteError(ValueError):
@@ -221,7 +219,7 @@ def batch_from_trajectory(
             and groups_share_prompts(tokens, plen, rlen, gid):
         # contiguous groups (checked above) => rows[g, n] = g * group_size + n
         groups = pack_groups(tokens, plen, rlen, gid, prompt_width=p_w, response_width=r_w)
-    trees, tree_stats = None, {}
+    trees = None
     if tree:
         if packed:
             raise ValueError("batch_from_trajectory: tree=True and packed=True are two "
@@ -231,12 +229,11 @@ def batch_from_trajectory(
             raise ValueError("tree=True packs single-turn groups that share their prompt and "
                              "have some response token; this batch is not that: build it "
                              "with tree=False")
-        trees, tree_stats = tree_groups(tokens, plen, rlen, group_size)
+        trees = tree_groups(tokens, plen, rlen, group_size)
     return TrainBatch(tokens=tokens, positions=positions, loss_mask=mask,
                       behaviour_logprobs=behaviour, versions=versions, rewards=reward_cols,
                       group_size=group_size, reward_names=names, packed=groups,
-                      token_advantages=token_adv, tree=trees,
-                      tree_stats=tuple(sorted(tree_stats.items())))
+                      token_advantages=token_adv, tree=trees)
 
 
 # ----------------------------------------------------------------------------- many processes

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from models.tree import tree_groups_stats
 from rl.learner.batch import TrainBatch, TrainState, batch_from_trajectory
 from rl.learner.config import TrainConfig
 from rl.loops import episodes
@@ -294,8 +295,8 @@ def batch_metrics(run: Any, batch: Any) -> dict:
     out = episodes.take_episode_metrics(run.task)
     out.update(batch_reward_metrics(batch.reward_names, batch.rewards, run.loop.group_size,
                                     run.train.reward_weights))
-    tree = dict(getattr(batch, "tree_stats", ()))
-    if tree:
+    if getattr(batch, "tree", None) is not None:
+        tree = tree_groups_stats(batch.tree)
         out.update(learner_tree_tokens=tree["tree_tokens"],
                    learner_leaf_tokens=tree["tree_leaf_tokens"],
                    learner_packing_ratio=tree["tree_packing_ratio"])

@@ -11,7 +11,7 @@ import pytest
 from models.config import get_config
 from models.decoder import init_params
 from models.logprobs import token_logprobs
-from models.tree import tree_groups, tree_row_logprobs
+from models.tree import tree_groups, tree_groups_stats, tree_row_logprobs
 from rl.learner import TrainConfig, batch_from_trajectory, init_train_state, make_train_step
 from rl.trajectory import Trajectory
 
@@ -63,7 +63,7 @@ def entropy64(z) -> np.ndarray:
 def test_tree_rows_share_prefixes_and_equal_the_rows_logprobs():
     traj = branching_trajectory(0)
     batch = batch_from_trajectory(traj, group_size=N, model_config=CFG, tree=True)
-    stats = dict(batch.tree_stats)
+    stats = tree_groups_stats(batch.tree)
     prompt_once = np.asarray(traj.prompt_lengths)[::N].sum() + np.asarray(traj.response_mask).sum()
     assert stats["tree_tokens"] < 0.85 * prompt_once  # response prefixes are shared too
     params = init_params(CFG, 1)
@@ -125,8 +125,9 @@ def test_tree_layout_refusals():
 
 def test_tree_groups_bucket_their_length():
     tokens = jnp.asarray([[5, 6, 7, 0], [5, 6, 8, 9]], jnp.int32)
-    trees, stats = tree_groups(np.asarray(tokens), np.array([2, 2]), np.array([1, 2]), 2,
-                               length_step=8)
+    trees = tree_groups(np.asarray(tokens), np.array([2, 2]), np.array([1, 2]), 2,
+                        length_step=8)
+    stats = tree_groups_stats(trees)
     assert trees.tokens.shape == (1, 8) and stats["tree_tokens"] == 5.0
     assert stats["tree_leaf_tokens"] == 7.0
 
@@ -151,3 +152,30 @@ def test_tree_train_step_lowers_for_accelerators(platform):
         lowering_platforms=(platform,)).as_text()
     found = lowered_kernels(text)
     assert "stablehlo.dot_general" in text and found["triton"] == found["mosaic"] == []
+
+
+def test_batches_of_other_trees_reuse_the_compiled_step():
+    """Two batches whose trees differ (other forks, other counts) but pad to the same
+    shapes run on one compiled step: nothing about a tree's contents is static."""
+    a = batch_from_trajectory(branching_trajectory(5), group_size=N, model_config=CFG,
+                              tree=True)
+    b = batch_from_trajectory(branching_trajectory(6), group_size=N, model_config=CFG,
+                              tree=True)
+    assert jax.tree.map(np.shape, a.tree) == jax.tree.map(np.shape, b.tree)
+    assert tree_groups_stats(a.tree) != tree_groups_stats(b.tree)
+    config = TrainConfig(tree=True)
+    step = make_train_step(config, CFG)
+    state = init_train_state(init_params(CFG, 0), config)
+    compiles = []
+
+    def listener(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    state, _ = step(state, a)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        state, _ = step(state, b)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
