@@ -84,9 +84,9 @@ class TrainBatch:
     reward_names: tuple[str, ...] = struct.field(pytree_node=False)
     packed: PackedGroups | None = None
     proximal_logprobs: jax.Array | None = None
-    tree: TreeGroups | None = None
     loss_weights: jax.Array | None = None
     token_advantages: jax.Array | None = None
+    tree: TreeGroups | None = None
 
 
 class NonFiniteError(ValueError):

@@ -170,6 +170,11 @@ class JittedTrainStep:
                 raise ValueError(f"the packed batch has {g} groups; with TrainConfig.packed they "
                                  "must be divisible by data*fsdp*micro_batches = "
                                  f"{rows * self.config.micro_batches} on this mesh")
+            t = None if batch.tree is None else batch.tree.tokens.shape[0]
+            if self.config.tree and t is not None and t % (rows * self.config.micro_batches):
+                raise ValueError(f"the tree batch has {t} groups; with TrainConfig.tree they "
+                                 "must be divisible by data*fsdp*micro_batches = "
+                                 f"{rows * self.config.micro_batches} on this mesh")
         out = self._apply(lambda fn, *args: fn(*args), state, batch, ref_params)
         if not self.checked:
             return out
