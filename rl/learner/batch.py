@@ -219,21 +219,27 @@ def batch_from_trajectory(
             and groups_share_prompts(tokens, plen, rlen, gid):
         # contiguous groups (checked above) => rows[g, n] = g * group_size + n
         groups = pack_groups(tokens, plen, rlen, gid, prompt_width=p_w, response_width=r_w)
-    trees = None
-    if tree:
-        if packed:
-            raise ValueError("batch_from_trajectory: tree=True and packed=True are two "
-                             "layouts; pick one")
-        if traj.multi_turn or rlen.max() == 0 \
-                or not groups_share_prompts(tokens, plen, rlen, gid):
-            raise ValueError("tree=True packs single-turn groups that share their prompt and "
-                             "have some response token; this batch is not that: build it "
-                             "with tree=False")
-        trees = tree_groups(tokens, plen, rlen, group_size)
+    trees = tree_layout(traj, tokens, plen, rlen, group_size, packed) if tree else None
     return TrainBatch(tokens=tokens, positions=positions, loss_mask=mask,
                       behaviour_logprobs=behaviour, versions=versions, rewards=reward_cols,
                       group_size=group_size, reward_names=names, packed=groups,
                       token_advantages=token_adv, tree=trees)
+
+
+def tree_layout(traj: Trajectory, tokens: np.ndarray, plen: np.ndarray, rlen: np.ndarray,
+                group_size: int, packed: bool) -> TreeGroups:
+    """batch_from_trajectory's tree=True: the rows tokens [B, T] as one prefix tree per
+    group, after the checks that make it the same batch (one layout, single-turn groups
+    sharing their prompt, some response token)."""
+    if packed:
+        raise ValueError("batch_from_trajectory: tree=True and packed=True are two layouts; "
+                         "pick one")
+    if traj.multi_turn or rlen.max() == 0 or not groups_share_prompts(
+            tokens, plen, rlen, np.asarray(traj.group_ids)):
+        raise ValueError("tree=True packs single-turn groups that share their prompt and have "
+                         "some response token; this batch is not that: build it with "
+                         "tree=False")
+    return tree_groups(tokens, plen, rlen, group_size)
 
 
 # ----------------------------------------------------------------------------- many processes
