@@ -183,34 +183,13 @@ def batch_from_trajectory(
             f"sequences of {width} tokens (prompt + response) exceed the model's "
             f"max_position_embeddings={model_config.max_position_embeddings}; shorten "
             "max_prompt_len / max_new_tokens")
-    prompt_ids, resp_ids = np.asarray(traj.prompt_ids), np.asarray(traj.response_ids)
-    blp, ver = np.asarray(traj.behaviour_logprobs), np.asarray(traj.versions)
     targets = np.asarray(traj.model_mask)  # multi-turn: observation tokens are context only
-    tokens = np.zeros((b, width), np.int32)
-    mask = np.zeros((b, width), bool)
-    behaviour = np.zeros((b, width), np.float32)
-    versions = np.zeros((b, width), np.int32)
-    for i in range(b):
-        p, r = int(plen[i]), int(rlen[i])
-        tokens[i, :p] = prompt_ids[i, :p]
-        tokens[i, p:p + r] = resp_ids[i, :r]
-        mask[i, p:p + r] = targets[i, :r]
-        behaviour[i, p:p + r] = blp[i, :r]
-        versions[i, p:p + r] = ver[i, :r]
+    tokens, mask, behaviour, versions = row_layout(traj, targets, plen, rlen, width)
     if tokens.max() >= model_config.vocab_size:
         raise ValueError(f"token ids must be < vocab_size={model_config.vocab_size}, got {tokens.max()}")
     token_adv = None
     if turn_credit is not None and turn_credit.enabled:
-        if not traj.multi_turn:
-            raise ValueError(f"turn_credit {turn_credit.name!r} needs multi-turn episodes "
-                             "(Trajectory.turn_rewards); this batch is single-turn: use "
-                             "TurnCreditConfig() (outcome only)")
-        per = np.asarray(token_turn_advantages(turn_credit, traj.turn_rewards, traj.turn_ids,
-                                               targets, group_size), np.float32)
-        token_adv = np.zeros((b, width), np.float32)
-        for i in range(b):
-            p, r = int(plen[i]), int(rlen[i])
-            token_adv[i, p:p + r] = per[i, :r]
+        token_adv = turn_credit_rows(traj, turn_credit, targets, plen, rlen, width, group_size)
     positions = np.broadcast_to(np.arange(width, dtype=np.int32), (b, width)).copy()
     groups = None
     p_w, r_w = traj.prompt_ids.shape[1], traj.response_ids.shape[1]
@@ -224,6 +203,46 @@ def batch_from_trajectory(
                       behaviour_logprobs=behaviour, versions=versions, rewards=reward_cols,
                       group_size=group_size, reward_names=names, packed=groups,
                       token_advantages=token_adv, tree=trees)
+
+
+def row_layout(traj: Trajectory, targets: np.ndarray, plen: np.ndarray, rlen: np.ndarray,
+               width: int) -> tuple[np.ndarray, ...]:
+    """tokens, loss mask, behaviour log-probs, versions [B, width]: row b is
+    [prompt_b, response_b, 0...] (batch_from_trajectory's layout); targets [B, R] marks the
+    response tokens the loss counts."""
+    b = plen.shape[0]
+    prompt_ids, resp_ids = np.asarray(traj.prompt_ids), np.asarray(traj.response_ids)
+    blp, ver = np.asarray(traj.behaviour_logprobs), np.asarray(traj.versions)
+    tokens = np.zeros((b, width), np.int32)
+    mask = np.zeros((b, width), bool)
+    behaviour = np.zeros((b, width), np.float32)
+    versions = np.zeros((b, width), np.int32)
+    for i in range(b):
+        p, r = int(plen[i]), int(rlen[i])
+        tokens[i, :p] = prompt_ids[i, :p]
+        tokens[i, p:p + r] = resp_ids[i, :r]
+        mask[i, p:p + r] = targets[i, :r]
+        behaviour[i, p:p + r] = blp[i, :r]
+        versions[i, p:p + r] = ver[i, :r]
+    return tokens, mask, behaviour, versions
+
+
+def turn_credit_rows(traj: Trajectory, turn_credit: TurnCreditConfig, targets: np.ndarray,
+                     plen: np.ndarray, rlen: np.ndarray, width: int, group_size: int
+                     ) -> np.ndarray:
+    """[B, width] float32: the turn-level term λ · Â of each model token (turn_credit),
+    0 outside the responses; ValueError for a single-turn trajectory."""
+    if not traj.multi_turn:
+        raise ValueError(f"turn_credit {turn_credit.name!r} needs multi-turn episodes "
+                         "(Trajectory.turn_rewards); this batch is single-turn: use "
+                         "TurnCreditConfig() (outcome only)")
+    per = np.asarray(token_turn_advantages(turn_credit, traj.turn_rewards, traj.turn_ids,
+                                           targets, group_size), np.float32)
+    token_adv = np.zeros((plen.shape[0], width), np.float32)
+    for i in range(plen.shape[0]):
+        p, r = int(plen[i]), int(rlen[i])
+        token_adv[i, p:p + r] = per[i, :r]
+    return token_adv
 
 
 def tree_layout(traj: Trajectory, tokens: np.ndarray, plen: np.ndarray, rlen: np.ndarray,
