@@ -1,7 +1,8 @@
-"""Learner throughput: one full training step of SmolLM2-135M-Instruct, Tandem vs plain JAX vs
-transformers + torch, on CPU.
+"""Learner throughput: one full training step of SmolLM2-135M-Instruct, Tandem vs its
+plain-JAX floor vs transformers + torch, on CPU.
 
     python -m experiments.bench.learner [--shapes 16x128,32x256] [--repeats 3]
+        [--sides tandem,jax,torch,preset] [--preset smollm2-rg]
         [--breakdown 16x128] [--variants eigen] [--merge] [--out PATH]
 
 One step = forward, backward and one AdamW update (with global-norm clipping at 1.0,
@@ -12,12 +13,24 @@ weight decay 0, lr 1e-6) on the same batch of B rows x T tokens (float32 everywh
           (ratio 1), no KL, unpacked rows;
   jax     the floor the library should approach: jax.jit of jax.value_and_grad of
           -mean(A * logp) over the masked tokens through models.decoder.forward, then an
-          optax clip + adamw update (same FLOPs: PPO-clip at ratio 1 has this gradient);
+          optax clip + adamw update (same FLOPs: PPO-clip at ratio 1 has this gradient),
+          compiled with the library's own CPU compiler defaults so that the two differ
+          only in what they compute;
+  tandem[preset]  the --preset's TrainConfig (smollm2-rg: packed groups, its clip range,
+          temperature and reward weights) on the same samples, built into a batch by
+          batch_from_trajectory as a run builds it (packing computes less than the floor);
   torch   transformers' LlamaForCausalLM loaded from the same GGUF file, the same loss,
           torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW (foreach), 2 threads
           (torch.set_num_threads(cores)); OMP_WAIT_POLICY is left to libgomp's default
           unless --omp-wait-policy is given (it must be set before torch starts: the
           script sets it in os.environ before importing torch).
+
+Each row also holds every JAX side's matmul GFLOP per step counted from its jaxpr
+(experiments.common.jaxpr_flops: equal counts = no extra forward or recomputed head) and
+each side's time over the floor's and over torch's round by round (the calls alternate:
+median, min, max of the paired ratios). The headline is the library's paired time over
+the floor's at the largest shape (target <= 1.1, issue 56); the machine names its CPU
+family.
 
 Rows: a prompt of T/4 tokens shared by each group of 8 rows, then a response of random
 length in [T/2, 3T/4], right padding; random token ids (seeded). Every side computes
@@ -41,7 +54,7 @@ the gap is located (layers vs head vs optimizer vs library overhead).
 --variants eigen adds sides "tandem[eigen]" and "jax[eigen]" compiled with
 compiler_options {"xla_cpu_experimental_ynn_fusion_type": ""} (dots by Eigen instead of
 YNNPACK: see the README/JSON for why). Writes experiments/results/bench_learner.json
-(headline: train-step tokens/s ratio tandem/torch at 32x256 (or the last shape), target 1.0).
+and, from it, docs/results/learner-floor.md (--docs-only: the page from the committed JSON).
 """
 from __future__ import annotations
 
@@ -55,11 +68,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from experiments.bench.learner_docs import write_docs
 from experiments.common.benchmarking import results_path  # imports no jax: torch's env first
+from experiments.common.docs_rows import add_docs_only_flag, docs_from_json
 
 RESULT = results_path(__file__)
 GROUP = 8
 EIGEN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+FLOOR_TARGET = 1.1  # issue 56: the library's step within 1.1x of its plain-JAX floor
 
 
 def micro_batches(b: int, t: int, micro_tokens: int) -> int:
@@ -171,7 +187,7 @@ class JaxSides:
     """The Tandem step, the plain-JAX step and their breakdown pieces for one batch."""
 
     def __init__(self, config, params, batch: dict[str, Any], options: dict | None,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, preset: str | None = None):
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -258,7 +274,12 @@ class JaxSides:
             logp = picked - jax.nn.logsumexp(z, axis=-1)
             return -jnp.sum(adv[:, None] * logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
-        jit = lambda f, **kw: jax.jit(f, compiler_options=options, **kw)
+        # the floor compiles with the library's own CPU defaults (and the caller's options
+        # on top): the two sides then differ only in what they compute
+        from rl.learner.jitted import cpu_default_options
+        floor_options = {**dict(cpu_default_options()), **dict(options or {})} or None
+        jit = lambda f, **kw: jax.jit(f, compiler_options=floor_options, **kw)
+        self.plain_fn = plain_step  # un-jitted: a jaxpr of a jit with compiler options fails
         self.plain_step = jit(plain_step, donate_argnums=(0, 1))
         self.plain_state = (jax.tree.map(jnp.copy, params), tx.init(params))
         self.fwd = jit(loss_fn)
@@ -268,6 +289,37 @@ class JaxSides:
         self.logprobs = jit(lambda p, tk: token_logprobs(p, config, tk, self.tandem_batch.positions, 1.0)[0])
         self.hidden = jax.random.normal(jax.random.PRNGKey(0), (b, t, config.hidden_size), jnp.float32)
         self._grads = None
+        self.preset = None
+        if preset is not None:
+            self.preset = preset_side(preset, config, params, batch, micro_batches, options)
+
+    def matmul_flops(self) -> dict[str, int]:
+        """Matmul FLOPs of one step of each side, counted from its jaxpr
+        (experiments.common.jaxpr_flops): equal counts = the same matmuls."""
+        from functools import partial
+
+        from experiments.common.jaxpr_flops import matmul_flops
+        from rl.learner.step import train_step
+
+        def library(cfg, state, batch):
+            return matmul_flops(partial(train_step, config=cfg, model_config=self.config),
+                                state, batch)
+
+        out = {"tandem": library(self.train_config, self.tandem_state, self.tandem_batch),
+               "jax": matmul_flops(self.plain_fn, *self.plain_state, *self.micro_data)}
+        if self.preset is not None:
+            out["tandem[preset]"] = library(*self.preset[:3])
+        return out
+
+    def matmul_gflop(self) -> dict[str, float]:
+        """matmul_flops() in GFLOP (3 decimals), for the JSON."""
+        return {k: round(v / 1e9, 3) for k, v in self.matmul_flops().items()}
+
+    def run_preset(self):
+        cfg, state, batch, step = self.preset
+        state, metrics = step(state, batch)
+        self.preset = (cfg, state, batch, step)
+        self.jax.block_until_ready(metrics["loss"])
 
     def run_tandem(self):
         self.tandem_state, metrics = self.tandem_step(self.tandem_state, self.tandem_batch)
@@ -299,6 +351,53 @@ class JaxSides:
 
     def run_logprobs(self):
         self.logprobs(self.params, self.data[0]).block_until_ready()
+
+
+def preset_side(name: str, config, params, batch: dict[str, Any], micro_batches: int,
+                options: dict | None):
+    """(TrainConfig, placed state, TrainBatch, jitted step) of the preset `name`'s learner
+    options (e.g. smollm2-rg: packed groups, its clip range and temperature) on the same
+    samples: make_batch's rows as a Trajectory of groups of GROUP (prompt T/4, then the
+    response), through batch_from_trajectory like a run's batch."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rl.learner import batch_from_trajectory, init_train_state, make_train_step
+    from rl.run import PRESETS
+    from rl.trajectory import Trajectory
+
+    cfg = dataclasses.replace(PRESETS[name].train, micro_batches=micro_batches)
+    tokens, mask = batch["tokens"], batch["mask"]
+    b, t = tokens.shape
+    p = t // 4
+    rewards = {name: np.zeros(b, np.float32) for name in dict(cfg.reward_weights or {})}
+    rewards[next(iter(rewards), "reward")] = batch["rewards"]
+    traj = Trajectory.create(
+        prompt_ids=tokens[:, :p], prompt_lengths=np.full(b, p), response_ids=tokens[:, p:],
+        response_mask=mask[:, p:], behaviour_logprobs=np.zeros((b, t - p)),
+        versions=np.zeros((b, t - p)), group_ids=np.repeat(np.arange(b // GROUP), GROUP),
+        finished=np.ones(b, bool), truncated=np.zeros(b, bool), rewards=rewards)
+    train_batch = batch_from_trajectory(traj, group_size=GROUP, model_config=config,
+                                        packed=cfg.packed)
+    step = make_train_step(cfg, config, compiler_options=options)
+    state = step.place_state(init_train_state(jax.tree.map(jnp.copy, params), cfg))
+    return cfg, state, train_batch, step
+
+
+def paired_ratios(times: dict[str, list[float]], base: str) -> dict[str, dict]:
+    """Each side's round-by-round time ratio to `base` (the calls alternate, so round i of
+    both sides saw the same machine): median, min, max and every ratio."""
+    out = {}
+    for k, v in times.items():
+        if k == base:
+            continue
+        r = [a / c for a, c in zip(v, times[base])]
+        out[k] = {"median": round(statistics.median(r), 3), "min": round(min(r), 3),
+                  "max": round(max(r), 3), "all": [round(x, 3) for x in r]}
+    return out
 
 
 class TorchSide:
@@ -367,7 +466,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--breakdown", default="16x128", help="shape(s) to break down ('' = none)")
     ap.add_argument("--variants", default="", help="'eigen': also time the JAX sides with "
                     "compiler_options xla_cpu_experimental_ynn_fusion_type=''")
-    ap.add_argument("--sides", default="tandem,jax,torch")
+    ap.add_argument("--sides", default="tandem,jax,torch,preset",
+                    help="tandem (default TrainConfig), jax (the plain-JAX floor), torch, "
+                         "preset (the --preset's learner options on the same samples)")
+    ap.add_argument("--preset", default="smollm2-rg",
+                    help="the run preset whose TrainConfig the 'preset' side uses")
     ap.add_argument("--micro-tokens", type=int, default=2048,
                     help="gradient accumulation: micro-batches of about this many tokens (whole "
                          "groups of 8 rows) on every side, so 32x256 fits in memory; 0 = none")
@@ -377,7 +480,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--merge", action="store_true",
                     help="keep rows of other shapes already in the results file")
     ap.add_argument("--out", default=str(RESULT))
+    add_docs_only_flag(ap)
     args = ap.parse_args(argv)
+    if args.docs_only:
+        return docs_from_json(RESULT, write_docs)
     if args.omp_wait_policy:
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
 
@@ -403,7 +509,8 @@ def main(argv=None) -> dict:
         batch = make_batch(b, t, config.vocab_size)
         fl = flop_count(config, b, t)
         m = micro_batches(b, t, args.micro_tokens)
-        js = JaxSides(config, params, batch, None, m)
+        js = JaxSides(config, params, batch, None, m,
+                      preset=args.preset if "preset" in sides else None)
         jvar = {v: JaxSides(config, params, batch, EIGEN, m) for v in variants if v == "eigen"}
         ts = TorchSide(hf, batch, m)
         calls: dict[str, Callable[[], Any]] = {}
@@ -413,6 +520,8 @@ def main(argv=None) -> dict:
             calls["jax"] = js.run_plain
         if "torch" in sides:
             calls["torch"] = ts.run_step
+        if "preset" in sides:
+            calls["tandem[preset]"] = js.run_preset
         for v, s in jvar.items():
             if "tandem" in sides:
                 calls[f"tandem[{v}]"] = s.run_tandem
@@ -436,6 +545,15 @@ def main(argv=None) -> dict:
         if "torch" in med:
             row["ratio_vs_torch"] = {k: round(med["torch"] / v, 3) for k, v in med.items()
                                      if k != "torch"}
+            row["paired_time_vs_torch"] = paired_ratios(times, "torch")
+        if "jax" in med:  # time / the floor's, round by round: <= 1.1 is the target
+            row["paired_time_vs_floor"] = paired_ratios(times, "jax")
+        row["matmul_gflop"] = js.matmul_gflop()
+        print(f"  {b}x{t} matmul GFLOP per step (jaxpr): {row['matmul_gflop']}; formula "
+              f"{fl['total'] / 1e9:.1f}", flush=True)
+        for k, v in row.get("paired_time_vs_floor", {}).items():
+            print(f"  {b}x{t} {k} / floor: median {v['median']:.3f} "
+                  f"[{v['min']:.3f}, {v['max']:.3f}]", flush=True)
         print(f"  {b}x{t}: " + "  ".join(f"{k} {v:.2f}s ({row['tokens_per_s'][k]:.0f} tok/s, "
                                          f"{row['gflops'][k]:.0f} GF/s)" for k, v in med.items()),
               flush=True)
@@ -453,13 +571,11 @@ def main(argv=None) -> dict:
         row["fraction_of_peak"] = {k: round(v / peak, 3) for k, v in row["gflops"].items()}
 
     print_table(rows, peak)
-    last = next((r for r in rows if r["shape"] == "32x256"), rows[-1])
     result: dict[str, Any] = {
-        "headline": {"metric": f"train-step tokens/s ratio tandem/torch at {last['shape']}",
-                     "value": last.get("ratio_vs_torch", {}).get("tandem", float("nan")),
-                     "target": 1.0, "machine": machine(),
-                     "load": {"before": load_before, "after": load_average()}},
-        "targets": {"tandem_vs_torch": 1.0, "fraction_of_peak": 0.6},
+        "headline": floor_headline(rows, machine(),
+                                   {"before": load_before, "after": load_average()}),
+        "targets": {"tandem_vs_floor_time": FLOOR_TARGET, "tandem_vs_torch": 1.0,
+                    "fraction_of_peak": 0.6},
         "rows": rows,
         "matmul_gflops": mm, "peak_gflops": peak,
         "peak_definition": "best median GFLOP/s over the matmuls measured in this run "
@@ -484,13 +600,30 @@ def main(argv=None) -> dict:
         mine = {r["shape"] for r in rows}
         result["rows"] = [r for r in old.get("rows", []) if r["shape"] not in mine] + rows
         result["rows"].sort(key=lambda r: r["tokens"])
-        last = next((r for r in result["rows"] if r["shape"] == "32x256"), result["rows"][-1])
-        result["headline"]["metric"] = f"train-step tokens/s ratio tandem/torch at {last['shape']}"
-        result["headline"]["value"] = last.get("ratio_vs_torch", {}).get("tandem", float("nan"))
+        result["headline"] = floor_headline(result["rows"], machine(), result["headline"]["load"])
     from experiments.common.benchmarking import write_results
     write_results(out, result)
     print(f"wrote {out}")
+    if out.resolve() == RESULT.resolve():  # the committed result: its page and rows too
+        write_docs(result)
     return result
+
+
+def floor_headline(rows: list[dict], machine_name: str, load: dict) -> dict:
+    """The headline: the library step's time over the plain-JAX floor's on the same batch
+    (median of the paired rounds) at the largest shape both ran; lower is better."""
+    have = [r for r in rows if "tandem" in r.get("paired_time_vs_floor", {})]
+    if not have:
+        return {"metric": "library step time / plain-JAX floor (not measured: no jax side)",
+                "value": float("nan"), "target": FLOOR_TARGET, "machine": machine_name,
+                "load": load}
+    last = max(have, key=lambda r: r["tokens"])
+    pair = last["paired_time_vs_floor"]["tandem"]
+    return {"metric": f"library train step time / the plain-JAX floor's on the same batch, "
+                      f"{last['shape']} (median of {len(pair['all'])} paired rounds; lower "
+                      "is better)",
+            "value": pair["median"], "range": [pair["min"], pair["max"]],
+            "target": FLOOR_TARGET, "machine": machine_name, "load": load}
 
 
 def run_breakdown(js: JaxSides, ts: TorchSide, jvar: dict, repeats: int) -> dict:

@@ -14,7 +14,8 @@ The step, in the order `train_step` runs it:
     sequences for the seq-mean modes);
  4. split every per-row field into M = micro_batches `MicroBatch`es (packed or tree:
     whole groups);
- 5. `lax.scan` over them of value_and_grad(`micro_loss`), summing gradients from zeros.
+ 5. `lax.scan` over them of value_and_grad(`micro_loss`), summing gradients from zeros
+    (one micro-batch: value_and_grad once, no accumulator).
     `micro_loss` recomputes the token log-probs (`row_logprobs`: naive rows, the packed
     shared-prefix forward, or a prefix tree per group), picks the PPO "old" policy π_prox (`proximal_logprobs`: one of
     the four `TrainConfig.old_logp` sources), weights tokens (`offpolicy_token_weights`,
@@ -130,13 +131,20 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
     grad_fn = jax.value_and_grad(partial(micro_loss, config=config, model_config=model_config),
                                  has_aux=True)
 
-    def body(acc, mb):
-        (_, (metrics, share, n_tok, row_log_w)), g = grad_fn(state.params, mb, ref_params, norm,
-                                                             state.version, base)
-        return jax.tree.map(jnp.add, acc, g), (metrics, share, n_tok, row_log_w)
+    def micro(mb):
+        (_, aux), g = grad_fn(state.params, mb, ref_params, norm, state.version, base)
+        return g, aux
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (stacked, shares, n_toks, row_log_w) = jax.lax.scan(body, zeros, mbs)
+    if config.micro_batches == 1:  # no accumulator: zeros + g would cost two params passes
+        grads, aux = micro(jax.tree.map(lambda x: x[0], mbs))
+        stacked, shares, n_toks, row_log_w = jax.tree.map(lambda x: x[None], aux)
+    else:
+        def body(acc, mb):
+            g, aux = micro(mb)
+            return jax.tree.map(jnp.add, acc, g), aux
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, (stacked, shares, n_toks, row_log_w) = jax.lax.scan(body, zeros, mbs)
     metrics = combine_micro_metrics(stacked, shares, n_toks)
     if config.vcpo.monitor and not config.vcpo.enabled:  # micro-batches split rows in order
         metrics.update(monitor_metrics(row_log_w.reshape(-1), jnp.any(mask, axis=1)))
