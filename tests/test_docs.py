@@ -47,6 +47,29 @@ def test_the_site_builds_strictly(tmp_path):
     assert 'src="../files/smollm2_rg.png"' in page
     assert (site / "results" / "files" / "smollm2_rg.png").read_bytes() == \
         (RESULTS / "smollm2_rg.png").read_bytes()
+    # no API page shows a paragraph twice (a name re-exported through a module's __all__
+    # renders its docstring once more there)
+    for page in sorted((site / "api").glob("*/index.html")):
+        shown = repeated_paragraphs(page.read_text())
+        assert not shown, f"{page.parent.name}: paragraphs shown twice: {shown}"
+
+
+def repeated_paragraphs(html: str, shortest: int = 40) -> list[str]:
+    """The article's <p> texts (tags stripped) of at least `shortest` characters that
+    appear more than once."""
+    article = html[html.find("<article"):html.find("</article>")]
+    texts = [re.sub(r"<[^>]+>", "", p).strip() for p in re.findall(r"<p>(.*?)</p>", article, re.S)]
+    seen: dict[str, int] = {}
+    for t in texts:
+        if len(t) >= shortest:
+            seen[t] = seen.get(t, 0) + 1
+    return [t[:80] for t, n in seen.items() if n > 1]
+
+
+def test_the_repeated_paragraph_check_can_fail():
+    twice = "<p>A paragraph long enough to count, shown on the page twice.</p>"
+    assert repeated_paragraphs(f"<article>{twice}<p>other</p>{twice}</article>")
+    assert not repeated_paragraphs(f"<article>{twice}<p>short</p><p>short</p></article>")
 
 
 def small_site(tmp_path: Path, page: str) -> Path:

@@ -190,4 +190,4 @@ def _close_all() -> None:
         worker.close()
 
 
-__all__ = ["ToolError", "ToolTimeout", "ToolWorker"]
+__all__ = ["ToolError", "ToolWorker"]  # ToolTimeout lives in rl.envs.base (documented there)

@@ -29,7 +29,7 @@ from rl.learner.batch import NonFiniteError, TrainBatch, TrainState
 from rl.learner.config import TrainConfig
 from rl.learner.step import train_step
 
-__all__ = ["NonFiniteError", "checked_train_step", "checkified", "throw"]
+__all__ = ["checked_train_step", "checkified", "throw"]  # NonFiniteError: rl.learner.batch
 
 
 def _first_true(x: jax.Array) -> jax.Array:
