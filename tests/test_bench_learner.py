@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import pytest
 
 from experiments.bench import learner as bench
-from experiments.bench import learner_docs
+from experiments.common import learner_floor_page as learner_docs
+from experiments.common.benchmarking import paired_ratios
 from experiments.common.jaxpr_flops import matmul_count, matmul_flops
+from experiments.common.learner_sides import JaxSides, make_batch
 from models.config import get_config
 from models.decoder import init_params
 
@@ -50,8 +52,8 @@ def test_counter_hand_counts():
 @pytest.fixture(scope="module")
 def sides():
     params = init_params(TINY, jax.random.PRNGKey(0))
-    batch = bench.make_batch(16, 32, TINY.vocab_size, seed=1)
-    return bench.JaxSides(TINY, params, batch, None, 1, preset="smollm2-rg")
+    batch = make_batch(16, 32, TINY.vocab_size, seed=1)
+    return JaxSides(TINY, params, batch, None, 1, preset="smollm2-rg")
 
 
 def test_library_step_computes_the_floors_matmuls(sides):
@@ -86,7 +88,7 @@ def test_preset_side_trains(sides):
 
 def test_paired_ratios_and_headline():
     times = {"tandem": [2.0, 3.0, 4.0], "jax": [2.0, 2.0, 2.0], "torch": [1.0, 1.0, 1.0]}
-    r = bench.paired_ratios(times, "jax")
+    r = paired_ratios(times, "jax")
     assert set(r) == {"tandem", "torch"}
     assert r["tandem"] == {"median": 1.5, "min": 1.0, "max": 2.0, "all": [1.0, 1.5, 2.0]}
     rows = [{"shape": "8x32", "tokens": 256, "paired_time_vs_floor": {"tandem": r["tandem"]}},

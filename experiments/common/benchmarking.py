@@ -88,3 +88,27 @@ def write_results(path: Path, result: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def round_robin(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Wall seconds of `repeats` calls of each, alternating (load hits all alike)."""
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def paired_ratios(times: dict[str, list[float]], base: str) -> dict[str, dict]:
+    """Each side's round-by-round time ratio to `base` (the calls alternate, so round i of
+    both sides saw the same machine): median, min, max and every ratio."""
+    out = {}
+    for k, v in times.items():
+        if k == base:
+            continue
+        r = [a / c for a, c in zip(v, times[base])]
+        out[k] = {"median": round(statistics.median(r), 3), "min": round(min(r), 3),
+                  "max": round(max(r), 3), "all": [round(x, 3) for x in r]}
+    return out
