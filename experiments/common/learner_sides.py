@@ -83,8 +83,8 @@ class JaxSides:
         adv = jnp.asarray(batch["adv"])
         self.data = (tokens, mask, adv)
         m = micro_batches
-        split = lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:])
-        self.micro_data = tuple(split(x) for x in self.data)
+        self.micro_data = tuple(x.reshape((m, x.shape[0] // m) + x.shape[1:])
+                                for x in self.data)
 
         def loss_fn(p, tokens, mask, adv, norm=None):
             logits = forward(p, config, tokens)
@@ -102,8 +102,8 @@ class JaxSides:
             norm = jnp.maximum(jnp.sum(mask), 1.0)
 
             def body(acc, mb):
-                l, g = jax.value_and_grad(loss_fn)(p, *mb, norm)
-                return jax.tree.map(jnp.add, acc, g), l
+                loss, g = jax.value_and_grad(loss_fn)(p, *mb, norm)
+                return jax.tree.map(jnp.add, acc, g), loss
 
             g, ls = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), (tokens, mask, adv))
             return jnp.sum(ls), g
@@ -130,7 +130,9 @@ class JaxSides:
         # on top): the two sides then differ only in what they compute
         from rl.learner.jitted import cpu_default_options
         floor_options = {**dict(cpu_default_options()), **dict(options or {})} or None
-        jit = lambda f, **kw: jax.jit(f, compiler_options=floor_options, **kw)
+        def jit(f, **kw):
+            return jax.jit(f, compiler_options=floor_options, **kw)
+
         self.plain_fn = plain_step  # un-jitted: a jaxpr of a jit with compiler options fails
         self.plain_step = jit(plain_step, donate_argnums=(0, 1))
         self.plain_state = (jax.tree.map(jnp.copy, params), tx.init(params))
@@ -138,8 +140,10 @@ class JaxSides:
         self.fwd_bwd = jit(jax.value_and_grad(loss_fn))
         self.opt = jit(opt_only)
         self.head = jit(jax.value_and_grad(head_loss, argnums=(0, 1)))
-        self.logprobs = jit(lambda p, tk: token_logprobs(p, config, tk, self.tandem_batch.positions, 1.0)[0])
-        self.hidden = jax.random.normal(jax.random.PRNGKey(0), (b, t, config.hidden_size), jnp.float32)
+        positions = self.tandem_batch.positions
+        self.logprobs = jit(lambda p, tk: token_logprobs(p, config, tk, positions, 1.0)[0])
+        self.hidden = jax.random.normal(jax.random.PRNGKey(0), (b, t, config.hidden_size),
+                                        jnp.float32)
         self._grads = None
         self.preset = None
         if preset is not None:
