@@ -152,6 +152,80 @@ def matmul_rates(tokens_list: list[int], seconds: float = 1.0) -> dict[str, dict
 
 
 # ----------------------------------------------------------------------------- sides
+def side_calls(args, js: JaxSides, ts: TorchSide, jvar: dict) -> dict[str, Callable[[], Any]]:
+    """The timed calls of the sides --sides names (and the --variants' JAX sides)."""
+    sides = args.sides.split(",")
+    calls: dict[str, Callable[[], Any]] = {}
+    for name, side, fn in (("tandem", "tandem", js.run_tandem), ("jax", "jax", js.run_plain),
+                           ("torch", "torch", ts.run_step),
+                           ("tandem[preset]", "preset", js.run_preset)):
+        if side in sides:
+            calls[name] = fn
+    for v, s in jvar.items():
+        if "tandem" in sides:
+            calls[f"tandem[{v}]"] = s.run_tandem
+        if "jax" in sides:
+            calls[f"jax[{v}]"] = s.run_plain
+    return calls
+
+
+def timing_row(b: int, t: int, batch: dict, m: int, fl: dict, first: dict,
+               times: dict[str, list[float]]) -> dict:
+    """One shape's row: medians, every time, rates and the ratios paired by round."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row = {"shape": f"{b}x{t}", "batch": b, "seq": t, "tokens": b * t, "micro_batches": m,
+           "loss_tokens": int(batch["mask"][:, 1:].sum()), "flops": fl,
+           "step_s": {k: round(v, 3) for k, v in med.items()},
+           "times_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
+           "first_call_s": first,
+           "tokens_per_s": {k: round(b * t / v, 1) for k, v in med.items()},
+           "gflops": {k: round(fl["total"] / v / 1e9, 1) for k, v in med.items()}}
+    if "torch" in med:
+        row["ratio_vs_torch"] = {k: round(med["torch"] / v, 3) for k, v in med.items()
+                                 if k != "torch"}
+        row["paired_time_vs_torch"] = paired_ratios(times, "torch")
+    if "jax" in med:  # time / the floor's, round by round: <= 1.1 is the target
+        row["paired_time_vs_floor"] = paired_ratios(times, "jax")
+    return row
+
+
+def measure_shape(args, config, params, hf, shape: tuple[int, int], breakdown: set) -> dict:
+    """Build every side for one B x T batch, warm each up, time them round-robin."""
+    from experiments.common.benchmarking import load_average
+
+    b, t = shape
+    batch = make_batch(b, t, config.vocab_size)
+    fl = flop_count(config, b, t)
+    m = micro_batches(b, t, args.micro_tokens)
+    js = JaxSides(config, params, batch, None, m,
+                  preset=args.preset if "preset" in args.sides.split(",") else None)
+    jvar = {v: JaxSides(config, params, batch, EIGEN, m)
+            for v in args.variants.split(",") if v == "eigen"}
+    ts = TorchSide(hf, batch, m)
+    calls = side_calls(args, js, ts, jvar)
+    first = {}
+    for name, fn in calls.items():  # warm-up: compiles the JAX sides
+        t0 = time.perf_counter()
+        fn()
+        first[name] = round(time.perf_counter() - t0, 2)
+        print(f"  {b}x{t} warm-up {name}: {first[name]:.1f} s", flush=True)
+    row = timing_row(b, t, batch, m, fl, first, round_robin(calls, args.repeats))
+    row["matmul_gflop"] = js.matmul_gflop()
+    print(f"  {b}x{t} matmul GFLOP per step (jaxpr): {row['matmul_gflop']}; formula "
+          f"{fl['total'] / 1e9:.1f}", flush=True)
+    for k, v in row.get("paired_time_vs_floor", {}).items():
+        print(f"  {b}x{t} {k} / floor: median {v['median']:.3f} "
+              f"[{v['min']:.3f}, {v['max']:.3f}]", flush=True)
+    print(f"  {b}x{t}: " + "  ".join(f"{k} {v:.2f}s ({row['tokens_per_s'][k]:.0f} tok/s, "
+                                     f"{row['gflops'][k]:.0f} GF/s)"
+                                     for k, v in row["step_s"].items()), flush=True)
+    if (b, t) in breakdown and m == 1:  # the pieces run on the whole batch at once
+        row["breakdown_s"] = run_breakdown(js, ts, jvar, args.repeats)
+    row["load_average"] = load_average()
+    row["max_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    return row
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.learner",
                                  description=__doc__.split("\n\n")[0])
@@ -191,72 +265,12 @@ def main(argv=None) -> dict:
     load_before = load_average()
     shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
     breakdown = {parse_shape(s) for s in args.breakdown.split(",") if s}
-    sides = args.sides.split(",")
-    variants = [v for v in args.variants.split(",") if v]
 
     config, params, hf = load_models(args.model)
     n_params = int(sum(x.size for x in jax.tree.leaves(params)))
     print(f"model {args.model}: {n_params / 1e6:.1f}M params; load {load_before}", flush=True)
 
-    rows = []
-    for b, t in shapes:
-        batch = make_batch(b, t, config.vocab_size)
-        fl = flop_count(config, b, t)
-        m = micro_batches(b, t, args.micro_tokens)
-        js = JaxSides(config, params, batch, None, m,
-                      preset=args.preset if "preset" in sides else None)
-        jvar = {v: JaxSides(config, params, batch, EIGEN, m) for v in variants if v == "eigen"}
-        ts = TorchSide(hf, batch, m)
-        calls: dict[str, Callable[[], Any]] = {}
-        if "tandem" in sides:
-            calls["tandem"] = js.run_tandem
-        if "jax" in sides:
-            calls["jax"] = js.run_plain
-        if "torch" in sides:
-            calls["torch"] = ts.run_step
-        if "preset" in sides:
-            calls["tandem[preset]"] = js.run_preset
-        for v, s in jvar.items():
-            if "tandem" in sides:
-                calls[f"tandem[{v}]"] = s.run_tandem
-            if "jax" in sides:
-                calls[f"jax[{v}]"] = s.run_plain
-        first = {}
-        for name, fn in calls.items():  # warm-up: compiles the JAX sides
-            t0 = time.perf_counter()
-            fn()
-            first[name] = round(time.perf_counter() - t0, 2)
-            print(f"  {b}x{t} warm-up {name}: {first[name]:.1f} s", flush=True)
-        times = round_robin(calls, args.repeats)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        row = {"shape": f"{b}x{t}", "batch": b, "seq": t, "tokens": b * t, "micro_batches": m,
-               "loss_tokens": int(batch["mask"][:, 1:].sum()), "flops": fl,
-               "step_s": {k: round(v, 3) for k, v in med.items()},
-               "times_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
-               "first_call_s": first,
-               "tokens_per_s": {k: round(b * t / v, 1) for k, v in med.items()},
-               "gflops": {k: round(fl["total"] / v / 1e9, 1) for k, v in med.items()}}
-        if "torch" in med:
-            row["ratio_vs_torch"] = {k: round(med["torch"] / v, 3) for k, v in med.items()
-                                     if k != "torch"}
-            row["paired_time_vs_torch"] = paired_ratios(times, "torch")
-        if "jax" in med:  # time / the floor's, round by round: <= 1.1 is the target
-            row["paired_time_vs_floor"] = paired_ratios(times, "jax")
-        row["matmul_gflop"] = js.matmul_gflop()
-        print(f"  {b}x{t} matmul GFLOP per step (jaxpr): {row['matmul_gflop']}; formula "
-              f"{fl['total'] / 1e9:.1f}", flush=True)
-        for k, v in row.get("paired_time_vs_floor", {}).items():
-            print(f"  {b}x{t} {k} / floor: median {v['median']:.3f} "
-                  f"[{v['min']:.3f}, {v['max']:.3f}]", flush=True)
-        print(f"  {b}x{t}: " + "  ".join(f"{k} {v:.2f}s ({row['tokens_per_s'][k]:.0f} tok/s, "
-                                         f"{row['gflops'][k]:.0f} GF/s)" for k, v in med.items()),
-              flush=True)
-        if (b, t) in breakdown and m == 1:  # the pieces run on the whole batch at once
-            row["breakdown_s"] = run_breakdown(js, ts, jvar, args.repeats)
-        row["load_average"] = load_average()
-        row["max_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
-        rows.append(row)
-        del js, jvar, ts
+    rows = [measure_shape(args, config, params, hf, shape, breakdown) for shape in shapes]
 
     print("measuring the matmul peak ...", flush=True)
     mm = matmul_rates(sorted({b * t for b, t in shapes}), args.matmul_seconds)
@@ -265,7 +279,32 @@ def main(argv=None) -> dict:
         row["fraction_of_peak"] = {k: round(v / peak, 3) for k, v in row["gflops"].items()}
 
     print_table(rows, peak)
-    result: dict[str, Any] = {
+    result = run_record(args, rows, mm, peak, load_before, n_params)
+    out = Path(args.out)
+    if args.merge and out.exists():
+        old = json.loads(out.read_text())
+        mine = {r["shape"] for r in rows}
+        result["rows"] = [r for r in old.get("rows", []) if r["shape"] not in mine] + rows
+        result["rows"].sort(key=lambda r: r["tokens"])
+        result["headline"] = floor_headline(result["rows"], machine(), result["headline"]["load"])
+    from experiments.common.benchmarking import write_results
+    write_results(out, result)
+    print(f"wrote {out}")
+    if out.resolve() == RESULT.resolve():  # the committed result: its page and rows too
+        write_docs(result)
+    return result
+
+
+def run_record(args, rows: list[dict], mm: dict, peak: float, load_before, n_params: int
+               ) -> dict[str, Any]:
+    """The JSON record of a run: headline, rows, the matmul peak and how it all was measured."""
+    import jax
+    import torch
+
+    from experiments.common.benchmarking import load_average, machine
+
+    cores = os.cpu_count() or 1
+    return {
         "headline": floor_headline(rows, machine(),
                                    {"before": load_before, "after": load_average()}),
         "targets": {"tandem_vs_floor_time": FLOOR_TARGET, "tandem_vs_torch": 1.0,
@@ -282,25 +321,12 @@ def main(argv=None) -> dict:
                     "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "default (unset)"),
                     "xla": f"default CPU pool ({cores} cores)"},
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "variants": {"eigen": EIGEN} if variants else {},
+        "variants": {"eigen": EIGEN} if "eigen" in args.variants.split(",") else {},
         "timing": "median of --repeats calls per side, round-robin after one warm-up call each",
         "load_average_before": load_before, "load_average_after": load_average(),
         "versions": {"jax": jax.__version__, "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},
     }
-    out = Path(args.out)
-    if args.merge and out.exists():
-        old = json.loads(out.read_text())
-        mine = {r["shape"] for r in rows}
-        result["rows"] = [r for r in old.get("rows", []) if r["shape"] not in mine] + rows
-        result["rows"].sort(key=lambda r: r["tokens"])
-        result["headline"] = floor_headline(result["rows"], machine(), result["headline"]["load"])
-    from experiments.common.benchmarking import write_results
-    write_results(out, result)
-    print(f"wrote {out}")
-    if out.resolve() == RESULT.resolve():  # the committed result: its page and rows too
-        write_docs(result)
-    return result
 
 
 def floor_headline(rows: list[dict], machine_name: str, load: dict) -> dict:

@@ -35,6 +35,55 @@ def make_batch(b: int, t: int, vocab: int, seed: int = 0) -> dict[str, Any]:
 
 
 
+def floor_functions(config, tx):
+    """(loss_fn, plain_step, opt_only, head_loss): the plain-JAX floor's pieces, written the
+    way a user writes them (value_and_grad through models.decoder.forward, then optax)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from models.decoder import forward
+
+    def loss_fn(p, tokens, mask, adv, norm=None):
+        logits = forward(p, config, tokens)
+        z = logits[:, :-1]
+        picked = jnp.take_along_axis(z, tokens[:, 1:, None], axis=-1)[..., 0]
+        logp = picked - jax.nn.logsumexp(z, axis=-1)
+        norm = jnp.maximum(jnp.sum(mask), 1.0) if norm is None else norm
+        return -jnp.sum(adv[:, None] * logp * mask) / norm
+
+    def micro_value_and_grad(p, tokens, mask, adv):
+        """Gradient accumulation over the leading micro-batch axis (exact: each
+        micro-batch's loss is divided by the whole batch's token count)."""
+        if tokens.shape[0] == 1:
+            return jax.value_and_grad(loss_fn)(p, tokens[0], mask[0], adv[0])
+        norm = jnp.maximum(jnp.sum(mask), 1.0)
+
+        def body(acc, mb):
+            loss, g = jax.value_and_grad(loss_fn)(p, *mb, norm)
+            return jax.tree.map(jnp.add, acc, g), loss
+
+        g, ls = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), (tokens, mask, adv))
+        return jnp.sum(ls), g
+
+    def plain_step(p, opt_state, tokens, mask, adv):
+        loss, g = micro_value_and_grad(p, tokens, mask, adv)
+        upd, opt_state = tx.update(g, opt_state, p)
+        return optax.apply_updates(p, upd), opt_state, loss
+
+    def opt_only(p, opt_state, g):
+        upd, opt_state = tx.update(g, opt_state, p)
+        return optax.apply_updates(p, upd), opt_state
+
+    def head_loss(h, emb, tokens, mask, adv):  # final hidden [B, T, E] -> loss
+        z = jnp.einsum("bse,ve->bsv", h, emb, preferred_element_type=jnp.float32)[:, :-1]
+        picked = jnp.take_along_axis(z, tokens[:, 1:, None], axis=-1)[..., 0]
+        logp = picked - jax.nn.logsumexp(z, axis=-1)
+        return -jnp.sum(adv[:, None] * logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    return loss_fn, plain_step, opt_only, head_loss
+
+
 class JaxSides:
     """The Tandem step, the plain-JAX step and their breakdown pieces for one batch."""
 
@@ -45,7 +94,6 @@ class JaxSides:
         import numpy as np
         import optax
 
-        from models.decoder import forward
         from models.logprobs import token_logprobs
         from rl.learner import (
             OptimizerConfig,
@@ -86,50 +134,15 @@ class JaxSides:
         self.micro_data = tuple(x.reshape((m, x.shape[0] // m) + x.shape[1:])
                                 for x in self.data)
 
-        def loss_fn(p, tokens, mask, adv, norm=None):
-            logits = forward(p, config, tokens)
-            z = logits[:, :-1]
-            picked = jnp.take_along_axis(z, tokens[:, 1:, None], axis=-1)[..., 0]
-            logp = picked - jax.nn.logsumexp(z, axis=-1)
-            norm = jnp.maximum(jnp.sum(mask), 1.0) if norm is None else norm
-            return -jnp.sum(adv[:, None] * logp * mask) / norm
-
-        def micro_value_and_grad(p, tokens, mask, adv):
-            """Gradient accumulation over the leading micro-batch axis (exact: each
-            micro-batch's loss is divided by the whole batch's token count)."""
-            if tokens.shape[0] == 1:
-                return jax.value_and_grad(loss_fn)(p, tokens[0], mask[0], adv[0])
-            norm = jnp.maximum(jnp.sum(mask), 1.0)
-
-            def body(acc, mb):
-                loss, g = jax.value_and_grad(loss_fn)(p, *mb, norm)
-                return jax.tree.map(jnp.add, acc, g), loss
-
-            g, ls = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), (tokens, mask, adv))
-            return jnp.sum(ls), g
-
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6, weight_decay=0.0))
         self.tx = tx
-
-        def plain_step(p, opt_state, tokens, mask, adv):
-            loss, g = micro_value_and_grad(p, tokens, mask, adv)
-            upd, opt_state = tx.update(g, opt_state, p)
-            return optax.apply_updates(p, upd), opt_state, loss
-
-        def opt_only(p, opt_state, g):
-            upd, opt_state = tx.update(g, opt_state, p)
-            return optax.apply_updates(p, upd), opt_state
-
-        def head_loss(h, emb, tokens, mask, adv):  # final hidden [B, T, E] -> loss
-            z = jnp.einsum("bse,ve->bsv", h, emb, preferred_element_type=jnp.float32)[:, :-1]
-            picked = jnp.take_along_axis(z, tokens[:, 1:, None], axis=-1)[..., 0]
-            logp = picked - jax.nn.logsumexp(z, axis=-1)
-            return -jnp.sum(adv[:, None] * logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        loss_fn, plain_step, opt_only, head_loss = floor_functions(config, tx)
 
         # the floor compiles with the library's own CPU defaults (and the caller's options
         # on top): the two sides then differ only in what they compute
         from rl.learner.jitted import cpu_default_options
         floor_options = {**dict(cpu_default_options()), **dict(options or {})} or None
+
         def jit(f, **kw):
             return jax.jit(f, compiler_options=floor_options, **kw)
 

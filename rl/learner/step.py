@@ -135,16 +135,7 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
         (_, aux), g = grad_fn(state.params, mb, ref_params, norm, state.version, base)
         return g, aux
 
-    if config.micro_batches == 1:  # no accumulator: zeros + g would cost two params passes
-        grads, aux = micro(jax.tree.map(lambda x: x[0], mbs))
-        stacked, shares, n_toks, row_log_w = jax.tree.map(lambda x: x[None], aux)
-    else:
-        def body(acc, mb):
-            g, aux = micro(mb)
-            return jax.tree.map(jnp.add, acc, g), aux
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (stacked, shares, n_toks, row_log_w) = jax.lax.scan(body, zeros, mbs)
+    grads, (stacked, shares, n_toks, row_log_w) = accumulate_gradients(micro, state.params, mbs)
     metrics = combine_micro_metrics(stacked, shares, n_toks)
     if config.vcpo.monitor and not config.vcpo.enabled:  # micro-batches split rows in order
         metrics.update(monitor_metrics(row_log_w.reshape(-1), jnp.any(mask, axis=1)))
@@ -165,6 +156,22 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Params | None =
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                               version=state.version + 1)
     return new_state, metrics
+
+
+def accumulate_gradients(micro, params: Params, mbs: MicroBatch) -> tuple[Params, Any]:
+    """(summed gradients, per-micro-batch aux stacked [M, ...]) of micro(mb) -> (grads, aux)
+    over the M stacked micro-batches: a lax.scan from zero gradients (one micro-batch's
+    activations in memory at a time); for M = 1 one call, with no accumulator (zeros + g
+    would cost two more passes over the parameters)."""
+    if jax.tree.leaves(mbs)[0].shape[0] == 1:
+        grads, aux = micro(jax.tree.map(lambda x: x[0], mbs))
+        return grads, jax.tree.map(lambda x: x[None], aux)
+
+    def body(acc, mb):
+        g, aux = micro(mb)
+        return jax.tree.map(jnp.add, acc, g), aux
+
+    return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), mbs)
 
 
 def micro_loss(params: Params, mb: MicroBatch, ref_params: Params | None, norm: jax.Array,
