@@ -125,7 +125,8 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
 
     Args:
       hidden: [..., E] final-normed hidden states; head: [E, V]; targets: [...] int token
-        ids (the ones whose log-prob is wanted); chunk: C, tokens per head application.
+        ids (the ones whose log-prob is wanted); chunk: C, the most tokens per head
+        application (the n tokens run as ceil(n / C) equal chunks).
       entropy: compute the entropy too (else zeros; saves a pass over each chunk's logits).
       keep_logits: keep every chunk's fp32 logits for the backward (tokens x V x 4 bytes in
         all) instead of recomputing them there (one more head matmul, the largest of a
@@ -143,8 +144,11 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
     h = hidden.reshape(-1, e)
     t = targets.reshape(-1).astype(jnp.int32)
     n = h.shape[0]
-    c = max(1, min(chunk, n))
-    pad = (-n) % c
+    # k = ceil(n / chunk) chunks of equal size c <= chunk: the last one pads at most k - 1
+    # rows (chunks of exactly `chunk` tokens would pad up to chunk - 1 rows of head matmul)
+    k = max(1, -(-n // max(1, min(chunk, n))))
+    c = max(1, -(-n // k))
+    pad = k * c - n
     h = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, c, e)
     t = jnp.pad(t, (0, pad)).reshape(-1, c)
     temperature = jnp.asarray(temperature, jnp.float32)

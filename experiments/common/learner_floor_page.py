@@ -57,8 +57,9 @@ def matmul_sentence(row: dict) -> str:
     text = (f"At {row['shape'].replace('x', ' × ')} the library's step runs "
             f"{mm['tandem']:.1f} GFLOP of matmuls, the floor's {mm['jax']:.1f} "
             f"({diff:.2f} GFLOP fewer: the floor applies the vocabulary head at every "
-            "position and drops the last one's logits; the library skips those positions, "
-            "but pads its last head chunk to the chunk size)")
+            "position and drops the last one's logits; the library never computes them)")
+    if row.get("matmul_gflop_note"):
+        text += f" ({row['matmul_gflop_note']})"
     if "tandem[preset]" in mm:
         text += (f"; with the preset's packed groups {mm['tandem[preset]']:.1f} GFLOP "
                  "(each group's prompt runs once)")

@@ -221,3 +221,24 @@ def test_bf16_head_backward_multiplies_in_bf16_against_float64():
     np.testing.assert_allclose(f64(grad), want, rtol=3e-2, atol=3e-2)
     text = str(jax.make_jaxpr(jax.grad(loss))(head))
     assert "custom_vjp_call" in text
+
+
+@pytest.mark.parametrize("n,chunk", [(1100, 1024), (2032, 1024), (5, 2), (7, 100)])
+def test_chunks_are_equal_and_pad_less_than_one_row_per_chunk(n, chunk):
+    """The n tokens run as k = ceil(n / chunk) equal chunks: the head's matmuls cover at most
+    n + k - 1 rows (chunks of exactly `chunk` would cover up to n + chunk - 1), with the
+    values of the full logits."""
+    from experiments.common.jaxpr_flops import matmul_flops
+
+    e, v = 8, 32
+    rng = np.random.default_rng(n)
+    h = jnp.asarray(rng.standard_normal((n, e)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((e, v)), jnp.float32)
+    t = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    logp, _ = chunked_logprobs(h, w, t, 1.0, chunk=chunk)
+    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64)
+    ref = z[np.arange(n), np.asarray(t)] - np.log(np.exp(z).sum(-1))
+    np.testing.assert_allclose(np.asarray(logp), ref, atol=1e-4)
+    rows = matmul_flops(lambda h: chunked_logprobs(h, w, t, 1.0, chunk=chunk)[0], h) // (2 * e * v)
+    k = -(-n // min(chunk, n))
+    assert n <= rows <= n + k - 1
