@@ -14,7 +14,14 @@ TITLE = "Learner at its floor"
 AFTER = "Learner memory"
 SIDES = {"tandem": "Tandem (default `TrainConfig`)", "tandem[preset]": "Tandem, preset options",
          "jax": "plain-JAX floor", "torch": "transformers + torch"}
-COMMAND = "python -m experiments.bench.learner --shapes 16x128 --repeats 5 --breakdown ''"
+
+
+def commands(rows: list[dict]) -> str:
+    """The commands behind the rows: one per shape, the later ones merged into the file."""
+    return "\n".join(
+        f"python -m experiments.bench.learner --shapes {r['shape']} --repeats "
+        f"{len(next(iter(r['times_s'].values())))} --breakdown ''" + (" --merge" if i else "")
+        for i, r in enumerate(rows))
 
 
 def verdict(headline: dict) -> str:
@@ -82,7 +89,7 @@ def render_page(result: dict) -> str:
         "median [min, max] over the rounds. The matmul counts come from each step's jaxpr "
         "(`experiments.common.jaxpr_flops`): they say what the step computes, whatever the "
         "timer says on a shared machine.", "",
-        "```bash", COMMAND, "```", "",
+        "```bash", commands(rows), "```", "",
         f"**Machine**: {h['machine']}; load average before / after "
         f"{h['load']['before']} / {h['load']['after']}; matmul peak measured in the run "
         f"{peak:.1f} GFLOP/s.", "",
