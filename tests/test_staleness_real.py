@@ -196,3 +196,18 @@ def test_vcpo_note_names_the_half_the_suite_tests():
     rg, calc = verdicts(rows)["vcpo"]["note"], verdicts(rows, suite="calc-chain")["vcpo"]["note"]
     assert rg.startswith("the reasoning-gym half") and "staleness_real_calc.json" in rg
     assert calc.startswith("the tool-use half") and "staleness_real.json" in calc
+
+
+def test_readme_row_reads_the_committed_json():
+    """The README's one line for this study: its cell count and the synchronous gain come
+    from experiments/results/staleness_real.json."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = json.loads((root / "experiments/results/staleness_real.json").read_text())
+    sync = next(r for r in result["table"] if r["method"] == "naive" and r["k"] == 0)
+    row = next(line for line in (root / "README.md").read_text().splitlines()
+               if line.startswith("| [Async RL on SmolLM2]("))
+    assert f"{len(result['cells_finished'])} cells" in row
+    assert (f"{sync['initial_accuracy']:.3f} → {sync['final_accuracy']['mean']:.3f}") in row
