@@ -34,7 +34,7 @@ def ratio_cell(pair: dict | None) -> str:
     return f"{pair['median']:.2f} [{pair['min']:.2f}, {pair['max']:.2f}]"
 
 
-def shape_table(row: dict, peak: float) -> list[str]:
+def shape_table(row: dict) -> list[str]:
     """One shape's table: a line per side, the floor's paired ratios and matmul counts."""
     floor = row.get("paired_time_vs_floor", {})
     torch = row.get("paired_time_vs_torch", {})
@@ -51,7 +51,7 @@ def shape_table(row: dict, peak: float) -> list[str]:
         to_torch = "1" if side == "torch" else ratio_cell(torch.get(side))
         lines.append(f"| {SIDES[side]} | {row['step_s'][side]:.2f} | "
                      f"{row['tokens_per_s'][side]:.0f} | {row['gflops'][side]:.1f} | "
-                     f"{100 * row['gflops'][side] / peak:.0f} % | {to_floor} | {to_torch} | "
+                     f"{100 * row['fraction_of_peak'][side]:.0f} % | {to_floor} | {to_torch} | "
                      f"{mm.get(side, '—') if side != 'torch' else '—'} |")
     return lines
 
@@ -91,14 +91,14 @@ def render_page(result: dict) -> str:
         "timer says on a shared machine.", "",
         "```bash", commands(rows), "```", "",
         f"**Machine**: {h['machine']}; load average before / after "
-        f"{h['load']['before']} / {h['load']['after']}; matmul peak measured in the run "
-        f"{peak:.1f} GFLOP/s.", "",
+        f"{h['load']['before']} / {h['load']['after']} (the last run); *of peak* is against the "
+        f"matmul peak measured in each shape's run ({peak:.1f} GFLOP/s in the last).", "",
         f"**Headline**: {h['metric']}: **{h['value']:.3f}** "
         f"[{h['range'][0]:.3f}, {h['range'][1]:.3f}] (target ≤ {h['target']:g}: "
         f"{verdict(h)}).", "",
     ]
     for row in rows:
-        out += shape_table(row, peak) + [""]
+        out += shape_table(row) + [""]
     sentences = [s for s in (matmul_sentence(r) for r in rows) if s]
     out += ["## What the library computes beyond the floor", "",
             *sentences, "",
