@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from functools import partial
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def test_paired_ratios_and_headline():
     h = bench.floor_headline(rows, "m", {})
     assert h["value"] == 1.5 and h["range"] == [1.0, 2.0] and "8x32" in h["metric"]
     assert h["target"] == 1.1
-    assert bench.floor_headline([{"shape": "8x32", "tokens": 1}], "m", {})["value"] != 1.1
+    missing = bench.floor_headline([{"shape": "8x32", "tokens": 1}], "m", {})
+    assert math.isnan(missing["value"]) and "not measured" in missing["metric"]
 
 
 def test_committed_page_is_the_json_rendered():

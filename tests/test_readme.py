@@ -111,3 +111,20 @@ def test_ci_runs_the_readme_test_command():
     ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()
           if ln.strip() and not ln.lstrip().startswith("#")]
     assert ci[-1] == test, f".ci/run runs {ci[-1]!r}, the README's test command is {test!r}"
+
+
+def test_the_suite_time_sentences_read_the_committed_record():
+    """The README's and the development page's suite figures come from
+    experiments/results/test_suite_time.json."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    rec = json.loads((root / "experiments/results/test_suite_time.json").read_text())
+    minutes = f"{rec['headline']['value'] / 60:.1f} min"
+    readme = " ".join((root / "README.md").read_text().split())
+    assert f"({rec['tests']['total']:,} tests, {minutes} on 2 cores" in readme
+    dev = " ".join((root / "docs/development.md").read_text().split())
+    assert f"{rec['tests']['total']:,} tests took **{minutes}** wall " \
+           f"({round(rec['headline']['value']):,} s)" in dev
+    slow = sorted(rec["slowest_s"].values(), reverse=True)
+    assert f"took {slow[0]:.0f} s and {slow[1]:.0f} s there" in dev
