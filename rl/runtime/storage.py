@@ -150,7 +150,8 @@ def free_space_warning(directory: str | os.PathLike, need_bytes: int) -> str | N
     if need_bytes <= 0 or free >= 2 * need_bytes:
         return None
     mb = 1e6
-    where = f"{free / mb:.1f} MB free in {str(directory)!r} for checkpoints of ~{need_bytes / mb:.1f} MB"
+    where = (f"{free / mb:.1f} MB free in {str(directory)!r} "
+             f"for checkpoints of ~{need_bytes / mb:.1f} MB")
     if free < need_bytes:
         return f"{where}: this checkpoint will not fit; free space now, or the save fails"
     return f"{where}: room for one more checkpoint only; free space before the next save"
@@ -188,6 +189,13 @@ def _closed_loop_echo(err: BaseException | None) -> bool:
     return isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
 
 
+def _abandoned_save_echo(err: BaseException | None) -> bool:
+    """A late write of a failed save into its tmp folder, which the next open (or the
+    failure handling) has already removed: tensorstore reports NOT_FOUND for it."""
+    text = "" if err is None else str(err)
+    return "NOT_FOUND" in text and ".orbax-checkpoint-tmp" in text
+
+
 def quiet_orbax_echoes() -> None:
     """Keep the echoes of a failed checkpoint write out of stderr (process-wide, idempotent;
     rl.runtime.checkpoint calls it when a Checkpointer opens). When one of orbax's writer
@@ -196,9 +204,11 @@ def quiet_orbax_echoes() -> None:
     and each prints a "RuntimeError: Event loop is closed" traceback (through
     sys.unraisablehook, from tensorstore's threads), and their futures
     report the write error through asyncio's logger ("Future exception was never
-    retrieved"). The failure itself reaches the caller as one exception (Checkpointer.wait
-    / poll); these echoes are dropped. Nothing else is: other exceptions pass to the
-    previous hooks, and asyncio records whose exception is not a storage failure stay."""
+    retrieved"), as do late writes into the failed save's tmp folder once it is removed
+    (NOT_FOUND, possibly while a later test or run is going). The failure itself reaches
+    the caller as one exception (Checkpointer.wait / poll); these echoes are dropped.
+    Nothing else is: other exceptions pass to the previous hooks, and asyncio records
+    whose exception is neither a storage failure nor such a late write stay."""
     global _echoes_quiet
     if _echoes_quiet:
         return
@@ -206,7 +216,8 @@ def quiet_orbax_echoes() -> None:
 
     def storage_echo(record: logging.LogRecord) -> bool:
         err = record.exc_info[1] if record.exc_info else None
-        return not (err is not None and storage_errno(err) is not None)
+        return not (err is not None and (storage_errno(err) is not None
+                                         or _abandoned_save_echo(err)))
 
     logging.getLogger("asyncio").addFilter(storage_echo)
     previous = sys.unraisablehook

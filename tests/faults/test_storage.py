@@ -41,6 +41,7 @@ from rl.runtime.storage import (
     StorageError,
     StorageWarning,
     free_space_warning,
+    quiet_orbax_echoes,
     storage_reason,
 )
 
@@ -298,6 +299,24 @@ def test_storage_reasons_of_orbax_and_os_errors():
     assert storage_reason(ValueError("Read-only file system")) == "read-only file system (EROFS)"
     assert storage_reason(ValueError("shape mismatch")) is None
     assert storage_reason(OSError(errno.ENOENT, "x")) is None
+
+
+def test_late_echoes_of_a_failed_save_are_dropped_and_other_asyncio_errors_kept(caplog):
+    """A failed save's late writes land after its tmp folder is gone, maybe while the next
+    run (or test) goes on: asyncio logs their futures at garbage collection. Those echoes
+    are dropped; an asyncio error of anything else still reaches the log."""
+    quiet_orbax_echoes()
+    late = ValueError('NOT_FOUND: Error writing "opt_state.mu/0.0" in OCDBT database at local '
+                      'file "/r/checkpoints/3.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/'
+                      'ocdbt.process_0/": Error reading Byte range [197180, 199158)')
+    full = ValueError("RESOURCE_EXHAUSTED: No space left on device [os_error_code='28']")
+    other = ValueError("NOT_FOUND: /data/shard-7 (a missing input, not a checkpoint)")
+    log = logging.getLogger("asyncio")
+    with caplog.at_level(logging.ERROR):
+        for err in (late, full, other):
+            log.error("Future exception was never retrieved", exc_info=(type(err), err, None))
+    kept = [r.exc_info[1] for r in caplog.records if r.exc_info]
+    assert kept == [other]
 
 
 def test_free_space_warning_before_a_save(tmp_path, monkeypatch):
