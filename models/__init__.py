@@ -20,3 +20,24 @@ Import the submodule you need (nothing heavy is imported here):
   models.weight_grads  project (the projections' einsum with a CPU-friendly backward),
                     contract_tokens (weight gradients xᵀ dy as canonical dots on CPU)
 """
+
+def _check_own_kernels() -> None:
+    """`models` imports this repository's `kernels` package by that name. Another
+    distribution with the same import name (Hugging Face's `kernels`, which transformers
+    >= 5.25 installs) can come first on sys.path outside the repository root; then say so
+    here, before a confusing "No module named 'kernels.shared_prefix'"."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("kernels")
+    ours = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
+    if spec is not None and spec.origin and Path(spec.origin).resolve() != ours:
+        raise ImportError(
+            f"the package 'kernels' resolves to {spec.origin}, not Tandem's {ours}: another "
+            "distribution uses the same import name (Hugging Face's `kernels`, installed by "
+            "transformers >= 5.25). Uninstall it (`pip uninstall kernels`; keep transformers "
+            "< 5.25), or run from the repository root, where Tandem's comes first.")
+
+
+_check_own_kernels()
+

@@ -455,3 +455,27 @@ def test_checker_flags_private_names_across_a_boundary_only(tmp_path):
 def test_the_line_limit_covers_experiments():
     modules = collect_modules(ROOT)
     assert "experiments.common.benchmarking" in modules and "experiments.repro.smollm2_rg" in modules
+
+
+def test_a_foreign_kernels_package_first_on_the_path_is_named(tmp_path):
+    """Hugging Face's `kernels` (a dependency of transformers >= 5.25) has the import name of
+    this repository's kernels/: when it comes first, `import models` says so in one line."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '0.19.1'\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(root)])}
+    out = subprocess.run([sys.executable, "-c", "import models"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: the package 'kernels' resolves to ")
+    assert str(fake / "__init__.py") in last and "pip uninstall kernels" in last
+    env["PYTHONPATH"] = str(root)  # Tandem's own kernels: imports fine
+    ok = subprocess.run([sys.executable, "-c", "import models"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
