@@ -4,7 +4,6 @@ page, when there is one, is its JSON rendered."""
 import argparse
 import json
 
-
 from experiments.bench import ray_workers as bench
 from experiments.common.flags import config_from_argv
 
@@ -21,7 +20,8 @@ def test_the_sides_run_what_the_doc_says(tmp_path):
     assert a.backend == "ray" and a.mode == "deterministic" and a.max_staleness == 1
     assert a.worker_affinity == (1,) and a.rollout_workers == 1
     for c in (cfg_sync, cfg_ray):
-        assert dict(c.task.options)["length"] == 32 and c.loop.steps == 12
+        assert dict(c.task.options)["length"] == 128 and c.loop.steps == 12
+        assert (c.loop.prompts_per_step, c.loop.group_size) == (1, 4)
         c.validate()
 
 
@@ -31,3 +31,10 @@ def test_the_committed_page_is_its_json_rendered():
     assert bench.PAGE.read_text() == bench.render_page(result)
     assert bench.summary_row(result, "ray-workers.md", index=True) in \
         bench.INDEX.read_text().splitlines()
+
+
+def test_the_ceiling_is_the_sync_step_over_the_longer_ray_phase():
+    sync = {"step_s": 0.09}
+    assert bench.ceiling(sync, {"learner_step_s": 0.075, "worker_sample_s": 0.04}) == \
+        0.09 / 0.075
+    assert bench.ceiling(sync, {"learner_step_s": 0.03, "worker_sample_s": 0.06}) == 1.5
