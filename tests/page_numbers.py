@@ -1,8 +1,9 @@
 """Which numbers on a docs page no committed JSON holds (issue 56, part 4).
 
 A page's numbers are looked up in the JSON files under experiments/results/ that the page
-names (a path or a link), and, on a line that links another results page (the index's and
-the README's rows), in that page's files too. A number matches a value when the value,
+names (a path or a link to a file, or a folder: every JSON under it), and, on a line
+that links another results page (the index's and the README's rows), in that page's
+files too. A number matches a value when the value,
 possibly scaled by a unit factor (percent, milli, micro, kilo, mega, giga, per hour, per
 minute, MiB, GiB), rounds to it at the number's own decimals. Left out: code (blocks and
 `spans`), HTML comments, link targets, integers below 10 and years.
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # a number, maybe with thousands commas, not inside a word or path; "2.36x" counts
 NUMBER = re.compile(r"(?<![\w.\-/#])[-−]?\d+(?:,\d{3})*(?:\.\d+)?(?=x\b|[^\w/]|$)")
 JSON_REF = re.compile(r"experiments/results/[\w/.\-]+\.json")
+DIR_REF = re.compile(r"experiments/results/[\w.\-]+(?:/[\w.\-]+)*/(?![\w.\-])")
 PAGE_LINK = re.compile(r"\(((?:docs/results/)?[\w\-]+\.md)\)")
 SCALES = (1, 100, 1e-2, 1e3, 1e-3, 1e6, 1e-6, 1e9, 1e-9, 3600, 1 / 3600, 60, 1 / 60,
           2**20, 2**-20, 2**30, 2**-30)
@@ -65,7 +67,11 @@ def shown_as(value: float, token: str) -> bool:
 
 
 def page_refs(text: str, root: Path = ROOT) -> list[Path]:
-    return sorted({root / r for r in JSON_REF.findall(text)})
+    """The JSON files a page names: by path, or every one under a folder it names."""
+    files = {root / r for r in JSON_REF.findall(text)}
+    for folder in DIR_REF.findall(text):
+        files.update((root / folder).rglob("*.json"))
+    return sorted(files)
 
 
 def values_of(paths, cache: dict) -> list[float]:

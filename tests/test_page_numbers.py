@@ -47,6 +47,11 @@ def test_the_check_finds_an_untraced_number_and_accepts_a_rounded_one(tmp_path):
     assert untraced(page, tmp_path) == Counter({"98.7": 1, "42": 1})
     (page.parent / "row.md").write_text("| [X](x.md) | 1.235 | 4.56 |\n")
     assert untraced(page.parent / "row.md", tmp_path) == Counter({"4.56": 1})
+    (results / "cells").mkdir()
+    (results / "cells" / "k8_s0.json").write_text(json.dumps({"final": 0.4567}))
+    folder = tmp_path / "folder.md"
+    folder.write_text("Cells in experiments/results/cells/: 0.457 and 0.458.\n")
+    assert untraced(folder, tmp_path) == Counter({"0.458": 1})
     (results / "bench_x.json").unlink()  # a page naming a file that is not there
     assert untraced(page, tmp_path) == Counter({"1.23": 1, "31.2": 1, "17.5": 1,
                                                 "98.7": 1, "42": 1})
