@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.attention import attention
+from models.attention import attention, attention_xla_grouped, attention_xla_repeated
 from models.config import PRESETS, ModelConfig, config_from_hf, config_to_hf, get_config
 from models.decoder import forward, init_params, param_logical_axes
 
@@ -58,6 +58,35 @@ def test_attention_matches_float64_loop(impl, heads, kv_heads):
                            mask=jnp.asarray(mask), impl=impl))
     np.testing.assert_allclose(out, loop_attention(q, k, v, mask), atol=2e-5, rtol=0)
     assert not out[1, 2].any()
+
+
+@pytest.mark.parametrize("path", [attention_xla_grouped, attention_xla_repeated],
+                         ids=["grouped", "repeated"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1)])
+def test_both_xla_layouts_match_the_float64_reference_forward_and_vjp(path, heads, kv_heads):
+    """impl="xla" takes the repeated layout on CPU and the grouped one on accelerators:
+    each, forward and vjp, against the reference's arithmetic in float64."""
+    rng = np.random.default_rng(heads + kv_heads)
+    b, lq, lk, d = 2, 5, 7, 8
+    q, k, v = (rng.standard_normal((b, n, h, d)) for n, h in ((lq, heads), (lk, kv_heads),
+                                                              (lk, kv_heads)))
+    w = rng.standard_normal((b, lq, heads, d))
+    mask = rng.random((b, lq, lk)) < 0.6
+    mask[1, 2] = False
+
+    def grads(f, dtype):
+        loss = lambda q, k, v: jnp.sum(f(q, k, v, jnp.asarray(mask)) * w)  # noqa: E731
+        args = [jnp.asarray(x, dtype) for x in (q, k, v)]
+        return [np.asarray(x) for x in (f(*args, jnp.asarray(mask)),
+                                        *jax.grad(loss, argnums=(0, 1, 2))(*args))]
+
+    with jax.enable_x64():
+        want = grads(lambda q, k, v, m: attention(q, k, v, mask=m, impl="reference"),
+                     jnp.float64)
+    got = grads(jax.jit(path), jnp.float32)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, r, atol=5e-5, rtol=0, err_msg=name)
+    assert not got[0][1, 2].any() and not got[1][1, 2].any()  # masked row: zeros, no grad
 
 
 def test_attention_rejects_bad_impl_and_shapes():
