@@ -38,3 +38,11 @@ def test_the_ceiling_is_the_sync_step_over_the_longer_ray_phase():
     assert bench.ceiling(sync, {"learner_step_s": 0.075, "worker_sample_s": 0.04}) == \
         0.09 / 0.075
     assert bench.ceiling(sync, {"learner_step_s": 0.03, "worker_sample_s": 0.06}) == 1.5
+
+
+def test_paired_ratios_pair_each_reps_two_runs():
+    runs = [{"rep": 1, "side": "ray", "steps_per_hour": 30.0},
+            {"rep": 0, "side": "sync", "steps_per_hour": 10.0},
+            {"rep": 0, "side": "ray", "steps_per_hour": 12.0},
+            {"rep": 1, "side": "sync", "steps_per_hour": 20.0}]
+    assert bench.paired_ratios(runs) == [1.2, 1.5]
