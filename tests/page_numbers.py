@@ -83,14 +83,17 @@ def values_of(paths, cache: dict) -> list[float]:
     return out
 
 
-def untraced(page: Path, root: Path = ROOT) -> Counter:
-    """Counter of the number tokens on `page` that none of its JSON files holds."""
+def untraced(page: Path, root: Path = ROOT, per_line: bool = False) -> Counter:
+    """Counter of the number tokens on `page` that none of its JSON files holds.
+    per_line: a line's numbers are looked up only in the files that line names (and its
+    linked pages'), not in every file the page names (the README: one page, many
+    results)."""
     text = page.read_text()
     cache: dict = {}
-    own = page_refs(text, root)
+    own = [] if per_line else page_refs(text, root)
     missing: Counter = Counter()
     for raw, line in zip(text.splitlines(), prose(text).splitlines()):
-        scope = list(own)
+        scope = list(own) + (page_refs(raw, root) if per_line else [])
         for link in PAGE_LINK.findall(raw):
             linked = (page.parent / link) if (page.parent / link).is_file() else root / link
             if linked.is_file() and linked.resolve() != page.resolve():

@@ -23,13 +23,24 @@ def known() -> dict[str, dict[str, int]]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_numbers_on_the_page_come_from_its_json(page):
     name = page.relative_to(ROOT).as_posix()
-    found, listed = untraced(page), Counter(known().get(name, {}))
+    found = untraced(page, per_line=page.name == "README.md")
+    listed = Counter(known().get(name, {}))
     new, fixed = found - listed, listed - found
     assert not new, (f"{name}: numbers no JSON it names holds: {dict(new)}; take them from "
                      "the committed result (name its experiments/results/*.json on the page) "
                      "or drop them")
     assert not fixed, (f"{name}: listed as untraced in {DEBT.name} but traced or gone now: "
                        f"{dict(fixed)}; remove them from the list")
+
+
+def test_per_line_scope_looks_only_in_the_lines_own_files(tmp_path):
+    results = tmp_path / "experiments/results"
+    results.mkdir(parents=True)
+    (results / "a.json").write_text(json.dumps({"v": 0.25}))
+    page = tmp_path / "README.md"
+    page.write_text("A: 0.25 (experiments/results/a.json).\nB: 0.25, no file named.\n")
+    assert untraced(page, tmp_path) == Counter()
+    assert untraced(page, tmp_path, per_line=True) == Counter({"0.25": 1})
 
 
 def test_the_debt_names_only_pages_that_exist():
