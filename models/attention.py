@@ -195,6 +195,20 @@ def decode_attention(
     return out.reshape(b, 1, heads, d).astype(q.dtype)
 
 
+def online_softmax_merge(carry, s, ok, v):
+    """One block of keys into an online softmax (chunk_attention's step).
+    carry (m, den [G, kvh, hg, Q], acc [G, kvh, hg, Q, d]) float32; s [G, kvh, hg, Q, K]
+    float32 scores; ok bool, broadcastable to s (True = visible); v [G, K, kvh, d]."""
+    m, den, acc = carry
+    s = jnp.where(ok, s, _MASKED)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v,
+                                             preferred_element_type=jnp.float32)
+    return m_new, den * corr + p.sum(axis=-1), acc
+
+
 def chunk_attention(
     q: jax.Array,
     k: jax.Array,
@@ -237,7 +251,7 @@ def chunk_attention(
     q_ok_g = q_ok.reshape(g, 1, 1, n * c, 1)
 
     def step(j, carry):  # one block of cached keys for all N * C queries of a cache row
-        m, den, acc = carry  # m, den [G, kvh, hg, N*C]; acc [G, kvh, hg, N*C, d]
+        # carry: m, den [G, kvh, hg, N*C]; acc [G, kvh, hg, N*C, d]
         # A last block past W is read from W - block on; keys before j * block, which an
         # earlier block already counted, are masked out.
         lo = jnp.minimum(j * block, w - block)
@@ -247,13 +261,7 @@ def chunk_attention(
         pos = lo + jnp.arange(block)
         ok = q_ok_g & ((pos >= j * block)[None, :] & (pos[None, :] < cache_lengths[:, None])
                        )[:, None, None, None, :]
-        s = jnp.where(ok, s, _MASKED)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), vb,
-                                                 preferred_element_type=jnp.float32)
-        return m_new, den * corr + p.sum(axis=-1), acc
+        return online_softmax_merge(carry, s, ok, vb)
 
     stats = (g, kvh, hg, n * c)
     m, den, acc = jax.lax.fori_loop(
@@ -270,12 +278,6 @@ def chunk_attention(
     idx = jnp.arange(c)
     ok = ((idx[None, :, None] >= idx[None, None, :]) & q_ok[:, :, None]
           & q_ok[:, None, :])[:, None, None]  # own key j visible to query i: j <= i, both valid
-    s = jnp.where(ok, s, _MASKED)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
-    corr = jnp.exp(m - m_new)
-    den = den * corr + p.sum(axis=-1)
-    acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v,
-                                             preferred_element_type=jnp.float32)
+    _, den, acc = online_softmax_merge((m, den, acc), s, ok, v)
     out = acc / jnp.where(den == 0, 1.0, den)[..., None]  # [B, kvh, hg, C, d]
     return jnp.moveaxis(out, 3, 1).reshape(b, c, heads, d).astype(q.dtype)
