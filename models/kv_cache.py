@@ -5,6 +5,8 @@ per-layer writes, which cached keys a query may see) so the decoder only dispatc
   SegmentedKVCache  shared prompt: one prompt segment per group of N samples (stored once)
                     plus one response segment per sample; decode attention goes through
                     kernels.segment_decode (the group's N queries read the prompt once).
+                    With a `ResponseTree` (a rollout tree), a sample that forked from
+                    another reads the prefix they share from the other's segment.
 
 Decode has two paths with the same result (tests/models/test_bounded_decode.py):
 
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kernels.segment_decode import segment_decode_attention
+from kernels.segment_decode import segment_decode_attention, tree_decode_attention
 from models.attention import attention, chunk_attention, decode_attention
 from models.config import ModelConfig
 
@@ -102,6 +104,32 @@ def decode_mask(lengths: jax.Array, max_len: int) -> jax.Array:
 
 # ----------------------------------------------------------------------------- segmented layout
 @struct.dataclass
+class ResponseTree:
+    """Which response segments of its group each sample reads (a rollout tree,
+    rl.rollout.tree_sampler): sample i of group g reads entries lo[g, i, j] <= r <
+    hi[g, i, j] of sample j's segment for j != i (the prefix it shares with the sample that
+    wrote it), and its own segment from lo[g, i, i] (where its own entries begin) up to its
+    length resp_lengths[g, i]; the diagonal of hi is not read. lo, hi [groups, N, N] int32.
+    All zeros: no sample shares anything (the segmented layout as it is)."""
+
+    lo: jax.Array
+    hi: jax.Array
+
+    def spans(self, own_lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(lo, hi) with the diagonal of hi := own_lengths [groups, N]: the spans
+        kernels.segment_decode.tree_decode_attention reads."""
+        n = own_lengths.shape[1]
+        eye = jnp.eye(n, dtype=bool)[None]
+        return self.lo, jnp.where(eye, own_lengths[:, :, None], self.hi)
+
+
+def no_forks(groups: int, group_size: int) -> ResponseTree:
+    """The tree of a group whose samples share no response prefix."""
+    z = jnp.zeros((groups, group_size, group_size), jnp.int32)
+    return ResponseTree(lo=z, hi=z)
+
+
+@struct.dataclass
 class SegmentedKVCache:
     """Shared-prompt KV cache for sampling N responses per prompt (issue 7).
 
@@ -109,7 +137,9 @@ class SegmentedKVCache:
     values, stored ONCE per group. k_resp, v_resp [layers, groups, N, R, kv_heads,
     head_dim]: each sample's own keys and values. prompt_lengths [groups] and resp_lengths
     [groups, N] int32 count the valid entries; sample (g, n) writes its next key at
-    resp_lengths[g, n]. Batch row b of the decoder is sample (b // N, b % N)."""
+    resp_lengths[g, n]. Batch row b of the decoder is sample (b // N, b % N). tree
+    (optional): samples that forked from another read their shared prefix from its segment
+    (`ResponseTree`); None: each sample reads its own segment only."""
 
     k_prompt: jax.Array
     v_prompt: jax.Array
@@ -117,6 +147,7 @@ class SegmentedKVCache:
     v_resp: jax.Array
     prompt_lengths: jax.Array
     resp_lengths: jax.Array
+    tree: ResponseTree | None = None
 
     @property
     def groups(self) -> int:
@@ -184,7 +215,7 @@ def cache_bytes(cache: KVCache | SegmentedKVCache) -> dict[str, int]:
 @struct.dataclass
 class BoundedDecode:
     """The decode `mask` of the bounded path: lengths (dense: lengths [batch]; segmented:
-    (prompt_lengths [groups], resp_lengths [groups, N])) before this step, and the static
+    (prompt_lengths [groups], resp_lengths [groups, N], tree)) before this step, and the static
     bound: attend to the first `bound` slots of each row / response segment (plus the new
     token). Every live row must have length < bound."""
 
@@ -205,19 +236,18 @@ def decode_inputs(cache: KVCache | SegmentedKVCache, kv_bound: int | None = None
     """What the decoder's decode mode scans over and broadcasts, for either layout:
     (positions [batch, 1], mask, start, per-layer kv arrays). kv_bound None (the masked
     path): dense mask = decode_mask, start = lengths, kv = (k, v); segmented mask =
-    (prompt_lengths, resp_lengths), start = None, kv = (k_prompt, v_prompt, k_resp,
+    (prompt_lengths, resp_lengths, tree), start = None, kv = (k_prompt, v_prompt, k_resp,
     v_resp). kv_bound int: mask = BoundedDecode(lengths, bound) (capped at the cache's
-    max_len / resp_len), the rest as above."""
+    max_len / resp_len), the rest as above. A segmented mask's lengths are the triple
+    (prompt_lengths, resp_lengths, tree), tree None unless the cache holds a rollout tree."""
     if isinstance(cache, SegmentedKVCache):
-        if kv_bound is not None:
-            bounded = BoundedDecode((cache.prompt_lengths, cache.resp_lengths),
-                                    check_kv_bound(kv_bound, cache.resp_len))
-            pos = (cache.prompt_lengths[:, None] + cache.resp_lengths).reshape(-1, 1)
-            return pos, bounded, None, (cache.k_prompt, cache.v_prompt, cache.k_resp,
-                                        cache.v_resp)
+        lengths = (cache.prompt_lengths, cache.resp_lengths, cache.tree)
         pos = (cache.prompt_lengths[:, None] + cache.resp_lengths).reshape(-1, 1)
-        return (pos, (cache.prompt_lengths, cache.resp_lengths), None,
-                (cache.k_prompt, cache.v_prompt, cache.k_resp, cache.v_resp))
+        kv = (cache.k_prompt, cache.v_prompt, cache.k_resp, cache.v_resp)
+        if kv_bound is not None:
+            return pos, BoundedDecode(lengths, check_kv_bound(kv_bound, cache.resp_len)), \
+                None, kv
+        return pos, lengths, None, kv
     if kv_bound is not None:
         bounded = BoundedDecode(cache.lengths, check_kv_bound(kv_bound, cache.max_len))
         return cache.lengths[:, None], bounded, cache.lengths, (cache.k, cache.v)
@@ -232,6 +262,22 @@ def _layer_prefix(x: jax.Array, layer: jax.Array, axis: int, bound: int) -> jax.
     return jax.lax.dynamic_slice(x, (layer,) + (0,) * (x.ndim - 1), sizes)[0]
 
 
+def _segmented_attention(q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, own_lengths,
+                         tree: ResponseTree | None, impl, k_new=None, v_new=None):
+    """Segment decode attention, or tree decode attention when the cache holds a rollout
+    tree (each sample reads its own segment up to own_lengths [groups, N], its ancestors'
+    per the tree; impl None is the XLA path there, and a Pallas impl is refused: no kernel
+    reads a tree of segments yet)."""
+    if tree is None:
+        return segment_decode_attention(q, k_prompt, v_prompt, k_resp, v_resp,
+                                        prompt_lengths=prompt_lengths, resp_lengths=own_lengths,
+                                        k_new=k_new, v_new=v_new, impl=impl)
+    lo, hi = tree.spans(own_lengths)
+    return tree_decode_attention(q, k_prompt, v_prompt, k_resp, v_resp,
+                                 prompt_lengths=prompt_lengths, resp_lo=lo, resp_hi=hi,
+                                 k_new=k_new, v_new=v_new, impl=impl)
+
+
 def _decode_layer_bounded(q, k, v, kv, layer, mask: BoundedDecode, impl):
     """The bounded path of `decode_layer`: nothing is written here; the layer reads the
     first mask.bound slots of its cache (lengths before this step are valid there) and
@@ -239,16 +285,16 @@ def _decode_layer_bounded(q, k, v, kv, layer, mask: BoundedDecode, impl):
     k_new, v_new = k[:, 0], v[:, 0]
     bound, dt = mask.bound, q.dtype
     if len(kv) == 4:  # segmented
-        prompt_lengths, resp_lengths = mask.lengths
+        prompt_lengths, resp_lengths, tree = mask.lengths
         g, n = resp_lengths.shape
         b, _, heads, d = q.shape
         k_resp, v_resp = (_layer_prefix(x, layer, 2, bound) for x in kv[2:])
-        out = segment_decode_attention(
+        out = _segmented_attention(
             q.reshape(g, n, heads, d), kv[0][layer].astype(dt), kv[1][layer].astype(dt),
-            k_resp.astype(dt), v_resp.astype(dt), prompt_lengths=prompt_lengths,
-            resp_lengths=jnp.minimum(resp_lengths, bound),
+            k_resp.astype(dt), v_resp.astype(dt), prompt_lengths,
+            jnp.minimum(resp_lengths, bound), tree, impl,
             k_new=k_new.reshape(g, n, *k_new.shape[1:]),
-            v_new=v_new.reshape(g, n, *v_new.shape[1:]), impl=impl)
+            v_new=v_new.reshape(g, n, *v_new.shape[1:]))
         return out.reshape(b, 1, heads, d), (k_new, v_new)
     k_cache, v_cache = (_layer_prefix(x, layer, 1, bound).astype(dt) for x in kv)
     out = decode_attention(q, k_cache, v_cache, jnp.minimum(mask.lengths, bound), k_new, v_new,
@@ -294,16 +340,15 @@ def decode_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple, layer: jax
     new = (k[:, 0], v[:, 0])
     if len(kv) == 4:  # segmented
         k_prompt, v_prompt, k_resp, v_resp = (x[layer] for x in kv)
-        prompt_lengths, resp_lengths = mask
+        prompt_lengths, resp_lengths, tree = mask
         g, n = resp_lengths.shape
         b, _, heads, d = q.shape
         k_resp, v_resp = write_response(k_resp, v_resp, k.reshape(g, n, *k.shape[2:]),
                                         v.reshape(g, n, *v.shape[2:]), resp_lengths)
         dt = q.dtype
-        out = segment_decode_attention(
+        out = _segmented_attention(
             q.reshape(g, n, heads, d), k_prompt.astype(dt), v_prompt.astype(dt),
-            k_resp.astype(dt), v_resp.astype(dt), prompt_lengths=prompt_lengths,
-            resp_lengths=resp_lengths + 1, impl=impl)
+            k_resp.astype(dt), v_resp.astype(dt), prompt_lengths, resp_lengths + 1, tree, impl)
         return out.reshape(b, 1, heads, d), new
     k_layer, v_layer = write_layer(kv[0][layer], kv[1][layer], k, v, start)
     out = attention(q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), mask=mask, impl=impl)

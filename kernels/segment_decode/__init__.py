@@ -9,8 +9,12 @@ Each segment yields a partial softmax state (o, m, l); the states merge in float
                 written for Triton (GPU)
   mosaic.py     the two kernels for Mosaic (TPU): whole (kv_heads, d) trailing blocks
   merge.py      merge_attention_states / reduce_attention_states
+  tree.py       tree_decode_attention: samples that forked read their shared response
+                prefix from the segment that wrote it (reference and XLA paths)
 """
 from kernels.segment_decode.api import segment_decode_attention
 from kernels.segment_decode.merge import merge_attention_states, reduce_attention_states
+from kernels.segment_decode.tree import tree_decode_attention
 
-__all__ = ["segment_decode_attention", "merge_attention_states", "reduce_attention_states"]
+__all__ = ["segment_decode_attention", "merge_attention_states", "reduce_attention_states",
+           "tree_decode_attention"]

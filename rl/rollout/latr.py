@@ -36,10 +36,13 @@ rule (the same as the authors' pipeline, where veRL recomputes the old log-probs
 
 Implementation: one token per device call (`rl.rollout.tree_sampler`); the host mirrors
 each slot's tokens and makes the decisions above between calls, so pruning happens at
-exactly t = b + L, as in the paper. Forks copy the parent's response segment (the prompt
-segment is shared as always). `TreeStats` counts what the tree saves: tokens decoded vs
-the leaves' tokens (what independent sampling of the same leaves would decode), and the
-leaves' distinct tokens (what a tree-packed learner computes, `models.tree.pack_tree`).
+exactly t = b + L, as in the paper. A fork copies no keys: the cache holds a tree of
+segments and a branch reads the prefix it shares from the segments that wrote it
+(`rl.rollout.tree_sampler.share_prefixes`; `TreeRequest.share_kv=False` copies the parent's
+response segment instead, the slow twin with the same tokens). `TreeStats` counts what the
+tree saves: tokens decoded vs the leaves' tokens (what independent sampling of the same
+leaves would decode), and the leaves' distinct tokens (what a tree-packed learner
+computes, `models.tree.pack_tree`).
 """
 from __future__ import annotations
 
@@ -53,7 +56,13 @@ import numpy as np
 from models.config import ModelConfig
 from rl.rollout.sampler import check_prompt, plan_bounded_decode, prefill, read_slots
 from rl.rollout.sampler_state import SamplingConfig, new_state, sample_keys
-from rl.rollout.tree_sampler import fork_slots, retire_slots, rewrite_tokens, tree_decode_step
+from rl.rollout.tree_sampler import (
+    fork_slots,
+    retire_slots,
+    rewrite_tokens,
+    share_prefixes,
+    tree_decode_step,
+)
 
 Params = Any
 SAMPLE_WHEN = ("full", "always")
@@ -240,13 +249,16 @@ def _prune(tree: _GroupTree, cfg: LatrConfig, mirror: dict[int, list[int]],
 @dataclasses.dataclass(frozen=True)
 class TreeRequest:
     """What to sample per prompt: group_size rows (N), up to max_new_tokens each, with
-    `sampling` (plain temperature), stopping at stop_ids (None: the model's EOS ids)."""
+    `sampling` (plain temperature), stopping at stop_ids (None: the model's EOS ids).
+    share_kv: branches read their shared prefix's keys in place (a tree of segments, the
+    XLA decode path); False copies them at each fork (any attn_impl; the same tokens)."""
 
     group_size: int
     max_new_tokens: int
     sampling: SamplingConfig = SamplingConfig()
     stop_ids: tuple[int, ...] | None = None
     attn_impl: str | None = None
+    share_kv: bool = True
 
     def __post_init__(self):
         if int(self.group_size) < 1 or int(self.max_new_tokens) < 1:
@@ -280,6 +292,8 @@ def sample_latr(params: Params, config: ModelConfig, prompts: Sequence[Sequence[
                       attn_impl=request.attn_impl, cache_dtype=None, group_size=n)
     keys = sample_keys(rng, first_group_id + np.arange(g), n)
     state = prefill(params, state, ctx, np.arange(g * n).reshape(g, n), keys)
+    if request.share_kv:
+        state = share_prefixes(state)
     trees = [_GroupTree(b, n, k) for b in range(g)] if k > 0 else []
     state = retire_slots(state, [s for t in trees for s in t.free])
     mirror: dict[int, list[int]] = {s: [] for s in range(g * n)}

@@ -15,19 +15,33 @@ token each live slot keeps and which slots fork (a rollout strategy such as
         replace the token a slot drew at its last step by another (a candidate the strategy
         chose instead): response id, behaviour log-prob, pending token, stop / budget.
     fork_slots(state, parents, children, tokens, logprobs)
-        child := parent (its response segment's keys / values, response ids, log-probs,
-        versions, length, budget), then its last token replaced by `tokens`. Parent and
-        child are slots of one block (one group). The child keeps its own rng key, so after
-        the fork it samples its own stream.
+        child := parent (its response ids, log-probs, versions, length, budget and the keys
+        / values of its response so far), then its last token replaced by `tokens`. Parent
+        and child are slots of one block (one group). The child keeps its own rng key, so
+        after the fork it samples its own stream.
     retire_slots(state, slots)
         mark slots done (a pruned branch, a slot the tree does not use yet).
 
+How a child gets the parent's keys, two ways with the same tokens:
+
+  * shared (`share_prefixes(state)` first, what `rl.rollout.latr` runs): the cache holds a
+    tree of segments (`models.kv_cache.ResponseTree`). The child reads the prefix from the
+    segments that wrote it: the parent's own entries from the parent's fork up to the
+    fork, and whatever the parent read from its own ancestors. Nothing is copied, and the
+    child writes its own keys from the fork on. Decode attention over the tree is
+    `kernels.segment_decode.tree_decode_attention` (reference and XLA paths; no Pallas
+    kernel yet, so a Pallas attn_impl is refused).
+  * copied (the default state, the slow twin): the fork copies the parent's response
+    segment into the child's, and decode is the plain segment decode.
+
+The prompt segment is shared either way, and the prefix is decoded once: the child starts
+at the fork instead of recomputing it. A slot's segment may be overwritten only once no
+live slot reads it, so a strategy that frees a slot must retire every slot forked from it
+too (LATR's pruning takes a branch's descendants along).
+
 Token-for-token twin: a tree rollout that never rewrites and never forks is the sampler's
 own decode, one token per call (tests/rl/test_tree_sampler.py checks it against
-`rl.rollout.generate`). A fork *copies* the parent's response segment into the child's
-(the prompt segment stays shared, as for every group); a tree-of-segments cache where
-the children read the parent's keys in place is the next step (not built). The prefix is
-still decoded once: the child starts at the fork instead of recomputing it.
+`rl.rollout.generate`, and the shared tree against the copied one).
 """
 from __future__ import annotations
 
@@ -38,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from models import kv_cache as kvc
 from rl.rollout.sampler_core import decode_one
 from rl.rollout.sampler_state import SamplerState, bucket
 
@@ -140,21 +155,51 @@ def rewrite_tokens(state: SamplerState, slots, tokens, logprobs) -> SamplerState
                         _padded(np.asarray(logprobs, np.float32).reshape(-1), 0, s))
 
 
+def share_prefixes(state: SamplerState) -> SamplerState:
+    """`state` with a tree of segments in its cache (no sample shares anything yet): from
+    now on `fork_slots` lets a child read its parent's keys in place instead of copying
+    them (module doc). Call it after prefill."""
+    if state.kv_layout != "segmented":
+        raise ValueError("tree rollouts fork inside a group's block: they need "
+                         "kv_layout='segmented'")
+    if state.attn_impl not in (None, "xla", "reference"):
+        raise ValueError(f"share_prefixes: attn_impl={state.attn_impl!r} has no tree-of-"
+                         "segments kernel; use attn_impl None / 'xla' (the XLA tree path) or "
+                         "fork by copy (do not call share_prefixes)")
+    cache = state.cache
+    return state.replace(cache=cache.replace(tree=kvc.no_forks(cache.groups, cache.group_size)))
+
+
+def _fork_keys(cache: kvc.SegmentedKVCache, g, i, gc, j) -> kvc.SegmentedKVCache:
+    """The child (gc, j) gets the parent (g, i)'s keys up to its length: copied into its
+    segment, or (a tree cache) read in place: the child reads what the parent reads, the
+    parent's own entries up to the fork, and its own segment from the fork on."""
+    fork = cache.resp_lengths[g, i]  # [F]: the parent's length = the child's first own entry
+    lengths = cache.resp_lengths.at[gc, j].set(fork, mode="drop")
+    if cache.tree is None:
+        def copy(x):  # x [layers, groups, N, R, kv_heads, head_dim]
+            return x.at[:, gc, j].set(x[:, g, i], mode="drop")
+
+        return cache.replace(k_resp=copy(cache.k_resp), v_resp=copy(cache.v_resp),
+                             resp_lengths=lengths)
+    lo, hi = cache.tree.lo[g, i], cache.tree.hi[g, i]  # [F, N]: the parent's row
+    col = jnp.arange(cache.group_size)[None, :]
+    hi = jnp.where(col == i[:, None], fork[:, None], hi)  # the parent's own span ends here
+    lo = jnp.where(col == j[:, None], fork[:, None], lo)  # the child's own entries begin here
+    hi = jnp.where(col == j[:, None], 0, hi)
+    tree = kvc.ResponseTree(lo=cache.tree.lo.at[gc, j].set(lo, mode="drop"),
+                            hi=cache.tree.hi.at[gc, j].set(hi, mode="drop"))
+    return cache.replace(tree=tree, resp_lengths=lengths)
+
+
 @jax.jit
 def _fork_jit(st: SamplerState, parents, children, tokens, logprobs) -> SamplerState:
     s, n = st.num_slots, st.cache.group_size
     safe = jnp.minimum(parents, s - 1)
     g, i, j = safe // n, safe % n, jnp.minimum(children, s - 1) % n
-    cache = st.cache
     # children >= S (padding) are dropped by the scatters (their group index is out of range)
-    gc = jnp.where(children < s, g, cache.groups)
-
-    def copy(x):  # x [layers, groups, N, R, kv_heads, head_dim]
-        return x.at[:, gc, j].set(x[:, g, i], mode="drop")
-
-    cache = cache.replace(k_resp=copy(cache.k_resp), v_resp=copy(cache.v_resp),
-                          resp_lengths=cache.resp_lengths.at[gc, j].set(
-                              cache.resp_lengths[g, i], mode="drop"))
+    gc = jnp.where(children < s, g, st.cache.groups)
+    cache = _fork_keys(st.cache, g, i, gc, j)
 
     def put(field):
         x = getattr(st, field)

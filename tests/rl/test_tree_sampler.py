@@ -7,6 +7,7 @@
 - the branching rule and the pruning rule against hand-worked cases, and the edit
   distance against a naive recursion.
 """
+import dataclasses
 import functools
 import math
 
@@ -97,6 +98,76 @@ def test_pruned_branches_leave_and_the_first_leaf_fills_their_place(params):
     for i in range(1, N):
         # a surviving branch forked at R - 1 (age 1 at the end); a filler repeats row 0
         assert (parent[i] >= 0 and fork[i] == R - 1) or rows[i] == rows[0]
+
+
+def test_shared_and_copied_forks_give_the_same_rows(params):
+    # every candidate passes and δ > 1 prunes every branch at age 2, so freed slots are
+    # forked again and again: a reused slot holds stale keys below its new fork, which the
+    # tree of segments must not read
+    cfg = LatrConfig(prob_abs=0.0, prob_rel=None, lookahead=(2,), edit_threshold=1.01)
+    req = TreeRequest(N, R, sampling=TEMP, stop_ids=())
+    shared = sample_latr(params, CFG, PROMPTS, req, rng=2, latr=cfg)
+    copied = sample_latr(params, CFG, PROMPTS, dataclasses.replace(req, share_kv=False), rng=2,
+                         latr=cfg)
+    assert shared.stats.branches > 2 * len(PROMPTS) * N and shared.stats.pruned > 0
+    assert shared.tokens == copied.tokens
+    assert (shared.parent, shared.fork_at) == (copied.parent, copied.fork_at)
+    for g, prompt in enumerate(PROMPTS):
+        for i, row in enumerate(shared.tokens[g]):
+            np.testing.assert_allclose(shared.logprobs[g][i], copied.logprobs[g][i], atol=1e-5)
+            np.testing.assert_allclose(shared.logprobs[g][i],
+                                       ref_logprobs(params, prompt, row, 0.7), atol=1e-4)
+
+
+def test_a_shared_fork_copies_no_keys(params):
+    import jax
+
+    from rl.rollout.sampler import prefill
+    from rl.rollout.sampler_state import new_state, sample_keys
+    from rl.rollout.tree_sampler import (
+        fork_slots,
+        retire_slots,
+        share_prefixes,
+        tree_decode_step,
+    )
+
+    def grow(share):
+        state = new_state(CFG, num_slots=N, max_prompt_len=3, max_new_tokens=R, sampling=TEMP,
+                          stop_ids=(), attn_impl=None, cache_dtype=None, group_size=N)
+        state = prefill(params, state, [np.asarray(PROMPTS[0], np.int32)], np.arange(N)[None],
+                        sample_keys(0, np.arange(1), N))
+        state = retire_slots(share_prefixes(state) if share else state, [1, 2, 3])
+        for _ in range(3):
+            state, _ = tree_decode_step(params, state, 0)
+        state = fork_slots(state, [0], [2], [7], [-1.0])  # slot 2 continues slot 0's 3 keys
+        for _ in range(2):
+            state, _ = tree_decode_step(params, state, 0)
+        return jax.device_get(fork_slots(state, [2], [3], [9], [-1.0]).cache)  # 3 + 2 keys
+
+    cache = grow(share=True)
+    # retired slots make throw-away writes at their length (0 here), never read
+    assert not cache.k_resp[:, 0, 2, 1:3].any() and not cache.k_resp[:, 0, 3, 1:5].any()
+    assert cache.k_resp[:, 0, 2, 3:5].all(axis=-1).all()  # slot 2's own keys, from its fork
+    np.testing.assert_array_equal(cache.resp_lengths[0], [5, 0, 5, 5])
+    # rows of the tree: slot 3 reads slot 0 in [0, 3), slot 2 in [3, 5), itself from 5
+    np.testing.assert_array_equal(cache.tree.lo[0, 3], [0, 0, 3, 5])
+    np.testing.assert_array_equal(cache.tree.hi[0, 3, :3], [3, 0, 5])
+    np.testing.assert_array_equal(cache.tree.lo[0, 2, [0, 2]], [0, 3])
+    copied = grow(share=False)  # the slow twin copies the prefix's keys into the child
+    np.testing.assert_array_equal(copied.k_resp[:, 0, 3, :5], copied.k_resp[:, 0, 2, :5])
+    np.testing.assert_array_equal(copied.k_resp[:, 0, 3, :3], copied.k_resp[:, 0, 0, :3])
+    np.testing.assert_allclose(copied.k_resp[:, 0, 3, :5],
+                               np.concatenate([cache.k_resp[:, 0, 0, :3],
+                                               cache.k_resp[:, 0, 2, 3:5]], axis=1), atol=1e-5)
+    with pytest.raises(ValueError, match="no tree-of-segments kernel"):
+        share_prefixes(_pallas_state())
+
+
+def _pallas_state():
+    from rl.rollout.sampler_state import new_state
+
+    return new_state(CFG, num_slots=N, max_prompt_len=3, max_new_tokens=R, sampling=TEMP,
+                     stop_ids=(), attn_impl="pallas", cache_dtype=None, group_size=N)
 
 
 def probs_of(rows):

@@ -1,0 +1,154 @@
+"""Tree-of-segments decode attention: samples of a group that share a response prefix read
+it from the segment that wrote it, instead of from a copy.
+
+A rollout tree (rl.rollout.tree_sampler) forks a live sample p into a child c at response
+index f: c's first f response tokens are p's. In the segmented cache each sample writes
+its keys into its own response segment at their absolute response index, so c never
+writes entries < f of its own segment and reads them from p's segment instead. In
+general sample i of a group reads, from each sample j's response segment, the entries
+
+    resp_lo[g, i, j] <= r < resp_hi[g, i, j]
+
+(an empty span where lo >= hi). For a tree these spans are disjoint and, laid end to end
+along i's root-to-leaf path, cover [0, len_i): the root's segment up to the first fork on
+the path, the next segment from there up to the next fork, ..., i's own segment from its
+fork to its length. The diagonal span (lo[g, i, i], hi[g, i, i]) is i's own segment. With
+lo = 0, hi = diag(resp_lengths) this is `segment_decode_attention` exactly.
+
+  tree_decode_attention_reference   gathers each sample's keys along its path into one
+                                    replicated [P + N * R] key set and runs a masked softmax
+  tree_decode_attention_xla         the prompt state as in segment decode (the group's N
+                                    queries folded, Hydragen), then one masked state over
+                                    every segment of the group ([N, R] keys per query), merged
+
+The XLA path reads N response segments per query, N times the work of the segment decode's
+own-segment read: it trades decode FLOPs for not copying (and not storing twice) a shared
+prefix. No Pallas kernel for trees yet: `impl` accepts "reference" and "xla" (None = "xla"
+on every platform).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from kernels.segment_decode.api import _check_inputs, _check_lengths
+from kernels.segment_decode.layout import split_heads
+from kernels.segment_decode.merge import merge_attention_states, new_token_state
+from kernels.segment_decode.reference import masked_decode_attention
+from kernels.segment_decode.xla import _partial_state, prompt_state_xla
+
+TREE_IMPLS = ("reference", "xla")
+
+
+def tree_span_mask(resp_lo: jax.Array, resp_hi: jax.Array, r_max: int) -> jax.Array:
+    """[groups, N, N, R] bool: may sample i read entry r of sample j's segment."""
+    r = jnp.arange(r_max)[None, None, None, :]
+    return (r >= resp_lo[..., None]) & (r < resp_hi[..., None])
+
+
+@partial(jax.jit, static_argnames=("sm_scale",))
+def tree_decode_attention_reference(q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths,
+                                    resp_lo, resp_hi, k_new=None, v_new=None, *,
+                                    sm_scale: float) -> jax.Array:
+    """Every sample gets its own copy of the prompt and of all N response segments of its
+    group, masked to its spans, plus k_new as one more key; a plain masked softmax."""
+    g, n, r_max = k_resp.shape[:3]
+    p = k_prompt.shape[1]
+    def tile(x):  # [g, ...] -> [g, n, ...]: one copy per sample
+        return jnp.broadcast_to(x[:, None], (g, n) + x.shape[1:])
+
+    def flat(x):  # [g, n, R, ...] -> [g, n, n * R, ...]: every sample gets all n segments
+        return tile(x).reshape(g, n, n * r_max, *x.shape[3:])
+
+    k = jnp.concatenate([tile(k_prompt), flat(k_resp)], axis=2)
+    v = jnp.concatenate([tile(v_prompt), flat(v_resp)], axis=2)
+    prompt_valid = jnp.broadcast_to(
+        jnp.arange(p)[None, None, :] < prompt_lengths[:, None, None], (g, n, p))
+    resp_valid = tree_span_mask(resp_lo, resp_hi, r_max).reshape(g, n, n * r_max)
+    valid = jnp.concatenate([prompt_valid, resp_valid], axis=2)
+    if k_new is not None:
+        k = jnp.concatenate([k, k_new[:, :, None].astype(k.dtype)], axis=2)
+        v = jnp.concatenate([v, v_new[:, :, None].astype(v.dtype)], axis=2)
+        valid = jnp.concatenate([valid, jnp.ones((g, n, 1), bool)], axis=2)
+    return masked_decode_attention(q, k, v, valid, sm_scale)
+
+
+def tree_response_state_xla(q, k_resp, v_resp, resp_lo, resp_hi, sm_scale):
+    """Partial state over the spans of the group's response segments.
+
+    q [groups, N, heads, d], k/v_resp [groups, N, R, kv_heads, d], resp_lo/hi [groups, N, N]
+    -> (o [groups, N, kv_heads, heads_per_kv, d], m, l [groups, N, kv_heads, heads_per_kv]).
+    """
+    g, n, r_max, kvh, d = k_resp.shape
+    q5 = split_heads(q, kvh)  # [g, i, k, h, d]
+    s = jnp.einsum("gikhd,gjrkd->gikhjr", q5, k_resp, preferred_element_type=jnp.float32)
+    valid = tree_span_mask(resp_lo, resp_hi, r_max)[:, :, None, None]  # [g, i, 1, 1, j, r]
+    s = s.reshape(*s.shape[:4], n * r_max)
+    valid = valid.reshape(g, n, 1, 1, n * r_max)
+    v = v_resp.reshape(g, n * r_max, kvh, d)
+    return _partial_state(s * sm_scale, valid, v, "gikhx,gxkd->gikhd")
+
+
+@partial(jax.jit, static_argnames=("sm_scale",))
+def tree_decode_attention_xla(q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths,
+                              resp_lo, resp_hi, k_new=None, v_new=None, *,
+                              sm_scale: float) -> jax.Array:
+    """Prompt state (folded queries) merged with the span-masked state over the group's
+    response segments, then with k_new's (module doc)."""
+    g, n, h, d = q.shape
+    o, m, l = merge_attention_states(
+        *prompt_state_xla(q, k_prompt, v_prompt, prompt_lengths, sm_scale),
+        *tree_response_state_xla(q, k_resp, v_resp, resp_lo, resp_hi, sm_scale))
+    if k_new is not None:
+        o, _, _ = merge_attention_states(o, m, l, *new_token_state(q, k_new, v_new, sm_scale))
+    return o.reshape(g, n, h, d).astype(q.dtype)
+
+
+def tree_decode_attention(q: jax.Array, k_prompt: jax.Array, v_prompt: jax.Array,
+                          k_resp: jax.Array, v_resp: jax.Array, *, prompt_lengths: jax.Array,
+                          resp_lo: jax.Array, resp_hi: jax.Array,
+                          k_new: jax.Array | None = None, v_new: jax.Array | None = None,
+                          sm_scale: float | None = None, impl: str | None = None) -> jax.Array:
+    """Decode attention of a group's samples over the shared prompt and a tree of response
+    segments (module doc).
+
+    Args:
+      q: [groups, N, heads, head_dim]; k/v_prompt [groups, P, kv_heads, head_dim];
+      k/v_resp: [groups, N, R, kv_heads, head_dim].
+      prompt_lengths: [groups] int in [0, P].
+      resp_lo, resp_hi: [groups, N, N] int in [0, R]: sample i reads entries
+        resp_lo[g, i, j] <= r < resp_hi[g, i, j] of sample j's segment (clipped under jit).
+      k_new, v_new: [groups, N, kv_heads, head_dim] (optional, together): the query's own
+        key / value, one more valid key outside the segments.
+      sm_scale: None = 1 / sqrt(head_dim). impl: "reference" | "xla" | None (= "xla").
+    Returns:
+      [groups, N, heads, head_dim] in q's dtype; zeros for a query with no valid key.
+    """
+    if impl is None:
+        impl = "xla"
+    if impl not in TREE_IMPLS:
+        raise ValueError(f"tree_decode_attention: impl must be one of {TREE_IMPLS} or None "
+                         f"(no Pallas kernel reads a tree of segments yet), got {impl!r}")
+    _check_inputs(q, k_prompt, v_prompt, k_resp, v_resp)
+    g, n = q.shape[:2]
+    r_max = k_resp.shape[2]
+    prompt_lengths = _check_lengths(prompt_lengths, "prompt_lengths", (g,), k_prompt.shape[1])
+    resp_lo = _check_lengths(resp_lo, "resp_lo", (g, n, n), r_max)
+    resp_hi = _check_lengths(resp_hi, "resp_hi", (g, n, n), r_max)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if k_new is not None:
+        want = (g, n, k_prompt.shape[2], q.shape[3])
+        if k_new.shape != want or v_new.shape != want:
+            raise ValueError(f"k_new and v_new must be [groups, N, kv_heads, head_dim] = "
+                             f"{want}, got {k_new.shape} and {v_new.shape}")
+        k_new, v_new = k_new.astype(q.dtype), v_new.astype(q.dtype)
+    fn = tree_decode_attention_reference if impl == "reference" else tree_decode_attention_xla
+    return fn(q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, resp_lo, resp_hi,
+              k_new, v_new, sm_scale=sm_scale)
