@@ -24,7 +24,7 @@ def test_cells_are_configured_as_the_doc_says(tmp_path):
 
 def test_sweep_records_both_methods(tmp_path):
     cells, work = tmp_path / "cells", tmp_path / "work"
-    lt.sweep([0], None, dataclasses.replace(TINY), cells, work)
+    lt.sweep([0], 2, dataclasses.replace(TINY), cells, work)  # grpo and latr (not latr_mix)
     found = lt.load_cells(cells)
     rec = found["latr"][0]
     assert rec["eval_steps"] == [0, 2, 4]

@@ -31,8 +31,8 @@ seeds (experiments.common.paired.bootstrap). The rules, fixed before the full ru
   (LATR's tree tokens per leaf) is >= 1.5 (the issue's target, 8 leaves);
 - the issue's target read against independent sequences (a learner without prefix
   sharing, as in the PyTorch peers): the same test on that ratio, reported beside it.
-No verdict rests on wall time (LATR runs one token per device call, with host decisions
-between calls; the engine decodes segments): it is reported as measured.
+No verdict rests on wall time (the committed run's LATR sampler returned to the host after
+every token; the engine decodes segments): it is reported as measured.
 
 Then the learner itself: the preset's train step on one batch of the first seed's LATR
 groups (prompts_per_step of them), packed (the prompt once per group, the preset's layout)
@@ -424,8 +424,9 @@ prompt is most of a row, so almost all of what a tree saves in the learner is th
 which Tandem's two-level layout already stores once; past the prompt the tree shares the
 tokens before each fork. LATR's greedy-until-full rule also makes its leaves shorter than
 sampled ones. A run trains on the trees with `--latr --tree-batches` (the learner's
-`learner_packing_ratio` is logged per step); LATR decodes one token per device call, so
-its sampling wall time is not a result here.
+`learner_packing_ratio` is logged per step). This run's LATR sampler went back to the host
+after every token (before `TreeRequest.decode_chunk`), so its sampling wall time is not a
+result here; [LATR's sampler](latr-decode.md) measures the ways it can run.
 
 Command: `{result['command']}`.
 """

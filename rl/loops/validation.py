@@ -131,7 +131,8 @@ def check_sources(cfg: Any) -> None:
 
 def check_latr(cfg: Any) -> None:
     """ValueError where LATR tree rollouts (cfg.latr, rl.rollout.latr) cannot run: they
-    grow whole groups one token per call in the synchronous and deterministic sources."""
+    grow whole groups, with host decisions between device calls, in the synchronous and
+    deterministic sources."""
     if cfg.latr is None:
         return
     a = cfg.asynchronous

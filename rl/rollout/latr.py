@@ -34,12 +34,15 @@ it, whether it was drawn, taken as c_1 or opened a branch: the learner's ratio Ï
 taken against the policy the tokens were scored under, not against the tree's selection
 rule (the same as the authors' pipeline, where veRL recomputes the old log-probs).
 
-Implementation: one token per device call (`rl.rollout.tree_sampler`); the host mirrors
-each slot's tokens and makes the decisions above between calls, so pruning happens at
-exactly t = b + L, as in the paper. A fork copies no keys: the cache holds a tree of
-segments and a branch reads the prefix it shares from the segments that wrote it
-(`rl.rollout.tree_sampler.share_prefixes`; `TreeRequest.share_kv=False` copies the parent's
-response segment instead, the slow twin with the same tokens). `TreeStats` counts what the
+Implementation: the host mirrors each slot's tokens and makes the decisions above at the
+steps that need one; the steps in between (no candidate passes the branching test, no
+branch at a lookahead) run on device, up to `TreeRequest.decode_chunk` per call, taking c_1
+where the host would. Pruning happens at exactly t = b + L, as in the paper, and the rows
+are those of one token per call (decode_chunk 1, the slow twin). A fork copies no keys:
+the cache holds a tree of segments and a branch reads the prefix it shares from the
+segments that wrote it (`rl.rollout.tree_sampler.share_prefixes`;
+`TreeRequest.share_kv=False` copies the parent's response segment instead, the slow twin
+with the same tokens). `TreeStats` counts what the
 tree saves: tokens decoded vs the leaves' tokens (what independent sampling of the same
 leaves would decode), and the leaves' distinct tokens (what a tree-packed learner
 computes, `models.tree.pack_tree`).
@@ -47,19 +50,25 @@ computes, `models.tree.pack_tree`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from models.config import ModelConfig
 from rl.rollout.sampler import check_prompt, plan_bounded_decode, prefill, read_slots
 from rl.rollout.sampler_state import SamplingConfig, new_state, sample_keys
 from rl.rollout.tree_sampler import (
+    TreeCandidates,
+    decode_candidates,
     fork_slots,
     retire_slots,
     rewrite_tokens,
+    set_last_tokens,
     share_prefixes,
     tree_decode_step,
 )
@@ -144,6 +153,7 @@ class TreeStats:
     pruned: int = 0             # branches pruned (descendants included)
     filled: int = 0             # rows that repeat a tree's first leaf (fewer than K leaves)
     fork_fraction: list = dataclasses.field(default_factory=list)  # fork_at / leaf length
+    decode_calls: int = 0       # device calls that decoded (one step each with decode_chunk 1)
 
     def metrics(self) -> dict[str, float]:
         """The numbers a run logs per batch."""
@@ -152,6 +162,7 @@ class TreeStats:
                 "tree_packing_ratio": leaf / max(self.tree_tokens, 1),
                 "tree_branches": float(self.branches), "tree_pruned": float(self.pruned),
                 "tree_filled": float(self.filled),
+                "tree_decode_calls": float(self.decode_calls),
                 "tree_fork_fraction_mean": float(np.mean(self.fork_fraction))
                 if self.fork_fraction else 0.0}
 
@@ -251,7 +262,10 @@ class TreeRequest:
     """What to sample per prompt: group_size rows (N), up to max_new_tokens each, with
     `sampling` (plain temperature), stopping at stop_ids (None: the model's EOS ids).
     share_kv: branches read their shared prefix's keys in place (a tree of segments, the
-    XLA decode path); False copies them at each fork (any attn_impl; the same tokens)."""
+    XLA decode path); False copies them at each fork (any attn_impl; the same tokens).
+    decode_chunk: at most this many decode steps per device call, which stops early at a
+    step where the host has to decide (a candidate passes the branching test, a branch
+    reaches a lookahead); 1: back to the host after every token (the same rows)."""
 
     group_size: int
     max_new_tokens: int
@@ -259,15 +273,91 @@ class TreeRequest:
     stop_ids: tuple[int, ...] | None = None
     attn_impl: str | None = None
     share_kv: bool = True
+    decode_chunk: int = 16
 
     def __post_init__(self):
-        if int(self.group_size) < 1 or int(self.max_new_tokens) < 1:
-            raise ValueError(f"TreeRequest: group_size ({self.group_size}) and "
-                             f"max_new_tokens ({self.max_new_tokens}) must be >= 1")
+        if int(self.group_size) < 1 or int(self.max_new_tokens) < 1 or int(self.decode_chunk) < 1:
+            raise ValueError(f"TreeRequest: group_size ({self.group_size}), max_new_tokens "
+                             f"({self.max_new_tokens}) and decode_chunk ({self.decode_chunk}) "
+                             "must be >= 1")
         if self.sampling.greedy or self.sampling.truncated:
             raise ValueError("LATR samples from softmax(z / T) once a tree is full and "
                              "stamps every token with that distribution's log-prob: use "
                              "plain temperature sampling (no greedy, top_k or top_p)")
+
+
+class _Control(struct.PyTreeNode):
+    """What the device loop needs to know of the trees, per slot [S]: in_tree (an unpruned
+    branch), grows (its tree has fewer than K branches: it takes c_1 and may branch),
+    branch (a forked branch: pruning looks at it), fork_at, parent (its parent's slot;
+    itself for a root or a slot outside the trees)."""
+
+    in_tree: jax.Array
+    grows: jax.Array
+    branch: jax.Array
+    fork_at: jax.Array
+    parent: jax.Array
+
+
+def _control(trees: list[_GroupTree], num_slots: int) -> _Control:
+    in_tree, grows, branch = (np.zeros(num_slots, bool) for _ in range(3))
+    fork_at, parent = np.zeros(num_slots, np.int32), np.arange(num_slots, dtype=np.int32)
+    for tree in trees:
+        alive = tree.alive()
+        for b in alive:
+            br = tree.branches[b]
+            in_tree[br.slot], grows[br.slot] = True, len(alive) < tree.k
+            if br.parent is not None:
+                branch[br.slot], fork_at[br.slot] = True, br.fork_at
+                parent[br.slot] = tree.branches[br.parent].slot
+    return _Control(in_tree=in_tree, grows=grows, branch=branch, fork_at=fork_at,
+                    parent=parent)
+
+
+def _event(cfg: LatrConfig, ctl: _Control, live, after, probs):
+    """Does this step need the host: a growing tree's live slot with a candidate that passes
+    the branching test, or a branch at one of its lookaheads (live, or done with a live
+    parent whose window may just have filled)?"""
+    ok = probs[:, 1:] > cfg.prob_abs
+    if cfg.prob_rel is not None:
+        ok &= (probs[:, :1] - probs[:, 1:]) > cfg.prob_rel
+    branching = live & ctl.in_tree & ctl.grows & ok.any(axis=-1)
+    age = after.num_generated - ctl.fork_at
+    at_lookahead = (age[:, None] == jnp.asarray(cfg.lookahead, jnp.int32)[None, :]).any(axis=-1)
+    checked = ctl.in_tree & ctl.branch & at_lookahead & (live | live[ctl.parent])
+    return branching.any() | checked.any()
+
+
+@functools.partial(jax.jit, static_argnames=("kv_bound", "cfg"))
+def _decode_until_event(params, state, version, ctl: _Control, num_steps, *, kv_bound,
+                        cfg: LatrConfig):
+    """Up to num_steps decode steps in one while_loop, doing on device what the host would
+    at a step with nothing to decide (a growing tree's slot takes c_1), stopping after the
+    first step that needs the host (`_event`), whose state is left as decoded. Returns
+    (state, that step's candidates, event, the slots live at that step, slot-steps run)."""
+    s, m = state.num_slots, cfg.max_branch_per_token
+    top = cfg.sample_when == "full"
+
+    def cond(c):
+        i, st, _, event, _, _ = c
+        return (i < num_steps) & ~event & jnp.any(~st.done)
+
+    def body(c):
+        i, st, _, _, _, ran = c
+        live = ~st.done
+        after, cand = decode_candidates(params, st, version, kv_bound=kv_bound, top_m=m)
+        event = _event(cfg, ctl, live, after, cand.probs)
+        take = live & ctl.in_tree & ctl.grows & (cand.ids[:, 0] != cand.token) & top & ~event
+        after = set_last_tokens(after, jnp.where(take, jnp.arange(s), s), cand.ids[:, 0],
+                                cand.logprobs[:, 0])
+        return i + 1, after, cand, event, live, ran + live.sum()
+
+    f32, i32 = jnp.zeros((s, m), jnp.float32), jnp.zeros((s, m), jnp.int32)
+    empty = TreeCandidates(ids=i32, probs=f32, logprobs=f32, token=i32[:, 0],
+                           logprob=f32[:, 0])
+    init = (jnp.int32(0), state, empty, jnp.bool_(False), jnp.zeros(s, bool), jnp.int32(0))
+    _, state, cand, event, live, ran = jax.lax.while_loop(cond, body, init)
+    return state, cand, event, live, ran
 
 
 def sample_latr(params: Params, config: ModelConfig, prompts: Sequence[Sequence[int]],
@@ -277,14 +367,15 @@ def sample_latr(params: Params, config: ModelConfig, prompts: Sequence[Sequence[
     prompt, the first round(N Â· mix_ratio) the tree's leaves, the rest independent
     samples. rng keys follow the engine's (sample_keys of the global group ids from
     first_group_id), so with mix_ratio 0 the rows are `rl.rollout.generate`'s token for
-    token."""
+    token. request.decode_chunk > 1 runs the steps with nothing to decide on device
+    (`_decode_until_event`); 1 returns to the host after every token (the slow twin: the
+    same rows, tested)."""
     if not prompts:
         raise ValueError("sample_latr: no prompts")
     max_new_tokens, sampling = int(request.max_new_tokens), request.sampling
-    stop_ids, group_size = request.stop_ids, request.group_size
-    n = int(group_size)
+    n = int(request.group_size)
     k = latr.tree_size(n)
-    stop_ids = tuple(config.eos_token_ids if stop_ids is None else stop_ids)
+    stop_ids = tuple(config.eos_token_ids if request.stop_ids is None else request.stop_ids)
     g = len(prompts)
     ctx = [check_prompt(p, max(len(q) for q in prompts), config) for p in prompts]
     state = new_state(config, num_slots=g * n, max_prompt_len=max(c.size for c in ctx),
@@ -301,39 +392,62 @@ def sample_latr(params: Params, config: ModelConfig, prompts: Sequence[Sequence[
     done = np.asarray(jax.device_get(state.done))
     while not done.all():
         longest = max(len(mirror[s]) for s in np.flatnonzero(~done))
-        bound = plan_bounded_decode(longest, 1, max_new_tokens)[0][1]
-        live = np.flatnonzero(~done)
-        state, cand = tree_decode_step(params, state, version,
-                                       top_m=latr.max_branch_per_token, kv_bound=bound)
-        stats.decoded_tokens += live.size
-        ids, probs, logps, token = jax.device_get((cand.ids, cand.probs, cand.logprobs,
-                                                   cand.token))
-        drawn = {int(s): int(token[s]) for s in live}
-        rewrites, forks = [], []
-        for tree in trees:
-            r, f, new = _choose(tree, latr, (ids, probs, logps), done, drawn)
-            rewrites += r
-            forks += f
-            for b, child in new:
-                tree.branches.append(Branch(slot=child, parent=b,
-                                            fork_at=len(mirror[tree.branches[b].slot])))
-        for s, tok in drawn.items():
-            mirror[s].append(tok)
-        for s, tok, _ in rewrites:
-            mirror[s][-1] = tok
-        for parent, child, tok, _ in forks:
-            mirror[child] = mirror[parent][:-1] + [tok]
-        if rewrites:
-            state = rewrite_tokens(state, *map(list, zip(*rewrites)))
-        if forks:
-            # a forking parent's own last token is c_1 (rewritten above if it drew another)
-            state = fork_slots(state, *map(list, zip(*forks)))
-        stats.branches += len(forks)
-        pruned = [s for tree in trees for s in _prune(tree, latr, mirror, stop)]
-        stats.pruned += len(pruned)
-        state = retire_slots(state, pruned)
+        steps, bound = plan_bounded_decode(longest, request.decode_chunk, max_new_tokens)[0]
+        stats.decode_calls += 1
+        if request.decode_chunk == 1:
+            live = np.flatnonzero(~done)
+            state, cand = tree_decode_step(params, state, version,
+                                           top_m=latr.max_branch_per_token, kv_bound=bound)
+            stats.decoded_tokens += live.size
+        else:
+            state, cand, event, live, ran = _decode_until_event(
+                params, state, np.int32(version), _control(trees, g * n), np.int32(steps),
+                kv_bound=bound, cfg=latr)
+            ids, count, event, live, ran = jax.device_get(
+                (state.response_ids, state.num_generated, event, live, ran))
+            live = np.flatnonzero(live)
+            stats.decoded_tokens += int(ran)
+            mirror = {s: ids[s, :count[s]].tolist() for s in range(g * n)}
+            if not event:  # every step ran on device, rewrites included
+                done = np.asarray(jax.device_get(state.done))
+                continue
+            for s in live:  # the host decides the last step from the tokens before it
+                mirror[s].pop()
+        state = _host_step(state, trees, latr, cand, live, mirror, stats, stop)
         done = np.asarray(jax.device_get(state.done))
     return _collect(state, trees, n, k, g, stats)
+
+
+def _host_step(state, trees: list[_GroupTree], latr: LatrConfig, cand: TreeCandidates,
+               live: np.ndarray, mirror: dict[int, list[int]], stats: TreeStats,
+               stop: set[int]):
+    """Stages 1 and 3 of the module doc for one decoded step: its candidates `cand`, the
+    slots `live` at it; mirror (updated here) holds every slot's tokens before it."""
+    ids, probs, logps, token = jax.device_get((cand.ids, cand.probs, cand.logprobs, cand.token))
+    drawn = {int(s): int(token[s]) for s in live}
+    rewrites, forks = [], []
+    for tree in trees:
+        r, f, new = _choose(tree, latr, (ids, probs, logps), None, drawn)
+        rewrites += r
+        forks += f
+        for b, child in new:
+            tree.branches.append(Branch(slot=child, parent=b,
+                                        fork_at=len(mirror[tree.branches[b].slot])))
+    for s, tok in drawn.items():
+        mirror[s].append(tok)
+    for s, tok, _ in rewrites:
+        mirror[s][-1] = tok
+    for parent, child, tok, _ in forks:
+        mirror[child] = mirror[parent][:-1] + [tok]
+    if rewrites:
+        state = rewrite_tokens(state, *map(list, zip(*rewrites)))
+    if forks:
+        # a forking parent's own last token is c_1 (rewritten above if it drew another)
+        state = fork_slots(state, *map(list, zip(*forks)))
+    stats.branches += len(forks)
+    pruned = [s for tree in trees for s in _prune(tree, latr, mirror, stop)]
+    stats.pruned += len(pruned)
+    return retire_slots(state, pruned)
 
 
 def _collect(state, trees: list[_GroupTree], n: int, k: int, g: int,

@@ -119,6 +119,31 @@ def test_shared_and_copied_forks_give_the_same_rows(params):
                                        ref_logprobs(params, prompt, row, 0.7), atol=1e-4)
 
 
+@pytest.mark.parametrize("latr", [
+    LatrConfig(prob_abs=0.02, prob_rel=None, lookahead=(2, 5), edit_threshold=0.9),
+    LatrConfig(prob_abs=0.02, prob_rel=0.3, lookahead=(4,), edit_threshold=1.01,
+               max_branch_per_token=3),
+    LatrConfig(prob_abs=0.02, prob_rel=None, lookahead=(3, 6), edit_threshold=0.5,
+               sample_when="always", mix_ratio=0.5)], ids=["prune-some", "prune-all", "mix"])
+def test_steps_on_device_give_the_rows_of_one_token_per_call(params, latr):
+    # a sharper policy (final norm x 7: top-2 probabilities around 0.9 / 0.01-0.04) so that
+    # some steps branch and most do not; stop ids end some branches early
+    sharp = {**params, "final_norm": {"scale": params["final_norm"]["scale"] * 7}}
+    prompts = PROMPTS + [[7, 7]]
+    req = TreeRequest(N, 24, sampling=TEMP, stop_ids=(3, 11))
+    one, chunked = (sample_latr(sharp, CFG, prompts, dataclasses.replace(req, decode_chunk=c),
+                                rng=5, latr=latr) for c in (1, 16))
+    assert one.stats.branches > 0 and one.stats.decode_calls == 24
+    assert chunked.stats.decode_calls < 12  # most steps had nothing to decide
+    assert (chunked.tokens, chunked.parent, chunked.fork_at, chunked.finished) == \
+        (one.tokens, one.parent, one.fork_at, one.finished)
+    assert dataclasses.replace(chunked.stats, decode_calls=0) == \
+        dataclasses.replace(one.stats, decode_calls=0)
+    for a, b in zip(chunked.logprobs, one.logprobs):  # two programs: float rounding apart
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+
+
 def test_a_shared_fork_copies_no_keys(params):
     import jax
 
@@ -283,3 +308,18 @@ def test_train_with_latr_logs_its_tree_and_round_trips(tmp_path):
         config_from_args(build_train_parser().parse_args(["--latr-abs", "0.1"]))
     with pytest.raises(ValueError, match="LATR tree rollouts"):
         cfg.override("prune.warmup", 4).validate()
+
+
+def test_top_candidates_are_lax_top_k():
+    import jax
+
+    from rl.rollout.tree_sampler import top_candidates
+
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(50), 16).astype(np.float32)
+    probs[3, [7, 9, 20]] = 0.5  # ties go to the lower id
+    for m in (1, 2, 3):
+        want = jax.lax.top_k(probs, m)
+        got = top_candidates(probs, m)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
