@@ -31,10 +31,9 @@ import argparse
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
-
-from pathlib import Path
 
 from experiments.common.benchmarking import results_path, write_results
 from experiments.common.docs_rows import add_docs_only_flag, docs_from_json, write_page_and_rows
