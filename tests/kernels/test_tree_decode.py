@@ -115,9 +115,46 @@ def test_refuses_what_it_cannot_do():
             z((1, 2, 5, 1, 4)))
     ok = dict(prompt_lengths=np.array([3]), resp_lo=np.zeros((1, 2, 2), int),
               resp_hi=np.zeros((1, 2, 2), int))
-    with pytest.raises(ValueError, match="no Pallas kernel"):
-        tree_decode_attention(*args, **ok, impl="pallas")
+    with pytest.raises(ValueError, match="no Mosaic kernel"):
+        tree_decode_attention(*args, **ok, impl="pallas_mosaic")
+    with pytest.raises(ValueError, match="block_k"):
+        tree_decode_attention(*args, **ok, impl="pallas", block_k=24)
     with pytest.raises(ValueError, match="resp_hi must have shape"):
         tree_decode_attention(*args, **{**ok, "resp_hi": np.zeros((1, 2), int)})
     with pytest.raises(ValueError, match="resp_lo must lie in"):
         tree_decode_attention(*args, **{**ok, "resp_lo": np.full((1, 2, 2), 6)})
+
+
+def _inputs(seed, g=2, n=4, p=20, r_max=40, h=4, kvh=2, d=16, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+
+    def f(*s):
+        return jnp.asarray(rng.standard_normal(s), dtype)
+
+    trees = [_random_tree(rng, n, r_max) for _ in range(g)]
+    lo, hi = map(np.stack, zip(*[_spans(*t) for t in trees]))
+    return (f(g, n, h, d), f(g, p, kvh, d), f(g, p, kvh, d), f(g, n, r_max, kvh, d),
+            f(g, n, r_max, kvh, d)), dict(prompt_lengths=rng.integers(0, p + 1, g), resp_lo=lo,
+                                          resp_hi=hi, k_new=f(g, n, kvh, d), v_new=f(g, n, kvh, d))
+
+
+@pytest.mark.parametrize("d, block_k", [(16, 16), (8, 32)])
+def test_pallas_kernel_matches_the_xla_path_in_interpret_mode(d, block_k):
+    # spans that start and end inside tiles, a tile straddling two spans, head_dim 8
+    # (zero-padded to 16 for Triton), R not a multiple of block_k (zero-padded)
+    args, kw = _inputs(3, d=d, r_max=40)
+    want = tree_decode_attention(*args, **kw, impl="xla")
+    got = tree_decode_attention(*args, **kw, impl="pallas", block_k=block_k, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_pallas_kernel_lowers_for_cuda():
+    from jax import export
+
+    from kernels.dispatch import lowered_kernels
+
+    args, kw = _inputs(4, dtype=jnp.bfloat16)
+    fn = jax.jit(lambda *a: tree_decode_attention(*a, **kw, impl="pallas_triton"))
+    exp = export.export(fn, platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert "tree_decode_response" in lowered_kernels(exp.mlir_module())["triton"]
