@@ -266,8 +266,8 @@ def _segmented_attention(q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, 
                          tree: ResponseTree | None, impl, k_new=None, v_new=None):
     """Segment decode attention, or tree decode attention when the cache holds a rollout
     tree (each sample reads its own segment up to own_lengths [groups, N], its ancestors'
-    per the tree; impl None is the XLA path there, and a Pallas impl is refused: no kernel
-    reads a tree of segments yet)."""
+    per the tree; impl None is the XLA path there, "pallas" / "pallas_triton" the Triton
+    kernel, and "pallas_mosaic" is refused: no Mosaic kernel reads a tree yet)."""
     if tree is None:
         return segment_decode_attention(q, k_prompt, v_prompt, k_resp, v_resp,
                                         prompt_lengths=prompt_lengths, resp_lengths=own_lengths,

@@ -42,7 +42,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-
 from jax import lax
 from jax.experimental import pallas as pl
 

@@ -29,8 +29,8 @@ How a child gets the parent's keys, two ways with the same tokens:
     segments that wrote it: the parent's own entries from the parent's fork up to the
     fork, and whatever the parent read from its own ancestors. Nothing is copied, and the
     child writes its own keys from the fork on. Decode attention over the tree is
-    `kernels.segment_decode.tree_decode_attention` (reference and XLA paths; no Pallas
-    kernel yet, so a Pallas attn_impl is refused).
+    `kernels.segment_decode.tree_decode_attention` (reference, XLA, and a Triton kernel
+    for attn_impl "pallas"; no Mosaic twin, so "pallas_mosaic" is refused).
   * copied (the default state, the slow twin): the fork copies the parent's response
     segment into the child's, and decode is the plain segment decode.
 
@@ -178,10 +178,11 @@ def share_prefixes(state: SamplerState) -> SamplerState:
     if state.kv_layout != "segmented":
         raise ValueError("tree rollouts fork inside a group's block: they need "
                          "kv_layout='segmented'")
-    if state.attn_impl not in (None, "xla", "reference"):
-        raise ValueError(f"share_prefixes: attn_impl={state.attn_impl!r} has no tree-of-"
-                         "segments kernel; use attn_impl None / 'xla' (the XLA tree path) or "
-                         "fork by copy (do not call share_prefixes)")
+    if state.attn_impl == "pallas_mosaic":
+        raise ValueError("share_prefixes: attn_impl='pallas_mosaic' has no tree-of-segments "
+                         "kernel (no Mosaic twin yet); use attn_impl None / 'xla' (the XLA "
+                         "tree path), 'pallas' (Triton), or fork by copy (do not call "
+                         "share_prefixes)")
     cache = state.cache
     return state.replace(cache=cache.replace(tree=kvc.no_forks(cache.groups, cache.group_size)))
 

@@ -144,6 +144,20 @@ def test_steps_on_device_give_the_rows_of_one_token_per_call(params, latr):
             np.testing.assert_allclose(x, y, atol=1e-5)
 
 
+def test_the_tree_kernel_grows_the_rows_of_the_xla_path(params):
+    # attn_impl "pallas": every attention of the sampler through the Pallas kernels
+    # (interpret mode on CPU), the tree's decode through tree_decode_attention's kernel
+    sharp = {**params, "final_norm": {"scale": params["final_norm"]["scale"] * 7}}
+    latr = LatrConfig(prob_abs=0.02, prob_rel=None, lookahead=(2, 5), edit_threshold=0.9)
+    req = TreeRequest(N, R, sampling=TEMP, stop_ids=(3, 11))
+    xla, kernel = (sample_latr(sharp, CFG, PROMPTS, dataclasses.replace(req, attn_impl=impl),
+                               rng=5, latr=latr) for impl in (None, "pallas"))
+    assert xla.stats.branches > 0 and kernel.tokens == xla.tokens
+    for a, b in zip(kernel.logprobs, xla.logprobs):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+
+
 def test_a_shared_fork_copies_no_keys(params):
     import jax
 
@@ -185,14 +199,14 @@ def test_a_shared_fork_copies_no_keys(params):
                                np.concatenate([cache.k_resp[:, 0, 0, :3],
                                                cache.k_resp[:, 0, 2, 3:5]], axis=1), atol=1e-5)
     with pytest.raises(ValueError, match="no tree-of-segments kernel"):
-        share_prefixes(_pallas_state())
+        share_prefixes(_mosaic_state())
 
 
-def _pallas_state():
+def _mosaic_state():
     from rl.rollout.sampler_state import new_state
 
     return new_state(CFG, num_slots=N, max_prompt_len=3, max_new_tokens=R, sampling=TEMP,
-                     stop_ids=(), attn_impl="pallas", cache_dtype=None, group_size=N)
+                     stop_ids=(), attn_impl="pallas_mosaic", cache_dtype=None, group_size=N)
 
 
 def probs_of(rows):

@@ -13,7 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from kernels.segment_decode import segment_decode_attention
+from kernels.segment_decode import segment_decode_attention, tree_decode_attention
 from kernels.shared_prefix_attention import SplitOptions, shared_prefix_attention
 
 
@@ -75,8 +75,9 @@ def _spa_inputs(g, n, p, r, h, kvh, d, dtype, seed=1):
 
 def correctness(emit, *, dtype: str, head_dims: list, heads: int, kv_heads: int,
                 impls: list, shape: list, tol: float) -> None:
-    """Each impl's shared-prefix fwd+vjp and the platform's segment decode against the
-    references, at ragged lengths; one row per (kernel, impl, head_dim). `impls` holds
+    """Each impl's shared-prefix fwd+vjp, the platform's segment decode and (Triton) the
+    tree decode kernel (`fork_spans`) against the references, at ragged lengths; one row
+    per (kernel, impl, head_dim). `impls` holds
     [impl, interpret] or [impl, interpret, SplitOptions fields]."""
     from kernels.shared_prefix_attention.cudnn import cudnn_supports
     g, n, p, r = shape
@@ -100,13 +101,22 @@ def correctness(emit, *, dtype: str, head_dims: list, heads: int, kv_heads: int,
                 *a, prompt_lengths=plen, resp_lengths=rlen, impl=impl, interpret=interpret))(
                 qkv[3][:, :, 0], qkv[1], qkv[2], qkv[4], qkv[5])
 
+        lo, hi = fork_spans(rlen)
+
+        def tree(impl, interpret):
+            return jax.jit(lambda *a: tree_decode_attention(
+                *a, prompt_lengths=plen, resp_lo=lo, resp_hi=hi, impl=impl,
+                interpret=interpret))(qkv[3][:, :, 0], qkv[1], qkv[2], qkv[4], qkv[5])
+
         want = {"shared_prefix fwd+vjp": spa("reference", None),
-                "segment_decode": dec("reference", None)}
+                "segment_decode": dec("reference", None), "tree_decode": tree("reference", None)}
         for impl, interpret, *options in impls:
             options = options[0] if options else None
             kernels = [("shared_prefix fwd+vjp", functools.partial(spa, options=options))]
             if impl in (None, "pallas", "pallas_triton", "pallas_mosaic", "xla"):
                 kernels.append(("segment_decode", dec))
+            if impl in ("pallas", "pallas_triton"):
+                kernels.append(("tree_decode", tree))
             for kernel, run in kernels:
                 row = {"kernel": kernel, "impl": impl or "default", "dtype": dtype,
                        "head_dim": d, "tol": tol}
@@ -125,6 +135,19 @@ def correctness(emit, *, dtype: str, head_dims: list, heads: int, kv_heads: int,
                 except Exception as e:  # noqa: BLE001 - a failing kernel is a row
                     emit({**row, "status": "error", "ok": False,
                           "error": f"{type(e).__name__}: {str(e)[:600]}"})
+
+
+def fork_spans(resp_lengths):
+    """A rollout tree's spans (kernels.segment_decode.tree) for the correctness rows: sample
+    i > 0 of each group forked from sample 0 at half their shorter length."""
+    g, n = resp_lengths.shape
+    fork = jnp.minimum(resp_lengths, resp_lengths[:, :1]) // 2
+    eye = jnp.eye(n, dtype=bool)[None]
+    child = jnp.arange(n)[None, :, None] > 0
+    lo = jnp.where(eye & child, fork[:, :, None], 0)
+    hi = jnp.where(eye, resp_lengths[:, :, None], 0)
+    hi = jnp.where(child & (jnp.arange(n)[None, None, :] == 0), fork[:, :, None], hi)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- DualKV
