@@ -64,6 +64,23 @@ def _check_inputs(q, k_prompt, v_prompt, k_resp, v_resp) -> None:
         raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
 
 
+def _check_scale_and_new(q, k_prompt, sm_scale, k_new, v_new):
+    """(sm_scale as a finite float, None = 1 / sqrt(head_dim); k_new, v_new checked to be
+    [groups, N, kv_heads, head_dim] together, in q's dtype)."""
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if k_new is not None:
+        want = (*q.shape[:2], k_prompt.shape[2], q.shape[3])
+        if k_new.shape != want or v_new.shape != want:
+            raise ValueError(f"k_new and v_new must be [groups, N, kv_heads, head_dim] = {want}, "
+                             f"got {k_new.shape} and {v_new.shape}")
+        k_new, v_new = k_new.astype(q.dtype), v_new.astype(q.dtype)
+    return sm_scale, k_new, v_new
+
+
 def segment_decode_attention(
     q: jax.Array,
     k_prompt: jax.Array,
@@ -117,19 +134,7 @@ def segment_decode_attention(
     if isinstance(block_k, bool) or not isinstance(block_k, int) or block_k < 16 \
             or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k!r}")
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    sm_scale = float(sm_scale)
-    if not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new must be given together")
-    if k_new is not None:
-        want = (g, n, k_prompt.shape[2], q.shape[3])
-        if k_new.shape != want or v_new.shape != want:
-            raise ValueError(f"k_new and v_new must be [groups, N, kv_heads, head_dim] = {want}, "
-                             f"got {k_new.shape} and {v_new.shape}")
-        k_new, v_new = k_new.astype(q.dtype), v_new.astype(q.dtype)
+    sm_scale, k_new, v_new = _check_scale_and_new(q, k_prompt, sm_scale, k_new, v_new)
     args = (q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, resp_lengths, k_new, v_new)
     return dispatch(
         args, impl, interpret,

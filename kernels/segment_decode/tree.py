@@ -37,7 +37,6 @@ It has not been measured on a GPU, so impl=None takes the XLA path on every plat
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -46,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels.dispatch import by_platform
-from kernels.segment_decode.api import _check_inputs, _check_lengths
+from kernels.segment_decode.api import _check_inputs, _check_lengths, _check_scale_and_new
 from kernels.segment_decode.layout import split_heads
 from kernels.segment_decode.merge import (
     merge_attention_states,
@@ -266,17 +265,7 @@ def tree_decode_attention(q: jax.Array, k_prompt: jax.Array, v_prompt: jax.Array
     prompt_lengths = _check_lengths(prompt_lengths, "prompt_lengths", (g,), k_prompt.shape[1])
     resp_lo = _check_lengths(resp_lo, "resp_lo", (g, n, n), r_max)
     resp_hi = _check_lengths(resp_hi, "resp_hi", (g, n, n), r_max)
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    if not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new must be given together")
-    if k_new is not None:
-        want = (g, n, k_prompt.shape[2], q.shape[3])
-        if k_new.shape != want or v_new.shape != want:
-            raise ValueError(f"k_new and v_new must be [groups, N, kv_heads, head_dim] = "
-                             f"{want}, got {k_new.shape} and {v_new.shape}")
-        k_new, v_new = k_new.astype(q.dtype), v_new.astype(q.dtype)
+    sm_scale, k_new, v_new = _check_scale_and_new(q, k_prompt, sm_scale, k_new, v_new)
     args = (q, k_prompt, v_prompt, k_resp, v_resp, prompt_lengths, resp_lo, resp_hi, k_new,
             v_new)
     if impl in ("pallas", "pallas_triton"):
