@@ -88,6 +88,19 @@ def _prompt_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     l_ref[...] = l
 
 
+def tile_state(q_ref, k_ref, v_ref, valid, sm_scale: float):
+    """The normalised partial state (o [rows, d], m, l [rows]) of one key tile: q_ref
+    [rows, d], k_ref, v_ref [block_k, d], valid [1, block_k] (at least one True)."""
+    s = jnp.dot(q_ref[...], k_ref[...].T, preferred_element_type=jnp.float32) * sm_scale
+    s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.max(s, axis=1)  # finite: the tile holds at least one valid key
+    p = jnp.exp(s - m[:, None])
+    l = jnp.sum(p, axis=1)
+    v = v_ref[...]
+    o = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o / l[:, None], m, l
+
+
 def _response_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
                      sm_scale: float, block_k: int):
     """q_ref [rows, d]; k_ref, v_ref [block_k, d] (one tile of one sample); len_ref [1].
@@ -99,15 +112,8 @@ def _response_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     rows, d = q_ref.shape
 
     def compute():
-        s = jnp.dot(q_ref[...], k_ref[...].T, preferred_element_type=jnp.float32) * sm_scale
         valid = (start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)) < length
-        s = jnp.where(valid, s, -jnp.inf)
-        m = jnp.max(s, axis=1)  # finite: this tile holds at least one valid key
-        p = jnp.exp(s - m[:, None])
-        l = jnp.sum(p, axis=1)
-        v = v_ref[...]
-        o = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o / l[:, None], m, l
+        return tile_state(q_ref, k_ref, v_ref, valid, sm_scale)
 
     def empty():
         return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),

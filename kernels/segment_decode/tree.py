@@ -52,7 +52,7 @@ from kernels.segment_decode.merge import (
     new_token_state,
     reduce_attention_states,
 )
-from kernels.segment_decode.pallas import MIN_ROWS, prompt_state_pallas
+from kernels.segment_decode.pallas import MIN_ROWS, prompt_state_pallas, tile_state
 from kernels.segment_decode.pallas import _compiler_params as triton_compiler_params
 from kernels.segment_decode.pallas import _next_pow2 as next_pow2
 from kernels.segment_decode.pallas import _pad_axis as pad_axis
@@ -134,16 +134,9 @@ def _tree_response_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_r
     start = pl.program_id(4) * block_k
     rows, d = q_ref.shape
 
-    def compute():
-        s = jnp.dot(q_ref[...], k_ref[...].T, preferred_element_type=jnp.float32) * sm_scale
+    def compute():  # the tile overlaps the span
         r = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        s = jnp.where((r >= lo) & (r < hi), s, -jnp.inf)
-        m = jnp.max(s, axis=1)  # finite: the tile overlaps the span
-        p = jnp.exp(s - m[:, None])
-        l = jnp.sum(p, axis=1)
-        v = v_ref[...]
-        o = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o / l[:, None], m, l
+        return tile_state(q_ref, k_ref, v_ref, (r >= lo) & (r < hi), sm_scale)
 
     def empty():
         return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
