@@ -319,3 +319,31 @@ def test_bad_sampler_inputs(params):
         decode_segment(params, state, 4, -1)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         init_state(CFG, num_slots=1, max_prompt_len=500, max_new_tokens=100)
+
+
+def test_kth_largest_by_bisection_is_lax_top_k():
+    # the CPU path of top-k sampling against lax.top_k (the other platforms' path):
+    # ties, signed zeros, -inf entries, negative rows, k = 1 and k = V
+    from rl.rollout.sampler_core import kth_largest_bisect, kth_largest_top_k
+
+    rng = np.random.default_rng(0)
+    z = (rng.standard_normal((12, 300)) * 5).astype(np.float32)
+    z[1] = 0.0
+    z[2, ::2] = -np.inf
+    z[3, :5] = 3.0
+    z[4] = -np.abs(z[4])
+    z[5, :150] = -0.0
+    z[6] = np.round(z[6])  # many ties
+    z = jnp.asarray(z)
+    for k in (1, 2, 5, 50, 299, 300):
+        np.testing.assert_array_equal(np.asarray(kth_largest_bisect(z, k)),
+                                      np.asarray(kth_largest_top_k(z, k)))
+    # top-k sampling lowers for cuda (where it takes lax.top_k)
+    from jax import export
+
+    from rl.rollout.sampler_core import sample_tokens
+
+    cfg = SamplingConfig(temperature=0.8, top_k=5)
+
+    keys = jax.random.key_data(jax.random.split(jax.random.key(0), 12))
+    export.export(jax.jit(lambda z, k: sample_tokens(z, k, cfg)), platforms=["cuda"])(z, keys)
