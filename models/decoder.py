@@ -431,6 +431,32 @@ def forward(
                         config=config, attn_impl=attn_impl)
 
 
+@partial(jax.jit, static_argnames=("config", "attn_impl"))
+def _hidden_jit(params, tokens, positions, *, config, attn_impl):
+    seg = jnp.ones(tokens.shape, jnp.int32)
+    hidden, _ = Decoder(config, "forward", attn_impl, return_hidden=True).apply(
+        {"params": params}, tokens, positions, segment_mask(seg))
+    return hidden
+
+
+def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
+                  positions: jax.Array | None = None, *, attn_impl: str | None = None
+                  ) -> jax.Array:
+    """The final-normed hidden states [batch, seq, embed] (what the vocabulary head reads;
+    the compute dtype) of tokens [batch, seq] int, each row one causal sequence (positions
+    [batch, seq] default to arange(seq)). Padding after a row's tokens does not change the
+    states before it."""
+    validate_tokens(tokens, config)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    _check_shape("positions", positions, tokens.shape)
+    return _hidden_jit(params, tokens, jnp.asarray(positions, jnp.int32), config=config,
+                       attn_impl=attn_impl)
+
+
 def _check_logits_at(logits_at, shape: tuple[int, int]) -> jax.Array:
     """Validate logits_at [batch, K] indices into a [batch, seq] sequence; return int32."""
     if jnp.ndim(logits_at) != 2 or jnp.shape(logits_at)[0] != shape[0]:

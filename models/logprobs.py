@@ -27,8 +27,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
-from models.decoder import Decoder, Params, forward, segment_mask
-from models.inputs import validate_tokens
+from models.decoder import Params, forward, hidden_states
 from models.weight_grads import contract_tokens
 
 DEFAULT_CHUNK = 1024  # tokens per head chunk: [1024, 49152] fp32 logits = 200 MB
@@ -158,14 +157,6 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
     return logp.reshape(-1)[:n].reshape(lead), ent.reshape(-1)[:n].reshape(lead)
 
 
-@partial(jax.jit, static_argnames=("config", "attn_impl"))
-def _hidden_jit(params, tokens, positions, *, config, attn_impl):
-    seg = jnp.ones(tokens.shape, jnp.int32)
-    hidden, _ = Decoder(config, "forward", attn_impl, return_hidden=True).apply(
-        {"params": params}, tokens, positions, segment_mask(seg))
-    return hidden
-
-
 def token_logprobs_fused(params: Params, model_config: ModelConfig, tokens: jax.Array,
                          positions: jax.Array, temperature: float,
                          attn_impl: str | None = None, *, chunk: int = DEFAULT_CHUNK,
@@ -174,9 +165,7 @@ def token_logprobs_fused(params: Params, model_config: ModelConfig, tokens: jax.
     """(logp [B, T-1], entropy [B, T-1]) of the same rows as `token_logprobs`, through the
     chunked head: never more than [chunk, V] logits at once in the forward (see the module
     docstring; keep_logits: chunked_logprobs's). entropy=False skips the entropy (zeros)."""
-    validate_tokens(tokens, model_config)
-    hidden = _hidden_jit(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
-                         config=model_config, attn_impl=attn_impl)
+    hidden = hidden_states(params, model_config, tokens, positions, attn_impl=attn_impl)
     return chunked_logprobs(hidden[:, :-1], head_matrix(params, model_config), tokens[:, 1:],
                             temperature, chunk=chunk, entropy=entropy,
                             keep_logits=keep_logits)

@@ -34,6 +34,7 @@ from rl.objectives.turn_credit import TURN_CREDITS
 from rl.objectives.vcpo import GRAD_NORMS
 from rl.rollout.latr import LatrConfig
 from rl.rollout.pruning import PruneConfig
+from rl.rollout.trace import TraceConfig
 from rl.run import DEFAULT_PRESET, PRESETS
 from rl.run.policy import BUDGET_OPTIONS
 from rl.runtime.config_tree import parse_assignment, parse_value
@@ -89,6 +90,8 @@ SCHEDULER_FLAGS = {"prompt_scheduler": "name", "scheduler_pool": "pool_size",
 PRUNE_FLAGS = {"prune_at": "prune_at", "prune_target": "target_ratio",
                "prune_max_frac": "max_prune_frac", "prune_warmup": "warmup",
                "prune_threshold": "threshold", "prune_lr": "lr"}
+TRACE_FLAGS = {"trace_root_share": "root_share", "trace_min_depth": "min_depth",
+               "trace_warmup": "warmup", "trace_threshold": "threshold", "trace_lr": "lr"}
 LATR_FLAGS = {"latr_abs": "prob_abs", "latr_rel": "prob_rel", "latr_candidates":
               "max_branch_per_token", "latr_lookahead": "lookahead", "latr_edit": "edit_threshold",
               "latr_mix": "mix_ratio"}
@@ -112,6 +115,7 @@ def build_train_parser(prog: str = "python -m experiments.train") -> argparse.Ar
     add_prune_flags(p)
     add_latr_flags(p)
     add_env_flags(p)
+    add_trace_flags(p)
     add_lora_flags(p)
     add_vcpo_flags(p)
     add_async_flags(p)
@@ -322,6 +326,26 @@ def add_latr_flags(p: argparse.ArgumentParser) -> None:
                         "the prompt and every prefix the rows share once; replaces --packed)")
 
 
+def add_trace_flags(p: argparse.ArgumentParser) -> None:
+    d = TraceConfig()
+    g = p.add_argument_group("turn-level tree rollouts (TRACE; rl.rollout.trace)")
+    g.add_argument("--trace", action="store_true",
+                   help="an environment's batch in two stages: root groups, then the prompt "
+                        "roots or turn prefixes a shared predictor scores most likely to give "
+                        "mixed outcomes (trace section)")
+    g.add_argument("--trace-root-share", type=float,
+                   help=f"share of each batch's groups from prompt roots first (default "
+                        f"{d.root_share})")
+    g.add_argument("--trace-min-depth", type=int,
+                   help=f"the shallowest turn prefix continued (default {d.min_depth})")
+    g.add_argument("--trace-warmup", type=int,
+                   help=f"examples the predictor learns from before it allocates (default "
+                        f"{d.warmup})")
+    g.add_argument("--trace-threshold", type=float,
+                   help=f"an outcome above it counts as a success (default {d.threshold})")
+    g.add_argument("--trace-lr", type=float, help=f"the predictor's step size (default {d.lr})")
+
+
 def add_env_flags(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("environments (multi-turn episodes, rl.loops.episodes)")
     e.add_argument("--env", metavar="NAME|MODULE:FACTORY",
@@ -529,6 +553,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     elif latr:
         flag = next(k for k in LATR_FLAGS if getattr(args, k) is not None)
         raise ValueError(f"--{flag.replace('_', '-')} goes with --latr")
+    trace = _given(args, TRACE_FLAGS)
+    if args.trace:
+        cfg = dataclasses.replace(cfg, trace=dataclasses.replace(cfg.trace or TraceConfig(),
+                                                                 **trace))
+    elif trace:
+        flag = next(k for k in TRACE_FLAGS if getattr(args, k) is not None)
+        raise ValueError(f"--{flag.replace('_', '-')} goes with --trace")
     if args.tree_batches:
         if args.packed:
             raise ValueError("--tree-batches and --packed are two learner layouts; pick one")

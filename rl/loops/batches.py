@@ -30,8 +30,10 @@ from rl.loops.buffer import ScoredGroup
 from rl.loops.rollouts import RolloutSpec, latr_groups, next_seed, sample_groups, take_rows
 from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_source
 from rl.loops.scoring import accuracy_name, batch_reward_metrics, score, total_reward
+from rl.loops.trace_rollouts import trace_groups, trace_metrics
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.pruning import Pruner, make_pruner, settle_rollouts
+from rl.rollout.trace import TraceAllocator, make_allocator
 from rl.runtime.distributed import process_local, process_shard
 from rl.runtime.logging import NULL_PROFILE
 from rl.trajectory import Trajectory, concat_trajectories
@@ -44,7 +46,8 @@ class StreamSampler:
     loop: the LoopConfig (prompts_per_step, dynamic_sampling, max_resample_rounds); source:
     the prompt scheduler (None: uniform, the next prompts of the stream); pruner: online
     pruning (rl.rollout.pruning); policy: state.params -> the sampler's params (a LoRA
-    run's, rl.loops.adapters; None: as they are)."""
+    run's, rl.loops.adapters; None: as they are); trace: TRACE's predictor (an
+    environment's batches grown as turn-level trees, rl.loops.trace_rollouts)."""
 
     spec: RolloutSpec
     config: TrainConfig
@@ -52,6 +55,7 @@ class StreamSampler:
     source: PromptSource | None = None
     pruner: Pruner | None = None
     policy: Callable[[Any], Any] | None = None
+    trace: TraceAllocator | None = None
 
     def __post_init__(self):
         if self.source is None:
@@ -151,6 +155,7 @@ def stream_rounds(state: TrainState, data_position: int, sampler: StreamSampler,
     n_kept = rounds = sampled_tokens = 0
     pstats: dict[str, float] = {}
     tstats: dict[str, float] = {}  # a LATR tree's counts (rl.loops.rollouts.latr_groups)
+    trace_counts: dict[str, float] = {}  # TRACE's (rl.loops.trace_rollouts)
     while True:
         with profile.phase("host_s"):
             chosen, data_position = source.next(int(state.step), data_position)
@@ -160,6 +165,11 @@ def stream_rounds(state: TrainState, data_position: int, sampler: StreamSampler,
         if spec.latr is not None:  # a tree per prompt, its counts kept for the record
             traj = latr_groups(params, version, spec, prompts, seed=seed,
                                first_group_id=offset, profile=profile, stats=tstats)
+        elif sampler.trace is not None:  # roots, then the roots / prefixes most mixed
+            traj, c = trace_groups(params, version, spec, prompts, seed=seed,
+                                   first_group_id=offset, allocator=sampler.trace,
+                                   signal=sampler.signal, profile=profile)
+            trace_counts = {k: trace_counts.get(k, 0.0) + v for k, v in c.items()}
         else:
             traj = sample_groups(params, version, spec, prompts, seed=seed,
                                  first_group_id=offset, profile=profile, pruner=sampler.pruner)
@@ -189,7 +199,8 @@ def stream_rounds(state: TrainState, data_position: int, sampler: StreamSampler,
             "the group size or the temperature, or turn dynamic sampling off")
     stats = {"sampled_tokens": sampled_tokens, "resample_rounds": rounds,
              "kept_groups": n_kept if loop.dynamic_sampling else loop.prompts_per_step,
-             **{f"prune_{k}": v for k, v in pstats.items()}, **tree_ratios(tstats)}
+             **{f"prune_{k}": v for k, v in pstats.items()}, **tree_ratios(tstats),
+             **trace_metrics(trace_counts)}
     return state, data_position, g, kept, dropped, stats
 
 
@@ -267,8 +278,11 @@ def open_sampler(run: Any, params: Any) -> StreamSampler:
     pruner = make_pruner(config.prune, run.model_config.hidden_size)
     if pruner is not None and run.resumed:
         pruner.restore(ctx.meta.get("pruner"))
+    trace = make_allocator(config.trace, run.model_config.hidden_size)
+    if trace is not None and run.resumed:
+        trace.restore(ctx.meta.get("trace"))
     return StreamSampler(spec=run.spec, config=run.train, loop=run.loop, source=source,
-                         pruner=pruner, policy=ctx.policy)
+                         pruner=pruner, policy=ctx.policy, trace=trace)
 
 
 def sampler_meta(run: Any, sampler: StreamSampler) -> dict:
@@ -279,13 +293,16 @@ def sampler_meta(run: Any, sampler: StreamSampler) -> dict:
         out["scheduler"] = sampler.source.state()
     if sampler.pruner is not None:
         out["pruner"] = sampler.pruner.state()
+    if sampler.trace is not None:
+        out["trace"] = sampler.trace.state()
     return out
 
 
 def sampler_can_abandon(config: Any) -> bool:
     """Dropping a half-sampled step loses nothing unless sampling moves other state (a
-    scheduler's history, the pruner's head)."""
-    return config.scheduler.is_default and config.prune is None
+    scheduler's history, the pruner's or TRACE's head)."""
+    return (config.scheduler.is_default and config.prune is None
+            and config.trace is None)
 
 
 def batch_metrics(run: Any, batch: Any) -> dict:

@@ -17,6 +17,9 @@
       prune      PruneConfig | None    online rollout pruning (rl.rollout.pruning)
       latr       LatrConfig | None     tree rollouts: each group grown as a LATR tree
                                (rl.rollout.latr; None: N independent samples)
+      trace      TraceConfig | None    an environment's turn-level trees: half the groups
+                               from prompt roots, the rest from the roots or turn prefixes
+                               predicted most mixed (rl.rollout.trace; None: roots only)
       mesh       str | None    learner mesh: a preset of rl.runtime.mesh or "data=N,fsdp=N,tensor=N"
       distributed DistributedConfig   multi-process coordinates (rl.runtime.distributed)
       logging    LoggingConfig wandb mode, progress bar
@@ -53,6 +56,7 @@ from models.decoder import LAYER_LOOPS
 from rl.envs.latency import parse_latency
 from rl.learner.config import TrainConfig
 from rl.rollout.latr import LatrConfig
+from rl.rollout.trace import TraceConfig
 from rl.loops.async_config import (  # noqa: F401 - re-exported: the async section
     BACKENDS,
     MODES,
@@ -364,6 +368,7 @@ class RunConfig:
     scheduler: SchedulerOptions = SchedulerOptions()
     prune: PruneConfig | None = None
     latr: LatrConfig | None = None
+    trace: TraceConfig | None = None
     mesh: str | None = None
     distributed: DistributedConfig = DistributedConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -386,7 +391,7 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name} must be a {cls.__name__}, got "
                                  f"{type(getattr(self, name)).__name__}")
         for name, cls in (("asynchronous", AsyncConfig), ("prune", PruneConfig),
-                          ("latr", LatrConfig)):
+                          ("latr", LatrConfig), ("trace", TraceConfig)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, cls):
                 raise ValueError(f"RunConfig.{name} must be a {cls.__name__} or None, got "

@@ -6,7 +6,9 @@ build_batch, the step metrics and the eval record) hand such a task to this modu
 
     sample_episodes    prompts -> episodes through rl.rollout.multiturn.MultiTurnEngine (a
                        group of `group_size` episodes per prompt, rng keys by global group
-                       id like rl.loops.rollouts.sample_groups), rows in prompt order
+                       id like rl.loops.rollouts.sample_groups), rows in prompt order;
+                       sample_episode_groups the same with the rows' records returned
+                       (and groups that continue earlier episodes: TRACE)
     episode_rewards    the episodes' outcomes (Trajectory.rewards) as the task rewards
     turn_credit_of     the TurnCreditConfig batch_from_trajectory applies (None for a task)
     take_episode_metrics   the metrics of the episodes sampled since the last call:
@@ -53,7 +55,7 @@ from rl.envs.base import EndReason, Environment, check_environment
 from rl.envs.latency import with_latency
 from rl.objectives.turn_credit import TurnCreditConfig
 from rl.rollout.episodes import EpisodeRecord
-from rl.rollout.multiturn import MODES, MultiTurnConfig, MultiTurnEngine
+from rl.rollout.multiturn import MODES, EpisodeStart, MultiTurnConfig, MultiTurnEngine
 from rl.rollout.sampler_state import KV_LAYOUTS
 from rl.runtime.logging import NULL_PROFILE
 from rl.runtime.preemption import abandon_point
@@ -222,12 +224,28 @@ def sample_episodes(params: Any, version: int, spec: Any, prompts: Sequence[Prom
     id first_group_id + g), with rewards = the outcomes; the records go to task.record.
     profile gets the engine's prefill_s / decode_s (decode + observation appends) and the
     rest as host_s."""
+    traj, records = sample_episode_groups(params, version, spec, prompts, seed=seed,
+                                          first_group_id=first_group_id, profile=profile)
+    spec.task.record(records, traj)
+    return traj
+
+
+def sample_episode_groups(params: Any, version: int, spec: Any, prompts: Sequence[Prompt], *,
+                          seed: int, first_group_id: int = 0, profile=NULL_PROFILE,
+                          starts: Sequence[EpisodeStart | None] | None = None,
+                          max_prompt_len: int | None = None
+                          ) -> tuple[Trajectory, list[EpisodeRecord]]:
+    """`sample_episodes` without the task's record: (Trajectory, the record of each row).
+    starts[g] (optional): group g continues an earlier episode (rl.rollout.multiturn.
+    EpisodeStart; its prompt holds the prefix), with the prompt buffer widened to
+    max_prompt_len."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
     task, group_size = spec.task, spec.group_size
     t0 = time.perf_counter()
-    engine = episode_engine(spec, len(prompts) * group_size, seed, first_group_id)
-    engine.submit(list(prompts))
+    engine = episode_engine(spec, len(prompts) * group_size, seed, first_group_id,
+                            max_prompt_len=max_prompt_len)
+    engine.submit(list(prompts), starts)
     parts, records = [], []
     try:
         while not engine.idle:
@@ -245,27 +263,26 @@ def sample_episodes(params: Any, version: int, spec: Any, prompts: Sequence[Prom
     order = np.argsort(np.asarray(traj.group_ids), kind="stable")
     traj = jax.tree.map(lambda x: np.asarray(x)[order], traj)
     traj = traj.replace(group_ids=np.asarray(traj.group_ids) - first_group_id)
-    task.record([records[i] for i in order], traj)
     t = engine.timings
     profile.add("prefill_s", t["prefill_s"])
     profile.add("decode_s", t["decode_s"] + t["append_s"])
     profile.add("host_s", time.perf_counter() - t0 - t["prefill_s"] - t["decode_s"] - t["append_s"])
-    return traj
+    return traj, [records[i] for i in order]
 
 
-def episode_engine(spec: Any, num_slots: int, seed: int, first_group_id: int = 0
-                   ) -> MultiTurnEngine:
+def episode_engine(spec: Any, num_slots: int, seed: int, first_group_id: int = 0,
+                   max_prompt_len: int | None = None) -> MultiTurnEngine:
     """The multi-turn engine of one rollout of spec.task (an EnvTask) over `num_slots`
     slots: the spec's segment length, sampling, time limits and concurrent tool calls, the
     task's KV layout / mode, its environment behind the spec's emulated tool latency
-    (seeded by `seed`)."""
+    (seeded by `seed`); max_prompt_len widens the prompt buffer (continued episodes)."""
     task = spec.task
     cfg = MultiTurnConfig(num_slots=int(num_slots), group_size=spec.group_size,
                           segment_len=spec.segment_len, sampling=spec.sampling, seed=int(seed),
                           first_group_id=int(first_group_id), kv_layout=task.options.kv_layout,
                           mode=task.options.mode, time_limits=spec.time_limits,
                           max_concurrent_tool_calls=spec.max_concurrent_tool_calls,
-                          park_after_s=spec.park_after_s)
+                          park_after_s=spec.park_after_s, max_prompt_len=max_prompt_len)
     env = with_latency(task.env, spec.tool_latency, seed=int(seed))
     return MultiTurnEngine(spec.sampler_config, env, cfg)
 

@@ -126,6 +126,7 @@ def check_sources(cfg: Any) -> None:
         raise ValueError(f"{cfg.task.spec}: --prune (online rollout pruning) is for "
                          "single-turn tasks; drop it for an environment")
     check_latr(cfg)
+    check_trace(cfg)
     check_tree_learner(cfg)
 
 
@@ -151,6 +152,36 @@ def check_latr(cfg: Any) -> None:
         raise ValueError(f"latr.mix_ratio = {cfg.latr.mix_ratio} of group_size "
                          f"{cfg.loop.group_size} leaves a tree of under 2 leaves, which cannot "
                          "branch; raise one of them (or set mix_ratio 0: independent samples)")
+
+
+def check_trace(cfg: Any) -> None:
+    """ValueError where TRACE turn-level trees (cfg.trace, rl.rollout.trace) cannot run:
+    they grow an environment's whole batch in two stages, one process's, in the synchronous
+    and deterministic sources, with the uniform prompt stream."""
+    if cfg.trace is None:
+        return
+    if not cfg.task.is_env:
+        raise ValueError(f"trace (TRACE turn-level trees) branches an environment's episodes "
+                         f"at turn boundaries; {cfg.task.spec!r} is a single-turn task: use an "
+                         "environment (--env NAME), or --latr for token-level trees")
+    a, loop = cfg.asynchronous, cfg.loop
+    credit = dict(cfg.task.options).get("turn_credit", "outcome")
+    refused = [name for name, on in (
+        ("LATR (latr)", cfg.latr is not None),
+        ("a prompt scheduler other than uniform", not cfg.scheduler.is_default),
+        ("dynamic sampling", loop.dynamic_sampling),
+        ("turn-level credit (a continuation's turns start at its prefix's depth)",
+         credit not in (None, "outcome")),
+        ("the threaded producer or APRIL rounds", a is not None and (
+            a.mode == "threaded" or a.rollout == "april")),
+        ("Ray rollout workers", a is not None and a.backend == "ray"),
+        ("several processes", cfg.distributed.enabled)) if on]
+    if refused:
+        raise ValueError(f"TRACE turn-level trees (trace) do not run with {'; '.join(refused)}: "
+                         "use the synchronous loop or --async-mode deterministic, or drop trace")
+    if loop.prompts_per_step < 2:
+        raise ValueError(f"trace splits each batch into root groups and allocated groups: "
+                         f"loop.prompts_per_step = {loop.prompts_per_step}, needs >= 2")
 
 
 def check_tree_learner(cfg: Any) -> None:

@@ -62,7 +62,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -101,6 +101,7 @@ from rl.rollout.sampler_state import (
 )
 from rl.rollout.multiturn_config import (  # noqa: F401 - re-exported: the config lives there
     MODES,
+    EpisodeStart,
     MultiTurnConfig,
     MultiTurnStepInfo,
     TimeLimits,
@@ -150,7 +151,8 @@ class MultiTurnEngine(GroupSlots):
         num_slots = rollout.num_slots // n * n
         # A response holds everything after the prompt (>= 1 token), turns and observations.
         self.max_response_len = env.max_episode_tokens - 1
-        self.state = init_state(config, num_slots=num_slots, max_prompt_len=env.max_prompt_len,
+        self.max_prompt_len = int(rollout.max_prompt_len or env.max_prompt_len)
+        self.state = init_state(config, num_slots=num_slots, max_prompt_len=self.max_prompt_len,
                                 max_new_tokens=self.max_response_len, sampling=rollout.sampling,
                                 stop_ids=env.stop_ids, attn_impl=rollout.attn_impl,
                                 group_size=n, kv_layout=rollout.kv_layout)
@@ -158,6 +160,7 @@ class MultiTurnEngine(GroupSlots):
         self._free = list(range(num_slots))
         self._active: dict[int, list[int]] = {}  # group id -> its N slots
         self._new: collections.deque[tuple[int, Prompt]] = collections.deque()
+        self._starts: dict[int, EpisodeStart] = {}  # group id -> where its episodes begin
         self._source: Iterator[Prompt] | None = None if prompts is None else iter(prompts)
         self._next_group_id = rollout.first_group_id
         self._records: dict[int, EpisodeRecord] = {}  # slot -> its episode's record
@@ -181,23 +184,37 @@ class MultiTurnEngine(GroupSlots):
         self.clock = SlotClock()
 
     # ------------------------------------------------------------------ queue
-    def _new_group(self, prompt: Prompt) -> int:
+    def _new_group(self, prompt: Prompt, start: EpisodeStart | None = None) -> int:
         if not isinstance(prompt, Prompt):
             raise ValueError(f"submit takes rl.tasks.base.Prompt objects, got "
                              f"{type(prompt).__name__}")
-        arr = check_prompt(prompt.ids, self.env.max_prompt_len, self.config)
+        if start is not None and not isinstance(start, EpisodeStart):
+            raise ValueError(f"starts must hold EpisodeStart objects or None, got "
+                             f"{type(start).__name__}")
+        limit = self.max_prompt_len if start is not None else self.env.max_prompt_len
+        arr = check_prompt(prompt.ids, limit, self.config)
         if arr.size + 1 > self.env.max_episode_tokens:
             raise ValueError(f"prompt of {arr.size} tokens leaves no room for a model token in "
                              f"max_episode_tokens={self.env.max_episode_tokens}")
         gid = self._next_group_id
         self._next_group_id += 1
         self._new.append((gid, prompt))
+        if start is not None:
+            self._starts[gid] = start
         return gid
 
-    def submit(self, prompts: Iterable[Prompt]) -> list[int]:
+    def submit(self, prompts: Iterable[Prompt],
+               starts: Sequence[EpisodeStart | None] | None = None) -> list[int]:
         """Queue task prompts (one group of N episodes each); returns their group ids.
-        Prompts are validated now (ValueError: not a Prompt, empty, too long, out of vocab)."""
-        return [self._new_group(p) for p in prompts]
+        Prompts are validated now (ValueError: not a Prompt, empty, too long, out of vocab).
+        starts[g] (optional): group g continues an earlier episode instead of resetting
+        (EpisodeStart; its prompt holds that episode's prefix, up to the config's
+        max_prompt_len)."""
+        prompts = list(prompts)
+        starts = [None] * len(prompts) if starts is None else list(starts)
+        if len(starts) != len(prompts):
+            raise ValueError(f"submit: {len(starts)} starts for {len(prompts)} prompts")
+        return [self._new_group(p, st) for p, st in zip(prompts, starts)]
 
     # ------------------------------------------------------------------ stepping
     def _fill(self, params) -> int:
@@ -224,14 +241,17 @@ class MultiTurnEngine(GroupSlots):
         all_slots, budgets, failed = [], [], []
         for gid, prompt, slots in zip(gids, prompts, blocks):
             budget = min(self.env.max_turn_tokens, self.env.max_episode_tokens - len(prompt.ids))
+            start = self._starts.pop(gid, None)
+            reset, args = (self.env.reset, (prompt,)) if start is None else (start.reset, ())
             for i, s in enumerate(slots):
-                rec = EpisodeRecord(group_id=gid, sample=i, prompt=prompt)
+                rec = EpisodeRecord(group_id=gid, sample=i, prompt=prompt,
+                                    turns=0 if start is None else start.turns)
                 self._records[s], self._turn_start[s] = rec, 0
                 self._began[s] = time.monotonic()
                 all_slots.append(s)
                 budgets.append(budget)
                 try:
-                    self._episodes[s] = guarded("reset", self.env.reset, prompt,
+                    self._episodes[s] = guarded("reset", reset, *args,
                                                 timeout_s=self.step_timeout_s)
                 except EnvCallError as e:
                     self._episodes[s] = None
@@ -546,7 +566,7 @@ class MultiTurnEngine(GroupSlots):
             rows += [(g, p.record.sample, p.record, p.result.smp) for p in parked.get(g, ())]
         rows.sort(key=lambda r: (r[0], r[1]))
         records = [r[2] for r in rows]
-        traj = episodes_to_trajectory(records, [r[3] for r in rows], self.env.max_prompt_len,
+        traj = episodes_to_trajectory(records, [r[3] for r in rows], self.max_prompt_len,
                                       self.max_response_len, self.env.max_turns,
                                       self.env.reward_names)
         for g in ready:

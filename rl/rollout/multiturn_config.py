@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 from rl.rollout.sampler_state import KV_LAYOUTS, SamplingConfig
 
@@ -35,7 +37,9 @@ class MultiTurnConfig:
     group_size N episodes per prompt; segment_len S tokens per step; kv_layout
     "segmented" | "replicated"; mode "append" | "reprefill" (see the module doc);
     time_limits: the step / episode time limits (TimeLimits). The token limits (stop ids,
-    turns, turn / prompt / episode tokens) come from the environment."""
+    turns, turn / prompt / episode tokens) come from the environment; max_prompt_len
+    (None: the environment's) widens the prompt buffer for groups submitted with an
+    EpisodeStart, whose prompt holds an earlier episode's prefix."""
 
     num_slots: int
     group_size: int
@@ -49,6 +53,7 @@ class MultiTurnConfig:
     time_limits: TimeLimits = TimeLimits()
     max_concurrent_tool_calls: int = 0
     park_after_s: float | None = None
+    max_prompt_len: int | None = None
 
     def __post_init__(self):
         for name in ("num_slots", "group_size", "segment_len"):
@@ -84,6 +89,28 @@ class MultiTurnConfig:
         if not isinstance(self.time_limits, TimeLimits):
             raise ValueError(f"MultiTurnConfig.time_limits must be a TimeLimits, got "
                              f"{type(self.time_limits).__name__}")
+        mp = self.max_prompt_len
+        if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 1):
+            raise ValueError(f"MultiTurnConfig.max_prompt_len must be None (the environment's) "
+                             f"or an int >= 1, got {mp!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeStart:
+    """Where a submitted group's episodes begin when not at a fresh reset: the prompt it is
+    submitted with already holds `turns` model turns and their observations (a prefix of
+    an earlier episode: rl.rollout.trace), and `reset()` returns a new Episode in the state
+    after them (called once per sample, guarded like Environment.reset). Its episodes
+    count those turns against max_turns; their rows' responses hold what follows."""
+
+    turns: int
+    reset: Callable[[], Any]
+
+    def __post_init__(self):
+        if isinstance(self.turns, bool) or not isinstance(self.turns, int) or self.turns < 0:
+            raise ValueError(f"EpisodeStart.turns must be an int >= 0, got {self.turns!r}")
+        if not callable(self.reset):
+            raise ValueError("EpisodeStart.reset must be callable (no arguments -> Episode)")
 
 
 @dataclasses.dataclass(frozen=True)
