@@ -28,6 +28,8 @@
     rollouts      RolloutSpec (what a run's rollouts share, built once), sample_groups
                   (N samples per prompt through the engine, or an environment's episodes),
                   take_rows, rollout_seed, rollout_model_config
+    trace_rollouts TRACE's two-stage batch of episodes (roots, then the roots / turn
+                  prefixes the predictor scores most mixed), its counts and metrics
     evaluation    the evaluation pass (eval_report, eval_metrics, make_evaluator) and its
                   statistics (accuracy ± stderr, pass@k, lengths, truncation)
     scoring       score (a task's rewards of sampled rows, validated), total_reward, the

@@ -30,7 +30,7 @@ from rl.loops.buffer import ScoredGroup
 from rl.loops.rollouts import RolloutSpec, latr_groups, next_seed, sample_groups, take_rows
 from rl.loops.scheduling import PromptSource, SchedulerOptions, make_prompt_source
 from rl.loops.scoring import accuracy_name, batch_reward_metrics, score, total_reward
-from rl.loops.trace_rollouts import trace_groups, trace_metrics
+from rl.loops.trace_rollouts import TraceRound, trace_groups, trace_metrics
 from rl.objectives.offpolicy import kept_group_indices
 from rl.rollout.pruning import Pruner, make_pruner, settle_rollouts
 from rl.rollout.trace import TraceAllocator, make_allocator
@@ -167,8 +167,8 @@ def stream_rounds(state: TrainState, data_position: int, sampler: StreamSampler,
                                first_group_id=offset, profile=profile, stats=tstats)
         elif sampler.trace is not None:  # roots, then the roots / prefixes most mixed
             traj, c = trace_groups(params, version, spec, prompts, seed=seed,
-                                   first_group_id=offset, allocator=sampler.trace,
-                                   signal=sampler.signal, profile=profile)
+                                   first_group_id=offset, profile=profile,
+                                   trace=TraceRound(sampler.trace, sampler.signal))
             trace_counts = {k: trace_counts.get(k, 0.0) + v for k, v in c.items()}
         else:
             traj = sample_groups(params, version, spec, prompts, seed=seed,

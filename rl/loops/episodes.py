@@ -232,19 +232,20 @@ def sample_episodes(params: Any, version: int, spec: Any, prompts: Sequence[Prom
 
 def sample_episode_groups(params: Any, version: int, spec: Any, prompts: Sequence[Prompt], *,
                           seed: int, first_group_id: int = 0, profile=NULL_PROFILE,
-                          starts: Sequence[EpisodeStart | None] | None = None,
-                          max_prompt_len: int | None = None
+                          starts: Sequence[EpisodeStart | None] | None = None
                           ) -> tuple[Trajectory, list[EpisodeRecord]]:
     """`sample_episodes` without the task's record: (Trajectory, the record of each row).
     starts[g] (optional): group g continues an earlier episode (rl.rollout.multiturn.
-    EpisodeStart; its prompt holds the prefix), with the prompt buffer widened to
-    max_prompt_len."""
+    EpisodeStart; its prompt holds the prefix); with starts, the prompt buffer is widened
+    to the environment's max_episode_tokens - 1 (a prefix of any length fits, and every
+    such batch has one prompt width)."""
     if not prompts:
         raise ValueError("no prompts to sample: the prompt list is empty")
     task, group_size = spec.task, spec.group_size
     t0 = time.perf_counter()
+    width = None if starts is None else int(task.env.max_episode_tokens) - 1
     engine = episode_engine(spec, len(prompts) * group_size, seed, first_group_id,
-                            max_prompt_len=max_prompt_len)
+                            max_prompt_len=width)
     engine.submit(list(prompts), starts)
     parts, records = [], []
     try:

@@ -2,6 +2,8 @@
 assumptions): stage 1 rolls out root groups, the predictor learns from them and picks the
 roots or intermediate turn prefixes stage 2 rolls out, then learns from stage 2.
 
+    TraceRound        what a round needs beside the model: the allocator and the outcome
+                      signal its predictor learns
     trace_groups      one batch of G groups of an environment's episodes (G1 roots, then
                       G2 allocated groups), rows grouped, every prompt buffer widened to
                       max_episode_tokens - 1 (one compiled learner shape), with its counts
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -100,15 +102,23 @@ def mixed_groups(signal: np.ndarray, group_size: int) -> int:
     return int((s.max(axis=1) > s.min(axis=1)).sum())
 
 
+class TraceRound(NamedTuple):
+    """allocator: the stateful TraceAllocator (its predictor learns in place);
+    signal(rewards) -> [B]: the outcome the predictor learns (the loop's scheduler
+    signal)."""
+
+    allocator: TraceAllocator
+    signal: Callable[[dict], np.ndarray]
+
+
 def trace_groups(params: Any, version: int, spec: Any, prompts: Sequence[Prompt], *,
-                 seed: int, first_group_id: int, allocator: TraceAllocator,
-                 signal: Callable[[dict], np.ndarray], profile=NULL_PROFILE
+                 seed: int, first_group_id: int, trace: TraceRound, profile=NULL_PROFILE
                  ) -> tuple[Trajectory, dict[str, float]]:
     """One TRACE batch of len(prompts) = G groups of spec.group_size episodes of spec.task
     (an EnvTask): the first G1 prompts are stage 1's roots, the other G2 stage 2's root
-    candidates (module doc, rl.rollout.trace). signal(rewards) -> [B] is the outcome the
-    predictor learns (the loop's scheduler signal). Rows: stage 1's groups, then stage
+    candidates (module doc, rl.rollout.trace), allocated by trace.allocator. Rows: stage 1's groups, then stage
     2's, group ids 0..G-1; the records go to task.record. Returns (traj, counts)."""
+    allocator, signal = trace
     task, n, cfg = spec.task, spec.group_size, allocator.config
     env = task.env
     g1, g2 = cfg.stages(len(prompts))
@@ -143,7 +153,7 @@ def trace_groups(params: Any, version: int, spec: Any, prompts: Sequence[Prompt]
                 depths.append(anchor.depth)
     traj2, recs2 = sample_episode_groups(params, version, spec, stage2, seed=seed,
                                          first_group_id=first_group_id + g1, profile=profile,
-                                         starts=starts, max_prompt_len=width)
+                                         starts=starts)
     y2 = signal(episode_rewards(task, traj2))
     with profile.phase("host_s"):
         ex2, _ = anchor_examples(traj2, recs2, cfg.min_depth)

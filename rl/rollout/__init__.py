@@ -15,6 +15,10 @@
                      slot / tool statistics
     append           append_tokens: a prefill of just the new tokens at a slot's position
     episodes         guarded environment calls, EpisodeRecord, episodes -> Trajectory
+    tree_sampler     one decode step with top-m candidates, token rewrites, forks in a block
+    latr             LATR tree rollouts: branch at uncertain tokens, look ahead, prune
+    trace            TRACE: turn-level anchors of episodes, replay through a prefix, the
+                     allocator of a batch's second stage (most likely mixed outcomes)
 
 May import: `models`, `kernels`, `rl.trajectory`, `rl.runtime`, `rl.envs` (the environment
 protocol, and its Prompt) — not `rl.learner` nor `rl.loops` (the learner never runs here;

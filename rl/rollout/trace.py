@@ -59,9 +59,8 @@ from typing import Any
 
 import numpy as np
 
-from rl.envs.base import EndReason, Environment, Episode, check_step_result
+from rl.envs.base import EndReason, Environment, Episode, Prompt, check_step_result
 from rl.rollout.pruning import PruneConfig, QualityHead
-from rl.tasks.base import Prompt
 
 CLEAN_ENDS = (EndReason.DONE, EndReason.MAX_TURNS, EndReason.TOKEN_BUDGET)
 

@@ -22,7 +22,13 @@ from rl.envs.guess_number import GuessNumberEnv
 from rl.loops import run
 from rl.loops.episodes import EnvTask, sample_episode_groups
 from rl.loops.rollouts import RolloutSpec
-from rl.loops.trace_rollouts import anchor_examples, hidden_at, row_tokens, trace_groups
+from rl.loops.trace_rollouts import (
+    TraceRound,
+    anchor_examples,
+    hidden_at,
+    row_tokens,
+    trace_groups,
+)
 from rl.rollout.episodes import EpisodeRecord
 from rl.rollout.multiturn import EpisodeStart
 from rl.rollout.trace import (
@@ -149,8 +155,7 @@ def test_continued_episodes_against_independent_references(guess):
     anchor = anchors[0][0]
     start = EpisodeStart(turns=anchor.depth, reset=lambda: replay(env, anchor))
     traj2, recs2 = sample_episode_groups(params, 0, spec, [anchor.continued_prompt()],
-                                         seed=5, starts=[start],
-                                         max_prompt_len=env.max_episode_tokens - 1)
+                                         seed=5, starts=[start])
     plen = np.asarray(traj2.prompt_lengths)
     assert (plen == len(anchor.ids)).all()
     for i, rec in enumerate(recs2):
@@ -192,8 +197,8 @@ def test_trace_groups_continue_anchors_once_the_predictor_is_ready(guess):
     seen = []
     for step in range(3):
         traj, c = trace_groups(params, 0, spec, env.train_prompts(4 * step, 4), seed=step,
-                               first_group_id=4 * step, allocator=alloc,
-                               signal=lambda r: r["score"])
+                               first_group_id=4 * step,
+                               trace=TraceRound(alloc, lambda r: r["score"]))
         assert traj.batch_size == 4 * N and traj.prompt_ids.shape[1] == env.max_episode_tokens - 1
         assert np.asarray(traj.group_ids).tolist() == np.repeat(np.arange(4), N).tolist()
         assert c["root_groups"] + c["anchor_groups"] == 2 and c["replay_failures"] == 0
@@ -237,7 +242,7 @@ def test_a_replay_that_differs_ends_the_continuation_and_is_counted(guess):
     spec = RolloutSpec(task=EnvTask(flaky), model_config=cfg, group_size=N, segment_len=1)
     alloc = LastAnchor(TraceConfig(), cfg.hidden_size)
     traj, c = trace_groups(params, 0, spec, flaky.train_prompts(0, 2), seed=0,
-                           first_group_id=0, allocator=alloc, signal=lambda r: r["score"])
+                           first_group_id=0, trace=TraceRound(alloc, lambda r: r["score"]))
     assert c["anchor_groups"] == 1 and c["replay_failures"] == N
     assert (np.asarray(traj.rewards["score"])[N:] == 0).all()
 
