@@ -117,7 +117,8 @@ def trace_groups(params: Any, version: int, spec: Any, prompts: Sequence[Prompt]
     """One TRACE batch of len(prompts) = G groups of spec.group_size episodes of spec.task
     (an EnvTask): the first G1 prompts are stage 1's roots, the other G2 stage 2's root
     candidates (module doc, rl.rollout.trace), allocated by trace.allocator. Rows: stage
-    1's groups, then stage 2's, group ids 0..G-1; the records go to task.record. Returns (traj, counts)."""
+    1's groups, then stage 2's, group ids 0..G-1; the records go to task.record. Returns
+    (traj, counts)."""
     allocator, signal = trace
     task, n, cfg = spec.task, spec.group_size, allocator.config
     env = task.env
