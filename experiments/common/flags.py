@@ -427,7 +427,9 @@ def add_async_flags(p: argparse.ArgumentParser) -> None:
                         "(static rollouts, deterministic schedule or streaming with "
                         "--async-mode threaded; pip install -e '.[ray]')")
     a.add_argument("--rollout-workers", type=int, help="ray: worker processes (default 1)")
-    a.add_argument("--ray-address", help="ray: the cluster to join (default: start a local one)")
+    a.add_argument("--ray-address", help="ray: the cluster to join (default: start a local one, "
+                   "or join the one RAY_ADDRESS names; 'auto': the cluster `ray start` made "
+                   "here; 'local': always a new local one)")
     a.add_argument("--worker-cpus", type=float, help="ray: CPUs each worker asks for (default 1)")
     a.add_argument("--worker-gpus", type=float, help="ray: GPUs each worker asks for (default 0)")
     a.add_argument("--worker-requests", type=int,

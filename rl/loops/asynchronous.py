@@ -61,7 +61,14 @@ from rl.loops.side_files import (
 )
 from rl.loops.source import BatchSource, Taken
 from rl.rollout.april import AprilConfig
+from rl.runtime.distributed import is_main_process, process_local
 from rl.runtime.logging import EXTRA_PHASES, PHASES
+
+
+def local_groups(loop: Any) -> int:
+    """The groups of a step this process trains: its share of loop.prompts_per_step (all
+    of them in one process; a Ray learner group's process its contiguous share)."""
+    return loop.prompts_per_step // jax.process_count()
 
 
 def train_config_for(config: TrainConfig, async_config: Any) -> TrainConfig:
@@ -144,7 +151,7 @@ class AsyncSource(BatchSource):
         acfg, state = self.acfg, run.state
         self.snaps = ParamSnapshots(acfg.ring_capacity, directory=None if acfg.snapshot_store
                                     == "memory" else run.config.output_dir / "snapshots" / "ring")
-        self.buffer = TrajectoryBuffer(run.loop.prompts_per_step, self.k,
+        self.buffer = TrajectoryBuffer(local_groups(run.loop), self.k,
                                        stale_policy=acfg.stale_policy,
                                        stale_weight=acfg.stale_weight,
                                        start_version=int(state.version))
@@ -175,7 +182,14 @@ class AsyncSource(BatchSource):
         """The versions max(v − η, 0) .. v of the ring beside checkpoint `step`."""
         v = int(state.version)
         versions = [u for u in range(max(v - self.k, 0), v + 1) if u in self.snaps]
-        save_snapshots(run.config.output_dir, step, self.snaps, versions)
+        snaps = self.snaps
+        if jax.process_count() > 1:  # a learner group's global arrays: gathered (every
+            snaps = ParamSnapshots(max(len(versions), 1))  # process), written by process 0
+            for u in versions:
+                snaps.put(u, process_local(self.snaps[u]), copy=False)
+            if not is_main_process():
+                return
+        save_snapshots(run.config.output_dir, step, snaps, versions)
 
     def buffered(self, run: Any, groups: list, version: int) -> Any:
         """Put `groups` into the buffer and take a batch admissible at `version` (or None)."""
@@ -185,7 +199,7 @@ class AsyncSource(BatchSource):
         with run.prof.phase("host_s"):
             for g in groups:
                 self.buffer.put(g)
-            return self.buffer.get_batch(run.loop.prompts_per_step, version, timeout=0)
+            return self.buffer.get_batch(local_groups(run.loop), version, timeout=0)
 
     def open_april(self, run: Any) -> AprilSource:
         """The APRIL source: fresh from the data position, or its saved FIFO and base."""
@@ -258,7 +272,8 @@ class AsyncSource(BatchSource):
         return out
 
     def eval_policy(self, run: Any) -> tuple[Any, int]:
-        return self.published  # the policy of run.state.version
+        params, version = self.published  # the policy of run.state.version
+        return process_local(params), version  # a learner group's: whole on every process
 
     # -------------------------------------------------------------- checkpoints
     def checkpoint(self, run: Any, step: int, state: Any) -> tuple[Any, dict]:

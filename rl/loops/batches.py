@@ -47,7 +47,10 @@ class StreamSampler:
     the prompt scheduler (None: uniform, the next prompts of the stream); pruner: online
     pruning (rl.rollout.pruning); policy: state.params -> the sampler's params (a LoRA
     run's, rl.loops.adapters; None: as they are); trace: TRACE's predictor (an
-    environment's batches grown as turn-level trees, rl.loops.trace_rollouts)."""
+    environment's batches grown as turn-level trees, rl.loops.trace_rollouts); shard:
+    (process index, process count) whose share of each step's prompts this sampler
+    samples (None: this JAX process's; a Ray rollout worker samples its learner
+    process's)."""
 
     spec: RolloutSpec
     config: TrainConfig
@@ -56,6 +59,7 @@ class StreamSampler:
     pruner: Pruner | None = None
     policy: Callable[[Any], Any] | None = None
     trace: TraceAllocator | None = None
+    shard: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.source is None:
@@ -159,7 +163,8 @@ def stream_rounds(state: TrainState, data_position: int, sampler: StreamSampler,
     while True:
         with profile.phase("host_s"):
             chosen, data_position = source.next(int(state.step), data_position)
-            offset, prompts = process_shard(chosen)
+            index, count = sampler.shard or (None, None)
+            offset, prompts = process_shard(chosen, process_index=index, process_count=count)
             g = len(prompts)
             seed, state = next_seed(state)
         if spec.latr is not None:  # a tree per prompt, its counts kept for the record

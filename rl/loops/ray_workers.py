@@ -48,6 +48,18 @@ where the in-process run meters them. AsyncConfig.worker_requests = R makes each
 sample R requests at once (Ray's threaded actor, max_concurrency = R): N × R requests in
 flight, which pays where sampling waits on tools rather than on the cores.
 
+A learner group. The learner may be a jax.distributed group of K processes (each
+launched as any multi-process run, with the Ray settings): each learner process owns its
+own N workers (named with its process index), which sample its contiguous share of every
+request's prompts (StreamSampler.shard = (process index, K); rng keys by global group id),
+so the group trains on the one-process run's global batch (tested: 2 processes x 1 device
+equal 1 process x 2 devices). The buffer holds a process's share of each step; the rng
+chain is the same on every process (the state's rng, gathered); each process puts each
+version once into its node's object store (a gather from the mesh first: a collective
+every process takes part in, at the same requests, since the schedule is fixed); process
+0 writes the ring's versions beside a checkpoint. Deterministic schedule only, with
+proximal "current" or "versions" (rl.loops.validation.check_learner_group says why).
+
 Streaming (RayStreamSource, AsyncConfig.mode = "threaded"): the threaded producer's
 counterpart on the same workers and weight sync. Where RaySource follows the deterministic
 schedule (step v trains on version max(v − η, 0), fixed in advance), here the workers
@@ -133,21 +145,40 @@ def init_ray(ray: Any, address: str = "", **options: Any) -> None:
             signal.signal(sig, handler)
 
 
-def worker_name(run_dir: Any, index: int) -> str:
-    """The Ray actor name of a run's worker `index` (ray.get_actor(name) finds it)."""
-    return f"tandem-rollout-{index}@{Path(run_dir).resolve()}"
+def worker_name(run_dir: Any, index: int, process: int = 0) -> str:
+    """The Ray actor name of a run's worker `index` (of learner process `process`, in a
+    learner group; ray.get_actor(name) finds it)."""
+    tag = f"{index}" if process == 0 else f"p{process}-{index}"
+    return f"tandem-rollout-{tag}@{Path(run_dir).resolve()}"
+
+
+def learner_shard() -> tuple[int, int] | None:
+    """(process index, process count) of this learner process in a jax.distributed
+    learner group, whose share of each step's prompts its workers sample; None alone."""
+    return (jax.process_index(), jax.process_count()) if jax.process_count() > 1 else None
+
+
+def as_state_rng(rng: np.ndarray, like: jax.Array) -> jax.Array:
+    """Host rng words as the learner state's rng array (its sharding; across a learner
+    group every process holds the same words, so each builds its replica from them)."""
+    if getattr(like, "is_fully_addressable", True):
+        return jax.device_put(rng, like.sharding)
+    return jax.make_array_from_callback(rng.shape, like.sharding, lambda index: rng[index])
 
 
 class RolloutWorker:
     """One worker's body (a Ray actor: ray.remote(RolloutWorker)): the deterministic
     source's sampling of one step's groups, in its own process. spec / train / loop: the
-    run's RolloutSpec, TrainConfig and LoopConfig (the uniform prompt stream)."""
+    run's RolloutSpec, TrainConfig and LoopConfig (the uniform prompt stream); shard: the
+    learner process's (index, count) in a learner group (its share of each step's
+    prompts; None: all of them)."""
 
-    def __init__(self, spec: Any, train: Any, loop: Any, affinity: tuple[int, ...] = ()):
+    def __init__(self, spec: Any, train: Any, loop: Any, affinity: tuple[int, ...] = (),
+                 shard: tuple[int, int] | None = None):
         if affinity:  # before JAX starts its thread pool in this process
             import os
             os.sched_setaffinity(0, set(affinity))
-        self.sampler = StreamSampler(spec=spec, config=train, loop=loop)
+        self.sampler = StreamSampler(spec=spec, config=train, loop=loop, shard=shard)
 
     def sample(self, params: Any, version: int, rng: np.ndarray, position: int,
                lora: Any = None) -> tuple[list, np.ndarray, int, dict, float, Any]:
@@ -219,12 +250,15 @@ class RaySource(AsyncSource):
         actor = ray.remote(max_restarts=-1, max_task_retries=0)(RolloutWorker)
         opts = {"num_cpus": self.acfg.worker_cpus, "num_gpus": self.acfg.worker_gpus,
                 "max_concurrency": self.acfg.worker_requests}
-        self.workers = [actor.options(name=worker_name(run.config.output_dir, i), **opts)
-                        .remote(run.spec, run.train, run.loop, self.acfg.worker_affinity)
+        shard = learner_shard()
+        process = 0 if shard is None else shard[0]
+        self.workers = [actor.options(name=worker_name(run.config.output_dir, i, process),
+                                      **opts)
+                        .remote(run.spec, run.train, run.loop, self.acfg.worker_affinity, shard)
                         for i in range(self.acfg.rollout_workers)]
         v = int(run.state.version)
-        self.chain = {v: (np.asarray(jax.device_get(run.state.rng), np.uint32),
-                          int(run.data_position))}
+        rng = jax.device_get(process_local(run.state.rng))  # a learner group: every process's
+        self.chain = {v: (np.asarray(rng, np.uint32), int(run.data_position))}
         self.next_request = v
         # the version the last step trains at is loop.steps - 1 (one version per update)
         self.last = v + run.loop.steps - run.ctx.start
@@ -325,7 +359,7 @@ class RaySource(AsyncSource):
                                f"max_staleness={self.k} versions ({self.buffer.stats()})")
         self.last_lag = v - max(v - self.k, 0)
         stats = dict(stats, ray_sample_s=seconds)
-        state = run.state.replace(rng=jax.device_put(rng, run.state.rng.sharding))
+        state = run.state.replace(rng=as_state_rng(rng, run.state.rng))
         return Taken(got.groups, state, pos, stats, got.token_weights)
 
     def after_update(self, run: Any, step: int) -> None:

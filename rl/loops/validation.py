@@ -114,8 +114,7 @@ def check_sources(cfg: Any) -> None:
                              f"{', '.join(refused)} yet: their records and side state live "
                              "with the sampler, in the worker; use the local backend")
     if a is not None and cfg.distributed.enabled:
-        raise ValueError("asynchronous training runs its producer, buffer and param ring in "
-                         "one process; drop the async settings or the multi-process ones")
+        check_learner_group(a)
     if cfg.loop.park_after_s >= 0 and (not cfg.task.is_env or cfg.task.kwargs.get(
             "kv_layout", "segmented") != "replicated" or cfg.loop.max_concurrent_tool_calls < 1):
         raise ValueError("loop.park_after_s (parking the slot of an episode that waits on a "
@@ -152,6 +151,27 @@ def check_latr(cfg: Any) -> None:
         raise ValueError(f"latr.mix_ratio = {cfg.latr.mix_ratio} of group_size "
                          f"{cfg.loop.group_size} leaves a tree of under 2 leaves, which cannot "
                          "branch; raise one of them (or set mix_ratio 0: independent samples)")
+
+
+def check_learner_group(a: Any) -> None:
+    """Asynchronous training across processes (a jax.distributed learner group): only with
+    Ray rollout workers on the deterministic schedule (each process's workers sample its
+    share of every step), with proximal "current" or "versions" (computed in the step)."""
+    if a.backend != "ray":
+        raise ValueError("in-process asynchronous training runs its producer, buffer and "
+                         "param ring in one process; a learner group of several processes "
+                         "trains asynchronously with Ray rollout workers (--async-backend "
+                         "ray), or drop the async settings or the multi-process ones")
+    if a.mode != "deterministic":
+        raise ValueError(f"a learner group of several processes runs Ray workers on the "
+                         f"deterministic schedule (--async-mode deterministic), not "
+                         f"{a.mode!r}: streaming admits each process's groups by its own "
+                         "timing, so the processes' batches would differ in shape and version")
+    if a.proximal in ("exact", "ewma"):
+        raise ValueError(f"AsyncConfig.proximal={a.proximal!r} computes log-probs of each "
+                         "process's rows before the global batch is assembled, which a "
+                         "learner group of several processes does not do yet; use "
+                         "--proximal current or versions")
 
 
 def check_trace(cfg: Any) -> None:
