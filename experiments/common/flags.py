@@ -424,8 +424,9 @@ def add_async_flags(p: argparse.ArgumentParser) -> None:
                    "half of them when there are several, else shared)")
     a.add_argument("--async-backend", choices=BACKENDS,
                    help="local (default) or ray: rollout workers in their own processes "
-                        "(static rollouts, deterministic schedule or streaming with "
-                        "--async-mode threaded; pip install -e '.[ray]')")
+                        "(the deterministic schedule, or streaming with --async-mode "
+                        "threaded, there also --rollout continuous: in-flight weight "
+                        "updates; pip install -e '.[ray]')")
     a.add_argument("--rollout-workers", type=int, help="ray: worker processes (default 1)")
     a.add_argument("--ray-address", help="ray: the cluster to join (default: start a local one, "
                    "or join the one RAY_ADDRESS names; 'auto': the cluster `ray start` made "

@@ -36,9 +36,10 @@ class AsyncConfig:
     devices given to the sampler in threaded mode (None: half of them when there are
     several, 0 when there is one: rollout and training share it). join_timeout_s: how long
     shutdown waits for the producer thread. backend "local" (the sampler in this process)
-    | "ray" (rollout="static": the sampling done by `rollout_workers` Ray actors, on the
-    deterministic schedule (rl.loops.ray_workers) or streaming with the newest version
-    under the buffer's admission rule (mode="threaded"; rl.loops.ray_workers), each asking
+    | "ray" (the sampling done by `rollout_workers` Ray actors, on the deterministic
+    schedule (rl.loops.ray_workers) or streaming with the newest version under the buffer's
+    admission rule (mode="threaded"; with rollout="continuous" each request picks up newer
+    versions at its segment boundaries; rl.loops.ray_workers), each asking
     Ray for worker_cpus CPUs and worker_gpus GPUs (Ray then sets the actor's
     CUDA_VISIBLE_DEVICES), on the cluster at ray_address, or a local one started when it
     is ""); worker_affinity: CPU cores a worker process pins itself to (os.sched_setaffinity; () = as started), e.g. the learner
@@ -137,11 +138,12 @@ class AsyncConfig:
                 raise ValueError("AsyncConfig.rollout_workers / worker_requests / ray_address "
                                  "/ sync_dtype are for backend='ray' (--async-backend ray)")
             return
-        if self.rollout != "static":
+        if self.rollout == "april":
             raise ValueError("AsyncConfig.backend='ray' runs static rollouts (--rollout "
-                             "static), in either mode: the deterministic schedule or streaming "
-                             "(--async-mode threaded); continuous rollouts and APRIL rounds on "
-                             "Ray are not built yet")
+                             "static: the deterministic schedule or streaming, --async-mode "
+                             "threaded) or, streaming, continuous ones (--rollout continuous: "
+                             "in-flight weight updates); APRIL rounds on Ray are not built "
+                             "yet (their unfinished groups live with one sampler)")
 
     @property
     def ring_capacity(self) -> int:

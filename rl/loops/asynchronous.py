@@ -79,15 +79,22 @@ def train_config_for(config: TrainConfig, async_config: Any) -> TrainConfig:
 
 
 def batch_version_metrics(batch: TrainBatch, version: int) -> dict[str, float]:
-    """Behaviour-version statistics of a batch's loss tokens: min/max version and the lag
-    version − v_b (mean, max); {} for a batch without loss tokens."""
+    """Behaviour-version statistics of a batch's loss tokens: min/max version, the lag
+    version − v_b (mean, max) and mixed_version_rows, the share of rows with loss tokens
+    drawn under more than one version (in-flight weight updates, APRIL resumes); {} for
+    a batch without loss tokens."""
     mask = np.asarray(batch.loss_mask)
-    vers = np.asarray(batch.versions)[mask]
+    all_vers = np.asarray(batch.versions, np.int64)
+    vers = all_vers[mask]
     if vers.size == 0:
         return {}
     lag = version - vers
+    lo = np.where(mask, all_vers, vers.max()).min(axis=-1)
+    hi = np.where(mask, all_vers, vers.min()).max(axis=-1)
+    rows = mask.any(axis=-1)
     return {"behaviour_version_min": float(vers.min()), "behaviour_version_max": float(vers.max()),
-            "version_lag_mean": float(lag.mean()), "version_lag_max": float(lag.max())}
+            "version_lag_mean": float(lag.mean()), "version_lag_max": float(lag.max()),
+            "mixed_version_rows": float((hi[rows] > lo[rows]).mean())}
 
 
 def split_devices(acfg: Any, mesh: jax.sharding.Mesh | None

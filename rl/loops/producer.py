@@ -41,6 +41,72 @@ def split_groups(traj, rewards: dict[str, np.ndarray], group_size: int) -> list[
     return out
 
 
+def round_engine(spec: RolloutSpec, slots: int, seed: int) -> RolloutEngine | MultiTurnEngine:
+    """A fresh engine of `slots` slots seeded `seed` (an environment's: the multi-turn one)."""
+    if episodes.is_episodic(spec.task):
+        return episodes.episode_engine(spec, slots, seed)
+    return RolloutEngine(spec.sampler_config, spec.engine(slots, seed))
+
+
+def submit_prompts(engine: RolloutEngine | MultiTurnEngine, task: Any, prompts: list
+                   ) -> dict[int, Any]:
+    """Queue prompts in the engine (ids, or Prompt objects for episodes); {group id: prompt}
+    for scoring."""
+    form = prompts if episodes.is_episodic(task) else [p.ids for p in prompts]
+    return dict(zip(engine.submit(form), prompts))
+
+
+def segment_groups(engine: RolloutEngine | MultiTurnEngine, task: Any, pending: dict,
+                   params: Any, version: int, group_size: int
+                   ) -> tuple[list[tuple[int, ScoredGroup]], int]:
+    """One segment with (params, version): the groups it finished, scored (their prompts
+    popped from `pending`), and the tokens it harvested; an environment's episode records
+    and engine stats go to the task's metrics."""
+    engine.step(params, version)
+    part = engine.harvest()
+    if part is None:
+        return [], 0
+    if isinstance(part, EpisodeBatch):
+        task.record(part.episodes, part.trajectory)
+        task.record_engine(engine.stats(reset=True))
+        part = part.trajectory
+    rewards = score(task, pending, part)
+    for g in np.unique(np.asarray(part.group_ids)):
+        pending.pop(int(g), None)
+    return split_groups(part, rewards, group_size), part.num_tokens()
+
+
+def retire_engine(engine: RolloutEngine | MultiTurnEngine | None, task: Any) -> None:
+    """Close an episode engine's tool pool, its last stats to the task's metrics."""
+    if isinstance(engine, MultiTurnEngine):
+        engine.close()
+        task.record_engine(engine.stats(reset=True))
+
+
+def sample_round(spec: RolloutSpec, slots: int, seed: int, prompts: list,
+                 latest: Callable[[], tuple[Any, int]],
+                 stopping: Callable[[], bool] = lambda: False) -> tuple[list[ScoredGroup], int]:
+    """One round of len(prompts) groups on a fresh engine (`slots` slots, `seed`), segment
+    by segment with the (params, version) latest() gives at each segment boundary: the
+    in-flight weight updates of the threaded producer and of Ray workers (a token carries
+    the version it was drawn under). Returns (the finished groups in prompt order, tokens
+    sampled); stops early, with the groups finished so far, once stopping() is true."""
+    engine = round_engine(spec, slots, seed)
+    done: list[tuple[int, ScoredGroup]] = []
+    tokens = 0
+    try:
+        pending = submit_prompts(engine, spec.task, prompts)
+        while not engine.idle and not stopping():
+            params, version = latest()
+            got, n = segment_groups(engine, spec.task, pending, params, version,
+                                    spec.group_size)
+            done += got
+            tokens += n
+    finally:
+        retire_engine(engine, spec.task)
+    return [g for _, g in sorted(done, key=lambda x: x[0])], tokens
+
+
 class AprilSource:
     """APRIL rounds over the task's train stream from `base`: rl.rollout.april.AprilRollout,
     or for an environment's episodes rl.rollout.april_episodes.EpisodeAprilRollout; the
@@ -196,25 +262,17 @@ class RolloutProducer:
 
     # -------------------------------------------------------------- pieces
     def _engine_for(self, seed: int) -> RolloutEngine | MultiTurnEngine:
-        """A fresh engine (an environment's: the multi-turn engine) for b groups; the last
-        one's tool pool is closed and its stats kept for the metrics."""
+        """A fresh engine for b groups; the last one's tool pool is closed and its stats
+        kept for the metrics."""
         self._retire_engine()
-        slots = self.loop.prompts_per_step * self.spec.group_size
-        if episodes.is_episodic(self.task):
-            return episodes.episode_engine(self.spec, slots, seed)
-        return RolloutEngine(self.spec.sampler_config, self.spec.engine(slots, seed))
+        return round_engine(self.spec, self.loop.prompts_per_step * self.spec.group_size, seed)
 
     def _retire_engine(self) -> None:
-        if isinstance(self._engine, MultiTurnEngine):
-            self._engine.close()
-            self.task.record_engine(self._engine.stats(reset=True))
+        retire_engine(self._engine, self.task)
         self._engine = None
 
     def _submit(self, prompts: list) -> None:
-        """Queue prompts in the engine (ids, or Prompt objects for episodes); keep them by
-        group id for scoring."""
-        form = prompts if episodes.is_episodic(self.task) else [p.ids for p in prompts]
-        self._prompts.update(zip(self._engine.submit(form), prompts))
+        self._prompts.update(submit_prompts(self._engine, self.task, prompts))
 
     def _admit(self, most: int, block: bool) -> int:
         """Reserve up to `most` groups (blocking until at least one fits if `block`)."""
@@ -230,19 +288,10 @@ class RolloutProducer:
     def _segment(self) -> list[tuple[int, ScoredGroup]]:
         """One segment with the latest params; the finished groups, scored."""
         params, version = self.latest()
-        self._engine.step(params, version)
-        part = self._engine.harvest()
-        if part is None:
-            return []
-        if isinstance(part, EpisodeBatch):  # episodes: records and stats to the metrics
-            self.task.record(part.episodes, part.trajectory)
-            self.task.record_engine(self._engine.stats(reset=True))
-            part = part.trajectory
-        self.sampled_tokens += part.num_tokens()
-        rewards = score(self.task, self._prompts, part)
-        for g in np.unique(np.asarray(part.group_ids)):
-            self._prompts.pop(int(g), None)
-        return split_groups(part, rewards, self.loop.group_size)
+        groups, tokens = segment_groups(self._engine, self.task, self._prompts, params,
+                                        version, self.loop.group_size)
+        self.sampled_tokens += tokens
+        return groups
 
     def _offer(self, group: ScoredGroup) -> None:
         """Put a group, or (dynamic sampling, all rewards equal) release it as filtered."""
@@ -267,12 +316,11 @@ class RolloutProducer:
         if n == 0:
             return
         seed, prompts = self._take_prompts(n)
-        self._engine, self._prompts = self._engine_for(seed), {}
-        self._submit(prompts)
-        done: list[tuple[int, ScoredGroup]] = []
-        while not self._engine.idle and not self.stopping:
-            done += self._segment()
-        for _, group in sorted(done, key=lambda x: x[0]):  # prompt order, as the sync loop
+        self._retire_engine()
+        groups, tokens = sample_round(self.spec, self.loop.prompts_per_step * self.spec.group_size,
+                                      seed, prompts, self.latest, lambda: self.stopping)
+        self.sampled_tokens += tokens
+        for group in groups:  # prompt order, as the sync loop
             self._offer(group)
 
     def _continuous_step(self) -> None:

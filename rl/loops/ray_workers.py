@@ -89,15 +89,28 @@ ray_worker_restarts). A checkpoint keeps the chain's next rng and position; the 
 then queued or in flight are not restored and count as dropped on resume
 (`dropped_on_resume_groups`), as in threaded mode.
 
-Not on Ray yet: continuous rollouts, APRIL rounds, prompt schedulers, online pruning
-and dynamic sampling (their side state lives with the sampler); `RunConfig.validate`
-refuses them with the reason.
+In-flight weight updates (AsyncConfig.rollout = "continuous", streaming only): after each
+update the learner puts the new version once and sends its ref to every worker
+(RolloutWorker.publish, on a thread of the actor beside the requests'); a request samples
+its b groups segment by segment (rl.loops.producer.sample_round, the threaded producer's
+round) and takes the newest version its worker knows at each segment boundary
+(RolloutWorker.newest: read from the object store and cast once per version), so a token
+carries the version it was drawn under; the keys and values written before a swap stay
+the older version's, as in-process. mixed_version_rows in the record counts the rows of a
+batch drawn under more than one version. A restarted worker knows only its request's
+version until the next publish. Unlike the in-process continuous producer, finished slots
+are not refilled with the next request's prompts (each request is its own round).
+
+Not on Ray yet: APRIL rounds, prompt schedulers, online pruning and dynamic sampling
+(their side state lives with the sampler); `RunConfig.validate` refuses them with the
+reason.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -110,6 +123,7 @@ from rl.learner.batch import TrainState
 from rl.loops.asynchronous import AsyncSource
 from rl.loops.batches import StreamSampler, sample_batch_groups
 from rl.loops.episodes import is_episodic, own_records
+from rl.loops.producer import sample_round
 from rl.loops.rollouts import rollout_seed
 from rl.loops.source import Taken
 from rl.runtime.distributed import process_local
@@ -179,6 +193,34 @@ class RolloutWorker:
             import os
             os.sched_setaffinity(0, set(affinity))
         self.sampler = StreamSampler(spec=spec, config=train, loop=loop, shard=shard)
+        self._lock = threading.Lock()
+        self._published: tuple[int, Any] = (-1, None)  # (newest version, its ObjectRef)
+        self._decoded: tuple[int, Any] = (-1, None)  # (version, sampler params) last read
+
+    @staticmethod
+    def sampler_params(params: Any, lora: Any) -> Any:
+        """The sampler's params from a request's (host params, each leaf's dtype before the
+        transfer): cast back, and a LoRA run's adapters composed with lora.policy."""
+        params, dtypes = params
+        leaves, tree = jax.tree.flatten(params)
+        params = jax.tree.unflatten(tree, [x if str(x.dtype) == d else x.astype(d)
+                                           for x, d in zip(leaves, dtypes)])
+        return params if lora is None else lora.policy(params)
+
+    def own_sampler(self) -> StreamSampler:
+        """The sampler, an environment's task with record sinks of this request's own (so
+        concurrent requests keep their episode records apart)."""
+        sampler = self.sampler
+        if is_episodic(sampler.spec.task):
+            sampler = dataclasses.replace(sampler, spec=sampler.spec.replace(
+                task=own_records(sampler.spec.task)))
+        return sampler
+
+    @staticmethod
+    def host_groups(groups: list) -> list:
+        return [dataclasses.replace(g, traj=jax.tree.map(np.asarray, g.traj),
+                                    rewards={k: np.asarray(x) for k, x in g.rewards.items()})
+                for g in groups]
 
     def sample(self, params: Any, version: int, rng: np.ndarray, position: int,
                lora: Any = None) -> tuple[list, np.ndarray, int, dict, float, Any]:
@@ -189,27 +231,61 @@ class RolloutWorker:
         and its LoraRun (the frozen base, sent once) as `lora`: the sampler runs
         lora.policy(adapters), as the learner's process would."""
         t0 = time.perf_counter()
-        sampler = self.sampler
-        episodic = is_episodic(sampler.spec.task)
-        if episodic:  # this request's episode records apart from a concurrent request's
-            sampler = dataclasses.replace(sampler, spec=sampler.spec.replace(
-                task=own_records(sampler.spec.task)))
-        params, dtypes = params  # the dtypes they had before the transfer
-        leaves, tree = jax.tree.flatten(params)
-        params = jax.tree.unflatten(tree, [x if str(x.dtype) == d else x.astype(d)
-                                           for x, d in zip(leaves, dtypes)])
-        if lora is not None:
-            params = lora.policy(params)
-        state = TrainState(params=params, opt_state=None, step=np.zeros((), np.int32),
-                           version=np.asarray(version, np.int32), rng=np.asarray(rng, np.uint32))
+        sampler = self.own_sampler()
+        state = TrainState(params=self.sampler_params(params, lora), opt_state=None,
+                           step=np.zeros((), np.int32), version=np.asarray(version, np.int32),
+                           rng=np.asarray(rng, np.uint32))
         groups, state, pos, stats = sample_batch_groups(state, int(position), sampler)
-        groups = [dataclasses.replace(g, traj=jax.tree.map(np.asarray, g.traj),
-                                      rewards={k: np.asarray(x) for k, x in g.rewards.items()})
-                  for g in groups]
         task = sampler.spec.task
-        episodes = (task.take_records(), task.take_engine_stats()) if episodic else None
-        return groups, np.asarray(state.rng), int(pos), stats, time.perf_counter() - t0, \
-            episodes
+        episodes = (task.take_records(), task.take_engine_stats()) if is_episodic(task) \
+            else None
+        return self.host_groups(groups), np.asarray(state.rng), int(pos), stats, \
+            time.perf_counter() - t0, episodes
+
+    # ------------------------------------------------------ in-flight weight updates
+    def publish(self, version: int, box: list) -> None:
+        """The learner's newest version: box = [its ObjectRef] (in a list, so Ray hands
+        the ref over unread; a request reads it at its next segment boundary)."""
+        with self._lock:
+            if version > self._published[0]:
+                self._published = (int(version), box[0])
+
+    def newest(self, params: Any, version: int, lora: Any) -> tuple[Any, int]:
+        """(sampler params, version): the newest of a request's own, the last published
+        and the last read, each version read and cast once (concurrent requests share
+        it)."""
+        import ray
+
+        with self._lock:
+            (pv, ref), (dv, decoded) = self._published, self._decoded
+        best = max(pv, dv, int(version))
+        if best == dv:
+            return decoded, dv
+        out = self.sampler_params(ray.get(ref) if best == pv else params, lora)
+        with self._lock:
+            if best > self._decoded[0]:
+                self._decoded = (best, out)
+        return out, best
+
+    def sample_inflight(self, params: Any, version: int, rng: np.ndarray, position: int,
+                        lora: Any = None) -> tuple[list, np.ndarray, int, dict, float, Any]:
+        """sample()'s answer, for AsyncConfig.rollout = "continuous": one request's b
+        groups sampled segment by segment (rl.loops.producer.sample_round, the threaded
+        producer's round), each segment with the newest version published to this worker
+        by then (in-flight weight updates: a token carries the version it was drawn
+        under)."""
+        t0 = time.perf_counter()
+        sampler = self.own_sampler()
+        spec, b = sampler.spec, sampler.loop.prompts_per_step
+        seed, key = rollout_seed(jnp.asarray(rng, jnp.uint32))
+        prompts = spec.task.train_prompts(int(position), b)
+        groups, tokens = sample_round(spec, b * spec.group_size, seed, prompts,
+                                      lambda: self.newest(params, version, lora))
+        task = spec.task
+        episodes = (task.take_records(), task.take_engine_stats()) if is_episodic(task) \
+            else None
+        return self.host_groups(groups), np.asarray(key, np.uint32), int(position) + b, \
+            {"sampled_tokens": tokens}, time.perf_counter() - t0, episodes
 
     def pid(self) -> int:
         import os
@@ -237,6 +313,7 @@ class RaySource(AsyncSource):
         self.lora_ref = None  # a LoRA run's LoraRun in the object store
         self.prompts_per_step = config.loop.prompts_per_step
         self.max_inflight = self.acfg.rollout_workers * self.acfg.worker_requests
+        self.inflight_updates = self.acfg.rollout == "continuous"  # (streaming only)
 
     # -------------------------------------------------------------- setup
     def open(self, run: Any, params: Any) -> None:
@@ -249,7 +326,8 @@ class RaySource(AsyncSource):
             lora, base=jax.device_get(process_local(lora.base))))
         actor = ray.remote(max_restarts=-1, max_task_retries=0)(RolloutWorker)
         opts = {"num_cpus": self.acfg.worker_cpus, "num_gpus": self.acfg.worker_gpus,
-                "max_concurrency": self.acfg.worker_requests}
+                # continuous: one more thread takes the learner's publish calls
+                "max_concurrency": self.acfg.worker_requests + self.inflight_updates}
         shard = learner_shard()
         process = 0 if shard is None else shard[0]
         self.workers = [actor.options(name=worker_name(run.config.output_dir, i, process),
@@ -300,6 +378,12 @@ class RaySource(AsyncSource):
                                                  self.lora_ref)
         self.inflight[v] = (worker, fut, request)
 
+    def sample_method(self, worker: int) -> Any:
+        """The worker's remote method a request is sent to (continuous: in-flight
+        updates)."""
+        w = self.workers[worker]
+        return w.sample_inflight if self.inflight_updates else w.sample
+
     def _fill(self, run: Any, v: int) -> None:
         """Submit requests v, v + 1, ... while their params exist (b(w) <= v, the learner's
         version), fewer than N × worker_requests are in flight and a step will train on
@@ -330,8 +414,8 @@ class RaySource(AsyncSource):
                             type(e).__name__)
                 time.sleep(0.5 * 2 ** attempt)
                 bv, rng, pos = request
-                fut = self.workers[worker].sample.remote(self._params_ref(run, bv), bv, rng,
-                                                         pos, self.lora_ref)
+                fut = self.sample_method(worker).remote(self._params_ref(run, bv), bv, rng,
+                                                        pos, self.lora_ref)
                 self.inflight[v] = (worker, fut, request)
         raise AssertionError("unreachable")
 
@@ -431,8 +515,8 @@ class RayStreamSource(RaySource):
             worker = min(range(len(self.workers)), key=self._busy)
             rng, pos = self.next_rng, self.next_position
             request = (v, rng, pos)
-            fut = self.workers[worker].sample.remote(self._params_ref(run, v), v, rng, pos,
-                                                     self.lora_ref)
+            fut = self.sample_method(worker).remote(self._params_ref(run, v), v, rng, pos,
+                                                    self.lora_ref)
             self.inflight[self.request_id] = (worker, fut, request)
             self.request_id += 1
             _, key = rollout_seed(jnp.asarray(rng))
@@ -491,6 +575,10 @@ class RayStreamSource(RaySource):
         super(RaySource, self).after_update(run, step)  # publish, the buffer's version
         v = int(run.state.version)
         self.steps_left = run.loop.steps - step - 1
+        if self.inflight_updates and self.inflight:  # to every worker, read mid-request
+            box = [self._params_ref(run, v)]
+            for w in self.workers:
+                w.publish.remote(v, box)
         held = {req[0] for _, _, req in self.inflight.values()}
         for old in [u for u in self.refs if u < v and u not in held]:
             del self.refs[old]

@@ -137,7 +137,7 @@ def check_latr(cfg: Any) -> None:
         return
     a = cfg.asynchronous
     refused = [name for name, on in (
-        ("an environment (multi-turn episodes; TRACE-style turn trees are not built)",
+        ("an environment (its turn-level trees are TRACE's: --trace)",
          cfg.task.is_env),
         ("online pruning (--prune)", cfg.prune is not None),
         ("the threaded producer or APRIL rounds", a is not None and (

@@ -301,3 +301,19 @@ def test_disk_ring_equals_the_memory_ring_and_resumes_exactly(policy, tmp_path, 
             {k: v for k, v in comparable(want.train)[r["step"] - 1].items()
              if not k.startswith("buffer_")}
     assert WatchedRing.most["resident"] <= 2
+
+
+def test_batch_version_metrics_count_rows_drawn_under_two_versions():
+    """batch_version_metrics on a hand-made batch (loss tokens only; padding stamped -1 and
+    other versions outside the loss mask do not count): rows 0 and 2 mix versions 3 and
+    4, row 1 is all version 4, row 3 has no loss token (not a row of the share)."""
+    import types
+
+    mask = np.array([[0, 1, 1, 0], [0, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0]], bool)
+    vers = np.array([[-1, 3, 4, 9], [7, 4, 4, 4], [4, 4, 4, 3], [-1, -1, -1, -1]], np.int32)
+    got = asynchronous.batch_version_metrics(types.SimpleNamespace(loss_mask=mask,
+                                                                   versions=vers), 5)
+    assert got["mixed_version_rows"] == 2 / 3
+    assert got["behaviour_version_min"] == 3 and got["behaviour_version_max"] == 4
+    assert got["version_lag_max"] == 2 and got["version_lag_mean"] == np.mean([2, 1] + [1] * 3
+                                                                              + [1, 2])

@@ -223,6 +223,7 @@ def test_a_request_whose_worker_died_is_sent_again(policy, local_ray):
     rng = np.asarray(state.rng)
     src = RaySource.__new__(RaySource)
     src.ray, src.workers, src.k, src.lora_ref = ray, [actor], 0, None
+    src.inflight_updates = False  # static rollouts (sample, not sample_inflight)
     src.counters = {"ray_worker_restarts": 0, "ray_request_resends": 0}
     host = jax.device_get(params)
     src.refs = {0: ray.put((host, [str(x.dtype) for x in jax.tree.leaves(host)]))}
@@ -239,6 +240,122 @@ def test_a_request_whose_worker_died_is_sent_again(policy, local_ray):
         np.testing.assert_array_equal(np.asarray(g.traj.response_ids),
                                       np.asarray(w.traj.response_ids))
     ray.kill(actor)
+
+
+def log_softmax(logits):
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def swapped_logprobs(config, before, after, prompt, response, fed_before):
+    """Reference log μ of `response` when the weights change from `before` to `after`
+    once `fed_before` response tokens have been fed (their keys / values stay before's,
+    as in any in-flight update): models.decoder's dense-cache path, prefill then one
+    decode step per token (temperature 1), float64 log-softmax."""
+    import jax.numpy as jnp
+
+    from models.decoder import decode_step, prefill
+    from models.kv_cache import init_cache
+
+    seq = np.concatenate([prompt, response[:fed_before]])[None].astype(np.int32)
+    logits, cache = prefill(before, config, seq, jnp.array([seq.shape[1]]),
+                            init_cache(config, 1, 32))
+    k = min(fed_before + 1, response.size)
+    out = list(log_softmax(logits[0, prompt.size - 1:])[np.arange(k), response[:k]])
+    for i in range(fed_before, response.size - 1):
+        logits, cache = decode_step(after, config, jnp.array([response[i]]), cache)
+        out.append(log_softmax(logits[0])[response[i + 1]])
+    return np.array(out)
+
+
+def test_a_request_picks_up_a_version_published_mid_flight(policy, local_ray):
+    """Continuous rollouts on a worker (RolloutWorker.sample_inflight, called here in this
+    process): version 1 is published after the request's first segment (of 2 tokens), so
+    its first 2 tokens per row are version 0's (the very tokens of a request that sees no
+    publish, which itself equals the deterministic path's sample()) and the rest are
+    stamped 1; each token's behaviour log-prob is that of models.decoder's dense-cache
+    path with the weights swapped after the first segment's tokens were fed."""
+    from models.decoder import init_params
+    from rl.loops import rollout_spec
+    from rl.loops.ray_workers import RolloutWorker
+
+    config, params, task = policy
+    run_cfg = cfg("unused", LOOP, rollout=dataclasses.replace(cfg("unused").rollout,
+                                                              segment_len=2))
+    assert run_cfg.train.temperature == 1.0  # (the reference's)
+    spec = rollout_spec(config, task, run_cfg)
+    versions = (params, init_params(config, 1))
+    boxed = []
+    for p in versions:
+        host = jax.device_get(p)
+        boxed.append((host, [str(x.dtype) for x in jax.tree.leaves(host)]))
+    rng = np.asarray(jax.random.key_data(jax.random.PRNGKey(3)), np.uint32)
+    plain = RolloutWorker(spec, run_cfg.train, LOOP).sample_inflight(boxed[0], 0, rng, 5)
+    reference = RolloutWorker(spec, run_cfg.train, LOOP).sample(boxed[0], 0, rng, 5)
+    worker = RolloutWorker(spec, run_cfg.train, LOOP)
+    seen, newest, ref_b = [], worker.newest, ray.put(boxed[1])
+
+    def hooked(*args):  # publish v1 once the first segment has been drawn
+        if len(seen) == 1:
+            worker.publish(1, [ref_b])
+        got = newest(*args)
+        seen.append(got[1])
+        return got
+
+    worker.newest = hooked
+    groups, rng_after, pos, stats, _, _ = worker.sample_inflight(boxed[0], 0, rng, 5)
+    assert seen[0] == 0 and set(seen[1:]) == {1} and len(seen) >= 2
+    assert pos == plain[2] == reference[2] == 5 + LOOP.prompts_per_step
+    np.testing.assert_array_equal(rng_after, plain[1])
+    np.testing.assert_array_equal(rng_after, reference[1])
+    seg = run_cfg.rollout.segment_len
+    for g, p0, r0 in zip(groups, plain[0], reference[0]):
+        t, t0 = g.traj, p0.traj
+        np.testing.assert_array_equal(t0.response_ids, r0.traj.response_ids)
+        np.testing.assert_array_equal(t.response_ids[:, :seg], t0.response_ids[:, :seg])
+        mask, vers = np.asarray(t.response_mask), np.asarray(t.versions)
+        assert mask[:, seg:].any()  # responses outlive the first segment
+        np.testing.assert_array_equal(vers[mask], np.where(np.nonzero(mask)[1] < seg, 0, 1))
+        for row in range(t.response_ids.shape[0]):
+            n, plen = int(mask[row].sum()), int(t.prompt_lengths[row])
+            want = swapped_logprobs(config, *versions, np.asarray(t.prompt_ids[row, :plen]),
+                                    np.asarray(t.response_ids[row, :n]), seg - 1)
+            np.testing.assert_allclose(t.behaviour_logprobs[row, :n], want, atol=2e-5)
+
+
+def test_continuous_streaming_at_eta0_is_the_synchronous_run(policy, in_process, tmp_path,
+                                                             local_ray):
+    """rollout='continuous' on streaming Ray workers at η = 0: no newer version exists while
+    a request samples, so no token is drawn under two versions and the run is the
+    in-process η = 0 (synchronous) run bit for bit."""
+    config, params, task = policy
+    remote = AsyncConfig(max_staleness=0, mode="threaded", backend="ray",
+                         rollout="continuous")
+    got = run_async(config, params, task, cfg(tmp_path / "c0", LOOP4, asynchronous=remote))
+    assert_same_run(in_process(0), got)
+    assert [r["mixed_version_rows"] for r in got.train] == [0.0] * 4
+
+
+def test_continuous_streaming_keeps_the_staleness_bound(policy, tmp_path, local_ray):
+    """Continuous rollouts on two streaming workers at η = 2 over 6 steps: every token
+    trained is at most 2 versions old, the buffer's books balance, and the rows drawn
+    under two versions (mixed_version_rows) are a share in [0, 1]."""
+    config, params, task = policy
+    loop = dataclasses.replace(LOOP, steps=6)
+    remote = AsyncConfig(max_staleness=2, mode="threaded", backend="ray", rollout_workers=2,
+                         rollout="continuous")
+    got = run_async(config, params, task, cfg(tmp_path / "c2", loop, asynchronous=remote))
+    assert [r["step"] for r in got.train] == list(range(1, 7))
+    for r in got.train:
+        v = r["step"] - 1
+        assert v - 2 <= r["behaviour_version_min"] <= r["behaviour_version_max"] <= v
+        assert 0.0 <= r["mixed_version_rows"] <= 1.0
+    last = got.train[-1]
+    assert last["buffer_consumed_groups"] == 6 * loop.prompts_per_step
+    assert last["buffer_admitted_groups"] == last["buffer_consumed_groups"] + \
+        last["buffer_dropped_stale_groups"] + last["buffer_queued_groups"]
+    assert max(r["behaviour_version_max"] for r in got.train) >= 3
 
 
 def test_a_resumed_ray_run_is_the_straight_run(policy, in_process, tmp_path, local_ray):
@@ -288,8 +405,9 @@ def test_bf16_weight_sync_halves_the_bytes(policy, in_process, tmp_path, local_r
 
 
 @pytest.mark.parametrize("sets, match", [
-    ({"mode": "threaded", "rollout": "continuous"}, "runs static rollouts"),
-    ({"mode": "deterministic", "rollout": "april"}, "not built yet"),
+    ({"mode": "threaded", "rollout": "april"}, "APRIL rounds on Ray are not built"),
+    ({"mode": "deterministic", "rollout": "april"}, "APRIL rounds on Ray are not built"),
+    ({"mode": "deterministic", "rollout": "continuous"}, "needs mode='threaded'"),
     ({"rollout_workers": 0, "mode": "deterministic"}, "rollout_workers must be an int >= 1"),
     ({"worker_requests": 0, "mode": "deterministic"}, "worker_requests must be an int >= 1"),
 ])
