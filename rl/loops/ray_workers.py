@@ -53,7 +53,7 @@ launched as any multi-process run, with the Ray settings): each learner process 
 own N workers (named with its process index), which sample its contiguous share of every
 request's prompts (StreamSampler.shard = (process index, K); rng keys by global group id),
 so the group trains on the one-process run's global batch (tested: 2 processes x 1 device
-equal 1 process x 2 devices). The buffer holds a process's share of each step; the rng
+equal 1 process x 2 devices, stopped after 2 steps and resumed too). The buffer holds a process's share of each step; the rng
 chain is the same on every process (the state's rng, gathered); each process puts each
 version once into its node's object store (a gather from the mesh first: a collective
 every process takes part in, at the same requests, since the schedule is fixed); process

@@ -3,8 +3,8 @@
 coordinator, gloo collectives), each with its own Ray rollout worker sampling that
 process's half of every step's prompts on the deterministic schedule (η = 1), trains to
 the same losses, rewards and parameters as the in-process deterministic run of 1 process x
-2 devices on the same `dp` mesh; the ring's versions are saved beside the checkpoint by
-process 0. The refusals say which async settings a learner group cannot run."""
+2 devices on the same `dp` mesh, also when stopped after 2 steps and resumed; the ring's
+versions are saved beside the checkpoint by process 0. The refusals say which async settings a learner group cannot run."""
 import dataclasses
 import os
 import subprocess
@@ -41,17 +41,29 @@ def launch(run_dir, devices, *flags):
                             stderr=subprocess.STDOUT, text=True)
 
 
-def test_a_learner_group_with_ray_workers_equals_the_one_process_run(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
+def group(run_dir, *flags):
+    """The two learner processes of a group run (a fresh coordinator port)."""
     coord = ["--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]
-    procs = [launch(one, 2),
-             launch(two, 1, *RAY, *coord, "--process-id", "0"),
-             launch(two, 1, *RAY, *coord, "--process-id", "1")]
+    return [launch(run_dir, 1, *RAY, *coord, "--process-id", str(i), *flags) for i in (0, 1)]
+
+
+def test_a_learner_group_with_ray_workers_equals_the_one_process_run(tmp_path):
+    """The group stopped after 2 steps and resumed (`--resume`: fresh workers in both
+    processes, the ring and the rng chain from the checkpoint) to 3 equals the straight
+    one-process run of 3 steps."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    procs = [launch(one, 2), *group(two, "--steps", "2")]
     outs = finish(procs, timeout=500)
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    a, b = records(one), records(two)
+    procs = group(two, "--resume")
+    for p, out in zip(procs, finish(procs, timeout=500)):
+        assert p.returncode == 0, out[-3000:]
+    a = records(one)
+    b = [r for r in records(two) if r["kind"] == "train"] + records(two)[-1:]
+    b = records(two)[:1] + b  # the first run's step-0 eval, steps 1-3, the last eval
     assert [r["kind"] for r in a] == [r["kind"] for r in b] and len(a) == 5  # eval, 3, eval
+    assert [r.get("step") for r in b[1:4]] == [1, 2, 3]
     for ra, rb in zip(a, b):
         for key in ("reward", "reward_mean", "loss", "grad_norm", "tokens"):
             if key in ra:
