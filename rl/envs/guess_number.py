@@ -17,10 +17,15 @@ maps "higher" / "lower" / "invalid" to their single ids. Turns have no stop id
 (`max_turn_tokens` = 1).
 
 Reward ("score", once per episode; the turn that finds x carries it, other turns 0):
-    score = 1 - (t - 1) / T   if x is found at turn t (1 <= t <= T),   0 otherwise.
+    reward="graded" (the default):  score = 1 - (t - 1) / T  if x is found at turn t
+                                    (1 <= t <= T), 0 otherwise;
+    reward="found":                 score = 1 if x is found within T turns, else 0
+                                    (a binary outcome: groups whose episodes all fail or
+                                    all succeed are common, TRACE's regime).
 
 Baselines, exact (`random_expected_score`, `consistent_random_expected_score`,
-`optimal_expected_score`; all averaged over the uniform hidden number):
+`optimal_expected_score`; all averaged over the uniform hidden number; with graded=False
+the found-within-T probability, each turn's value 1 in place of 1 - (t - 1) / T):
 
   * a policy guessing uniformly among `choices` tokens every turn, ignoring feedback,
     of which exactly one is x (choices = K: uniform over the numbers; choices =
@@ -35,7 +40,9 @@ Baselines, exact (`random_expected_score`, `consistent_random_expected_score`,
     at turn floor(log2 i) + 1:
         E[score] = (1 / K) sum_{i=1..min(K, 2^T - 1)} (1 - floor(log2 i) / T).
     K = 8, T = 4: random over numbers 0.2758, over the 16-token vocabulary 0.1467,
-    consistent-random 0.4831, optimal 0.5938.
+    consistent-random 0.4831, optimal 0.5938. Found within T = 3 (reward="found"): random
+    over numbers 0.3301, over the vocabulary 0.1760, consistent-random 0.6192, optimal
+    0.875 (7 of 8 values).
 
 Splits: prompts carry no content, so the eval split is the hidden values themselves:
 eval prompt j has x = j mod K (every value equally often, so a mean over a multiple of K
@@ -60,20 +67,26 @@ FEEDBACK = {"higher": HIGHER, "lower": LOWER, "invalid": INVALID}
 MAX_K = 1024
 
 
-def random_expected_score(choices: int, max_turns: int) -> float:
+def turn_value(turn: int, max_turns: int, graded: bool = True) -> Fraction:
+    """The score of finding x at `turn`: 1 - (turn - 1) / T graded, else 1."""
+    return 1 - Fraction(turn - 1, max_turns) if graded else Fraction(1)
+
+
+def random_expected_score(choices: int, max_turns: int, graded: bool = True) -> float:
     """Exact E[score] of guessing uniformly among `choices` tokens (one of them the hidden
-    number) every turn, ignoring feedback: sum_t (1-p)^(t-1) p (1 - (t-1)/T), p = 1/choices."""
+    number) every turn, ignoring feedback: sum_t (1-p)^(t-1) p value(t), p = 1/choices
+    (value(t) = 1 - (t-1)/T graded, else 1: the chance to find x within T turns)."""
     check_count("choices", choices, 1)
     check_count("max_turns", max_turns, 1)
     p, total = Fraction(1, choices), Fraction(0)
     for t in range(1, max_turns + 1):
-        total += (1 - p) ** (t - 1) * p * (1 - Fraction(t - 1, max_turns))
+        total += (1 - p) ** (t - 1) * p * turn_value(t, max_turns, graded)
     return float(total)
 
 
-def consistent_random_expected_score(k: int, max_turns: int) -> float:
+def consistent_random_expected_score(k: int, max_turns: int, graded: bool = True) -> float:
     """Exact E[score] of guessing uniformly among the numbers still consistent with the
-    feedback (a uniformly random search tree), x uniform in [0, k)."""
+    feedback (a uniformly random search tree), x uniform in [0, k); graded as above."""
     check_count("k", k, 1)
     check_count("max_turns", max_turns, 1)
 
@@ -81,7 +94,7 @@ def consistent_random_expected_score(k: int, max_turns: int) -> float:
     def f(n: int, turn: int) -> Fraction:  # x uniform over an interval of n candidates
         if n == 0 or turn > max_turns:
             return Fraction(0)
-        hit = Fraction(1, n) * (1 - Fraction(turn - 1, max_turns))
+        hit = Fraction(1, n) * turn_value(turn, max_turns, graded)
         rest = sum(Fraction(j, n) * f(j, turn + 1) + Fraction(n - 1 - j, n) * f(n - 1 - j, turn + 1)
                    for j in range(n)) / n
         return hit + rest
@@ -89,28 +102,30 @@ def consistent_random_expected_score(k: int, max_turns: int) -> float:
     return float(f(k, 1))
 
 
-def optimal_expected_score(k: int, max_turns: int) -> float:
+def optimal_expected_score(k: int, max_turns: int, graded: bool = True) -> float:
     """Exact E[score] of the best policy (binary search): the i-th value in breadth-first
-    order of a complete search tree is found at turn floor(log2 i) + 1."""
+    order of a complete search tree is found at turn floor(log2 i) + 1 (not graded: the
+    min(k, 2^T - 1) values found within T turns, over k)."""
     check_count("k", k, 1)
     check_count("max_turns", max_turns, 1)
     found = min(k, 2 ** max_turns - 1)
-    total = sum(1 - Fraction(i.bit_length() - 1, max_turns) for i in range(1, found + 1))
+    total = sum(turn_value(i.bit_length(), max_turns, graded) for i in range(1, found + 1))
     return float(total / k)
 
 
 class GuessEpisode:
-    """One game's state: the hidden number, turns taken, whether it was found."""
+    """One game's state: the hidden number, turns taken, whether it was found (graded:
+    the score falls with the turn that finds it; else 1 when found)."""
 
-    def __init__(self, hidden: int, k: int, max_turns: int):
-        self.hidden, self.k, self.max_turns = hidden, k, max_turns
+    def __init__(self, hidden: int, k: int, max_turns: int, graded: bool = True):
+        self.hidden, self.k, self.max_turns, self.graded = hidden, k, max_turns, graded
         self.turns = 0
         self.found_at: int | None = None
 
     def score(self) -> float:
         if self.found_at is None:
             return 0.0
-        return 1.0 - (self.found_at - 1) / self.max_turns
+        return 1.0 - (self.found_at - 1) / self.max_turns if self.graded else 1.0
 
     def step(self, turn_text: str) -> StepResult:
         """turn_text: decode_turn of the turn's one token ("3", or "<5>" for a non-number)."""
@@ -136,11 +151,14 @@ class GuessEpisode:
 
 @dataclasses.dataclass(frozen=True)
 class GuessNumberEnv:
-    """k: numbers 0 .. k-1 (K); max_turns: T guesses per episode; seed: the train stream."""
+    """k: numbers 0 .. k-1 (K); max_turns: T guesses per episode; seed: the train stream;
+    reward: "graded" (1 - (t - 1) / T at the turn t that finds x) or "found" (1 when x is
+    found within T turns); either way the episode's one reward is named "score"."""
 
     k: int = 8
     max_turns: int = 4
     seed: int = 0
+    reward: str = "graded"
     name: str = "guess_number"
 
     def __post_init__(self):
@@ -149,6 +167,9 @@ class GuessNumberEnv:
             raise ValueError(f"GuessNumberEnv.k must be <= {MAX_K}, got {self.k}")
         check_count("GuessNumberEnv.max_turns", self.max_turns, 1)
         check_count("GuessNumberEnv.seed", self.seed)
+        if self.reward not in ("graded", "found"):
+            raise ValueError(f"GuessNumberEnv.reward must be 'graded' or 'found', got "
+                             f"{self.reward!r}")
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -184,13 +205,17 @@ class GuessNumberEnv:
         if over not in ("numbers", "vocab"):
             raise ValueError(f"over must be 'numbers' or 'vocab', got {over!r}")
         return random_expected_score(self.k if over == "numbers" else self.vocab_size,
-                                     self.max_turns)
+                                     self.max_turns, self.graded)
 
     def consistent_random_baseline(self) -> float:
-        return consistent_random_expected_score(self.k, self.max_turns)
+        return consistent_random_expected_score(self.k, self.max_turns, self.graded)
 
     def optimal_score(self) -> float:
-        return optimal_expected_score(self.k, self.max_turns)
+        return optimal_expected_score(self.k, self.max_turns, self.graded)
+
+    @property
+    def graded(self) -> bool:
+        return self.reward == "graded"
 
     # ------------------------------------------------------------------ prompts
     def _prompt(self, hidden: int, index: int) -> Prompt:
@@ -214,7 +239,7 @@ class GuessNumberEnv:
         if isinstance(hidden, bool) or not isinstance(hidden, int) or not 0 <= hidden < self.k:
             raise ValueError(f"GuessNumberEnv prompt.answer must be an int in [0, {self.k}), "
                              f"got {hidden!r}")
-        return GuessEpisode(hidden, self.k, self.max_turns)
+        return GuessEpisode(hidden, self.k, self.max_turns, self.graded)
 
     def decode_turn(self, ids: Sequence[int]) -> str:
         """Number ids -> their decimal value; any other id -> "<id>"; space-joined."""

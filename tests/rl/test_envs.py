@@ -164,6 +164,13 @@ def test_guess_game_feedback_end_and_rewards():
     ep = env.reset(env.eval_prompts(1)[0])  # x = 0, found at once
     assert ep.step("0").reward == 1.0 and ep.outcome() == {"score": 1.0}
 
+    found = GuessNumberEnv(k=8, max_turns=4, reward="found")
+    ep = found.reset(found.eval_prompts(6)[5])  # x = 5, found at turn 3: 1, not 1 - 2/4
+    assert [ep.step(g).reward for g in ("3", "6", "5")] == [0.0, 0.0, 1.0]
+    assert ep.outcome() == {"score": 1.0} and found.optimal_score() == 1.0
+    with pytest.raises(ValueError, match="reward must be 'graded' or 'found'"):
+        GuessNumberEnv(reward="binary")
+
 
 def test_guess_prompts_and_splits():
     env = GuessNumberEnv(k=5, max_turns=3, seed=7)
@@ -177,22 +184,24 @@ def test_guess_prompts_and_splits():
         env.reset(train[0].__class__(ids=(1, 3), answer=5))
 
 
-def _hand_score(guesses, x, turns):
+def _hand_score(guesses, x, turns, graded=True):
     for t, g in enumerate(guesses, 1):
         if g == x:
-            return Fraction(1) - Fraction(t - 1, turns)
+            return Fraction(1) - Fraction(t - 1, turns) if graded else Fraction(1)
     return Fraction(0)
 
 
+@pytest.mark.parametrize("graded", [True, False])
 @pytest.mark.parametrize("k, turns, extra", [(5, 3, 0), (4, 4, 0), (3, 3, 5), (6, 2, 8)])
-def test_random_baseline_equals_enumeration(k, turns, extra):
+def test_random_baseline_equals_enumeration(k, turns, extra, graded):
     """A feedback-blind uniform policy over k numbers + `extra` non-number tokens: every
-    guess sequence enumerated, for every hidden number."""
+    guess sequence enumerated, for every hidden number (graded score, or found within T)."""
     tokens = list(range(k + extra))  # ids >= k are never a number
-    total = sum(_hand_score(seq, x, turns) for x in range(k)
+    total = sum(_hand_score(seq, x, turns, graded) for x in range(k)
                 for seq in itertools.product(tokens, repeat=turns))
     want = total / (k * len(tokens) ** turns)
-    assert random_expected_score(k + extra, turns) == pytest.approx(float(want), abs=1e-12)
+    assert random_expected_score(k + extra, turns, graded) == pytest.approx(float(want),
+                                                                            abs=1e-12)
 
 
 def test_env_baselines_name_numbers_and_vocab():
@@ -202,7 +211,7 @@ def test_env_baselines_name_numbers_and_vocab():
     assert env.random_baseline() == pytest.approx(0.27581787109375)
 
 
-def _best_policy_score(k, turns):
+def _best_policy_score(k, turns, graded=True):
     """Max over every deterministic policy (a guess for every feedback history) of the
     mean score, by enumeration: policy = {history (tuple of feedbacks): guess}."""
     histories = [h for n in range(turns) for h in itertools.product("hl", repeat=n)]
@@ -215,16 +224,18 @@ def _best_policy_score(k, turns):
             for t in range(1, turns + 1):
                 g = policy[h]
                 if g == x:
-                    total += 1 - Fraction(t - 1, turns)
+                    total += 1 - Fraction(t - 1, turns) if graded else 1
                     break
                 h += ("h" if x > g else "l",)
         best = max(best, total / k)
     return best
 
 
+@pytest.mark.parametrize("graded", [True, False])
 @pytest.mark.parametrize("k, turns", [(4, 2), (3, 3), (5, 2), (7, 2)])
-def test_optimal_score_is_the_best_deterministic_policy(k, turns):
-    assert optimal_expected_score(k, turns) == pytest.approx(float(_best_policy_score(k, turns)))
+def test_optimal_score_is_the_best_deterministic_policy(k, turns, graded):
+    assert optimal_expected_score(k, turns, graded) == pytest.approx(
+        float(_best_policy_score(k, turns, graded)))
 
 
 @pytest.mark.parametrize("k, turns", [(8, 4), (16, 3), (12, 5), (2, 1)])
@@ -243,9 +254,11 @@ def test_binary_search_through_the_env_reaches_the_optimum(k, turns):
     assert np.mean(scores) == pytest.approx(optimal_expected_score(k, turns))
 
 
-def test_consistent_random_baseline_matches_simulation():
-    k, turns, n = 8, 4, 20000
-    env = GuessNumberEnv(k=k, max_turns=turns)
+@pytest.mark.parametrize("reward", ["graded", "found"])
+def test_consistent_random_baseline_matches_simulation(reward):
+    k, turns, n = 8, 4 if reward == "graded" else 3, 20000
+    env = GuessNumberEnv(k=k, max_turns=turns, reward=reward)
+    graded = reward == "graded"
     rng = np.random.default_rng(0)
     scores = np.empty(n)
     for i, p in enumerate(env.train_prompts(0, n)):
@@ -258,9 +271,12 @@ def test_consistent_random_baseline_matches_simulation():
             lo, hi = (g + 1, hi) if r.observation == "higher" else (lo, g - 1)
         scores[i] = ep.outcome()["score"]
     se = scores.std() / np.sqrt(n)
-    assert abs(scores.mean() - consistent_random_expected_score(k, turns)) < 4 * se
-    assert random_expected_score(k, turns) < consistent_random_expected_score(k, turns) \
-        < optimal_expected_score(k, turns)
+    assert abs(scores.mean() - consistent_random_expected_score(k, turns, graded)) < 4 * se
+    assert env.consistent_random_baseline() == consistent_random_expected_score(k, turns, graded)
+    assert random_expected_score(k, turns, graded) < consistent_random_expected_score(
+        k, turns, graded) < optimal_expected_score(k, turns, graded)
+    if not graded:  # a binary outcome
+        assert set(np.unique(scores)) == {0.0, 1.0}
 
 # ----------------------------------------------------------------------------- calculator env
 
