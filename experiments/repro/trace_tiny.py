@@ -1,7 +1,8 @@
 """TRACE vs GRPO on guess-the-number: does spending half of each batch on the turn prefixes
 most likely to give mixed outcomes make an agent learn faster at equal sampling cost?
 
-    python -m experiments.repro.trace_tiny sweep [--seeds 0 1 2] [--max-cells N]  # resumable
+    python -m experiments.repro.trace_tiny sweep [--testbed graded|found] [--seeds 0 1 2]
+        [--max-cells N]                               # resumable
     python -m experiments.repro.trace_tiny report    # JSON, PNG, page, README / index rows
 
 The task and learner are the tiny-guess preset's (rl.envs.guess_number, K = 8 numbers, 4
@@ -28,8 +29,20 @@ The rule, fixed before any cell ran (the paper reports +2.8 points at equal samp
 Reported beside it: the share of groups with mixed outcomes (GRPO's batch; TRACE's stage 1
 and stage 2), tokens sampled per step, and the training seconds per step.
 
-A finished cell's record goes to experiments/results/trace_tiny/<method>_s<seed>.json; a
-cell with a record is skipped.
+The second testbed, "found" (added after the first one's verdict, with its rule written
+here before any of its cells ran). On the graded score 98 % of GRPO's groups already had
+mixed outcomes, so there was almost nothing for TRACE's allocation to find. The same
+study on a binary outcome: guess_number with K = 8, T = 3 turns and reward="found" (1 when
+x is found within 3 turns, else 0; optimum 0.875, random over the vocabulary 0.176,
+consistent-random 0.619). With 8 episodes a group, all-equal groups are then common at
+both ends of learning: all fail with probability 0.824^8 = 0.21 under a uniform policy,
+all succeed with 0.875^8 = 0.34 at the optimum. Everything else is the first testbed's
+(steps, evals, seeds, TRACE's defaults), and so is the rule: d_final and d_auc on the
+sampled eval found rate, reproduced / partly / not with the same thresholds (+0.028 and
+intervals above 0). Its verdict is reported beside the first one's, not pooled with it.
+
+A finished cell's record goes to experiments/results/trace_tiny/<method>_s<seed>.json
+(the found testbed's: found_<method>_s<seed>.json); a cell with a record is skipped.
 """
 from __future__ import annotations
 
@@ -58,6 +71,8 @@ WORK_DIR = Path("runs") / NAME
 TITLE, ROW_AFTER = "TRACE vs GRPO (tiny)", "LATR vs GRPO (tiny)"
 PRESET = "tiny-guess"
 METHODS = ("grpo", "trace")
+TESTBEDS = ("graded", "found")
+FOUND_OPTIONS = {"k": 8, "max_turns": 3, "reward": "found"}  # the second testbed's task
 SEEDS = (0, 1, 2)
 CLAIM = 0.028  # the paper's +2.8 points at equal sampling cost
 TRAIN_KEYS = ("reward_mean", "zero_spread_frac", "sampled_tokens", "step_s",
@@ -77,34 +92,41 @@ class Study:
 STUDY = Study()
 
 
-def cell_name(method: str, seed: int) -> str:
-    return f"{method}_s{seed}"
+def cell_name(method: str, seed: int, testbed: str = "graded") -> str:
+    return f"{method}_s{seed}" if testbed == "graded" else f"{testbed}_{method}_s{seed}"
 
 
-def cell_config(study: Study, method: str, seed: int, run_dir: Path):
-    """The RunConfig of one (method, seed) cell (module doc)."""
+def cell_config(study: Study, method: str, seed: int, run_dir: Path, testbed: str = "graded"):
+    """The RunConfig of one (method, seed) cell of a testbed (module doc)."""
     from rl.rollout.trace import TraceConfig
     from rl.run import PRESETS
 
     if method not in METHODS:
         raise ValueError(f"method {method!r}: expected one of {METHODS}")
+    if testbed not in TESTBEDS:
+        raise ValueError(f"testbed {testbed!r}: expected one of {TESTBEDS}")
     cfg = PRESETS[PRESET].overrides({
         "loop.steps": study.steps, "loop.seed": seed, "model.init_seed": seed,
         "loop.eval_every": study.eval_every, "loop.eval_prompts": study.eval_prompts,
         "loop.eval_greedy": False, "loop.save_every": 0, "run_dir": str(run_dir),
         "logging.wandb": "disabled", "logging.progress": False})
-    cfg = dataclasses.replace(cfg, name=f"trace-tiny-{cell_name(method, seed)}")
+    cfg = dataclasses.replace(cfg, name=f"trace-tiny-{cell_name(method, seed, testbed)}")
+    if testbed == "found":
+        options = {**dict(cfg.task.options), **FOUND_OPTIONS}
+        cfg = dataclasses.replace(cfg, task=dataclasses.replace(
+            cfg.task, options=tuple(sorted(options.items()))))
     return dataclasses.replace(cfg, trace=TraceConfig()) if method == "trace" else cfg
 
 
-def cell_record(study: Study, method: str, seed: int, run_dir: Path, wall_s: float) -> dict:
+def cell_record(study: Study, method: str, seed: int, run_dir: Path, wall_s: float,
+                testbed: str = "graded") -> dict:
     """A finished cell's record: each eval's per-episode sampled score, train curves."""
     res = problem_results(run_dir)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if r["kind"] == "train"]
     steps = sorted(res)
-    return {"method": method, "seed": seed, "study": dataclasses.asdict(study),
-            "eval_steps": steps,
+    return {"method": method, "seed": seed, "testbed": testbed,
+            "study": dataclasses.asdict(study), "eval_steps": steps,
             "eval_problems": {str(s): [res[s]["sampled"][i] for i in sorted(res[s]["sampled"])]
                               for s in steps},
             "train_keys": ["step", *TRAIN_KEYS],
@@ -114,36 +136,48 @@ def cell_record(study: Study, method: str, seed: int, run_dir: Path, wall_s: flo
 
 
 def sweep(seeds, max_cells: int | None, study: Study = STUDY, cells_dir: Path = CELLS_DIR,
-          work_dir: Path = WORK_DIR) -> None:
-    """Train every missing cell, seed by seed (both methods of a seed back to back, so load
-    from other jobs hits them alike); the report is rewritten after each finished seed."""
+          work_dir: Path = WORK_DIR, testbed: str = "graded") -> None:
+    """Train every missing cell of a testbed, seed by seed (both methods of a seed back to
+    back, so load from other jobs hits them alike); the report is rewritten after each
+    finished seed."""
     from rl.run import train
 
+    def name(m, s):
+        return cell_name(m, s, testbed)
+
     todo = [(m, s) for s in seeds for m in METHODS
-            if not (cells_dir / f"{cell_name(m, s)}.json").is_file()]
+            if not (cells_dir / f"{name(m, s)}.json").is_file()]
     cells_dir.mkdir(parents=True, exist_ok=True)
     for i, (m, s) in enumerate(todo[:max_cells]):
-        run_dir = work_dir / cell_name(m, s)
+        run_dir = work_dir / name(m, s)
         shutil.rmtree(run_dir, ignore_errors=True)  # minutes a cell: an unfinished one restarts
         t0 = time.perf_counter()
-        train(cell_config(study, m, s, run_dir))
-        rec = cell_record(study, m, s, run_dir, time.perf_counter() - t0)
-        atomic_write_json(cells_dir / f"{cell_name(m, s)}.json", rec)
+        train(cell_config(study, m, s, run_dir, testbed))
+        rec = cell_record(study, m, s, run_dir, time.perf_counter() - t0, testbed)
+        atomic_write_json(cells_dir / f"{name(m, s)}.json", rec)
         final = np.mean(rec["eval_problems"][str(rec["eval_steps"][-1])])
-        print(f"[{i + 1}/{len(todo)}] {cell_name(m, s)}: eval score {final:.3f} "
+        print(f"[{i + 1}/{len(todo)}] {name(m, s)}: eval score {final:.3f} "
               f"({rec['wall_s']} s)", file=sys.stderr, flush=True)
-        if cells_dir == CELLS_DIR and all((cells_dir / f"{cell_name(x, s)}.json").is_file()
+        if cells_dir == CELLS_DIR and all((cells_dir / f"{name(x, s)}.json").is_file()
                                           for x in METHODS):
             report()
 
 
 # ----------------------------------------------------------------------------- report
-def load_cells(cells_dir: Path = CELLS_DIR) -> dict[str, dict[int, dict]]:
+def load_cells(cells_dir: Path = CELLS_DIR, testbed: str = "graded"
+               ) -> dict[str, dict[int, dict]]:
+    """{method: {seed: record}} of one testbed's finished cells."""
     out: dict[str, dict[int, dict]] = {}
     for f in sorted(cells_dir.glob("*.json")):
         r = json.loads(f.read_text())
-        out.setdefault(r["method"], {})[r["seed"]] = r
+        if r.get("testbed", "graded") == testbed:
+            out.setdefault(r["method"], {})[r["seed"]] = r
     return out
+
+
+def has_pairs(cells: dict[str, dict[int, dict]]) -> bool:
+    """Whether some seed has both methods finished."""
+    return bool(set(cells.get("grpo", {})) & set(cells.get("trace", {})))
 
 
 def score_table(recs: list[dict], step: int | None) -> np.ndarray:
@@ -202,6 +236,9 @@ def analyse(cells: dict[str, dict[int, dict]]) -> dict:
 
 def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT, page: bool = True) -> dict:
     found = analyse(load_cells(cells_dir))
+    binary = load_cells(cells_dir, "found")
+    if has_pairs(binary):  # the second testbed (module doc), beside the first
+        found["found"] = {**analyse(binary), "options": FOUND_OPTIONS}
     d = found["d_final"]
     result = {"headline": {"metric": f"TRACE - GRPO sampled eval score at step "
                                      f"{found['eval_steps'][-1]} (tiny-guess, paired)",
@@ -314,10 +351,13 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("sweep", help="train the missing cells (resumable)")
     s.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     s.add_argument("--max-cells", type=int)
+    s.add_argument("--testbed", choices=TESTBEDS, default="graded",
+                   help="graded: the episode's score 1 - (t-1)/T (K = 8, T = 4); found: "
+                        "found within T = 3 turns (module doc)")
     sub.add_parser("report")
     args = p.parse_args(argv)
     if args.cmd == "sweep":
-        sweep(args.seeds, args.max_cells)
+        sweep(args.seeds, args.max_cells, testbed=args.testbed)
     else:
         r = report()
         print(json.dumps({k: r[k] for k in ("curve", "d_final", "d_auc", "verdict")}, indent=1))
