@@ -21,6 +21,14 @@ def test_cells_are_configured_as_the_doc_says(tmp_path):
     trace.validate()
     with pytest.raises(ValueError, match="method"):
         tt.cell_config(TINY, "latr", 1, tmp_path)
+    found = tt.cell_config(TINY, "trace", 1, tmp_path, "found")  # the second testbed
+    assert dict(found.task.options) == {"k": 8, "max_turns": 3, "reward": "found"}
+    assert dict(grpo.task.options) == {"k": 8, "max_turns": 4}
+    assert found.trace == trace.trace and found.loop == trace.loop
+    found.validate()
+    assert tt.cell_name("trace", 1, "found") == "found_trace_s1"
+    with pytest.raises(ValueError, match="testbed"):
+        tt.cell_config(TINY, "trace", 1, tmp_path, "binary")
 
 
 def test_sweep_records_both_methods(tmp_path):
@@ -76,3 +84,11 @@ def test_the_page_states_the_rule_and_the_verdict():
     assert "**Verdict: reproduced.**" in page and "fixed before any cell ran" in page
     row = tt.summary_row(result, "trace-tiny.md", index=True)
     assert row.endswith("| reproduced |") and "3 seeds" in row
+    assert "## A binary outcome" not in page  # before the found testbed's cells
+    result["found"] = {**tt.analyse(cells([0.0, 0.05, 0.1])), "options": tt.FOUND_OPTIONS}
+    page = tt.render_page(result)
+    assert "## A binary outcome: found within 3 turns" in page
+    assert "**Verdict (found): not.**" in page and "**Verdict: reproduced.**" in page
+    row = tt.summary_row(result, "trace-tiny.md", index=True)
+    assert row.endswith("| reproduced (graded), not (found) |")
+    assert "found within 3 turns (binary): GRPO" in row

@@ -248,6 +248,9 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT, page: bool = True) -
               "command": f"python -m experiments.repro.{NAME} report", **found}
     atomic_write_json(out, result)
     plot(result, out.with_suffix(".png"))
+    if "found" in result:
+        plot(result["found"], out.with_name(f"{out.stem}_found.png"), "found rate",
+             f"found within {FOUND_OPTIONS['max_turns']} turns")
     if page:
         PAGE.write_text(render_page(result))
         replace_row(README, summary_row(result, f"docs/results/{PAGE.name}"), TITLE, ROW_AFTER)
@@ -260,14 +263,21 @@ def interval(d: dict) -> str:
 
 
 def summary_row(result: dict, link: str, index: bool = False) -> str:
-    c = result["curve"]
+    c, f = result["curve"], result.get("found")
     text = (f"| [{TITLE}]({link}) | guess-the-number from scratch, {len(result['seeds'])} "
             f"seeds, sampled eval score at step {result['eval_steps'][-1]}: GRPO "
             f"{c['grpo'][-1]:.3f}, TRACE {c['trace'][-1]:.3f}, paired "
-            f"{interval(result['d_final'])}; over the run {interval(result['d_auc'])} |")
+            f"{interval(result['d_final'])}; over the run {interval(result['d_auc'])}")
+    if f is not None:
+        text += (f"; found within {f['options']['max_turns']} turns (binary): GRPO "
+                 f"{f['curve']['grpo'][-1]:.3f}, TRACE {f['curve']['trace'][-1]:.3f}, paired "
+                 f"{interval(f['d_final'])}; over the run {interval(f['d_auc'])}")
+    text += " |"
     if not index:
         return text
-    return text + f" +{CLAIM * 100:g} points (the paper's) | {result['verdict']} |"
+    verdict = result["verdict"] if f is None else \
+        f"{result['verdict']} (graded), {f['verdict']} (found)"
+    return text + f" +{CLAIM * 100:g} points (the paper's) | {verdict} |"
 
 
 def fmt(x, f=".3f") -> str:
@@ -317,13 +327,51 @@ Tokens sampled per step: GRPO {fmt(per['grpo']['sampled_tokens'], '.0f')}, TRACE
 {fmt(per['grpo']['step_s'], '.2f')}, TRACE {fmt(per['trace']['step_s'], '.2f')}. Whole-run wall
 time: GRPO {result['wall_s']['grpo']:.0f} s, TRACE {result['wall_s']['trace']:.0f} s.
 
-![sampled eval score by step](../../experiments/results/{NAME}.png)
+{found_section(result)}![sampled eval score by step](../../experiments/results/{NAME}.png)
 
 Command: `python -m experiments.repro.{NAME} sweep` then `report`.
 """
 
 
-def plot(result: dict, path: Path) -> None:
+def found_section(result: dict) -> str:
+    """The page's part on the second testbed (empty before its cells ran)."""
+    f = result.get("found")
+    if f is None:
+        return ""
+    o, c, steps = f["options"], f["curve"], f["eval_steps"]
+    rows = "\n".join(f"| {s} | {c['grpo'][i]:.3f} | {c['trace'][i]:.3f} | "
+                     f"{interval(f['diff_trace_minus_grpo'][i])} |" for i, s in enumerate(steps))
+    mixed, per, tr = f["mixed_share"], f["per_step"], f["trace"]
+    worse = " TRACE is worse: an interval lies below 0." if f["worse"] else ""
+    return f"""## A binary outcome: found within {o['max_turns']} turns
+
+Added after the verdict above, with its rule written before any of its cells ran: on the
+graded score nearly every GRPO group already has mixed outcomes, so TRACE has little to
+find. Here the episode's reward is 1 when the number (among {o['k']}) is found within
+{o['max_turns']} turns, else 0 (`--env-option reward=found`; optimum 0.875), so groups
+whose 8 episodes all fail or all succeed are common. Everything else, the rule included,
+is the first testbed's; the metric is the sampled eval found rate ({len(f['seeds'])} seeds).
+
+| step | GRPO | TRACE | TRACE − GRPO |
+|---|---|---|---|
+{rows}
+
+Over the run (d_auc): {interval(f['d_auc'])}. **Verdict (found): {f['verdict']}.**{worse}
+
+Groups with mixed outcomes: GRPO {fmt(mixed['grpo'])}; TRACE {fmt(mixed['trace_batch'])}
+(stage 1 {fmt(mixed['trace_stage1'])}, stage 2 {fmt(mixed['trace_stage2'])}). TRACE's stage 2
+started {fmt(tr['trace_anchor_groups'], '.1f')} of its 16 groups a step at a turn prefix.
+Tokens sampled per step: GRPO {fmt(per['grpo']['sampled_tokens'], '.0f')}, TRACE
+{fmt(per['trace']['sampled_tokens'], '.0f')}; seconds per step: GRPO
+{fmt(per['grpo']['step_s'], '.2f')}, TRACE {fmt(per['trace']['step_s'], '.2f')}.
+
+![found rate by step](../../experiments/results/{NAME}_found.png)
+
+"""
+
+
+def plot(result: dict, path: Path, metric: str = "score", testbed: str = "graded score"
+         ) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -336,8 +384,8 @@ def plot(result: dict, path: Path) -> None:
         ax.plot(result["eval_steps"], result["curve"][m], marker="o", color=color,
                 label=f"{m.upper()} (mean of {len(result['seeds'])} seeds)")
     ax.set_xlabel("step")
-    ax.set_ylabel("sampled eval score")
-    ax.set_title("TRACE vs GRPO, tiny-guess", fontsize=10)
+    ax.set_ylabel(f"sampled eval {metric}")
+    ax.set_title(f"TRACE vs GRPO, tiny-guess ({testbed})", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_png(fig, path)
