@@ -85,7 +85,8 @@ def test_the_page_states_the_rule_and_the_verdict():
     row = tt.summary_row(result, "trace-tiny.md", index=True)
     assert row.endswith("| reproduced |") and "3 seeds" in row
     assert "## A binary outcome" not in page  # before the found testbed's cells
-    result["found"] = {**tt.analyse(cells([0.0, 0.05, 0.1])), "options": tt.FOUND_OPTIONS}
+    result["found"] = {**tt.analyse(cells([0.0, 0.05, 0.1])), "options": tt.FOUND_OPTIONS,
+                       "optimum": 0.875, "random_vocab": 0.176}
     page = tt.render_page(result)
     assert "## A binary outcome: found within 3 turns" in page
     assert "**Verdict (found): not.**" in page and "**Verdict: reproduced.**" in page

@@ -238,7 +238,12 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT, page: bool = True) -
     found = analyse(load_cells(cells_dir))
     binary = load_cells(cells_dir, "found")
     if has_pairs(binary):  # the second testbed (module doc), beside the first
-        found["found"] = {**analyse(binary), "options": FOUND_OPTIONS}
+        from rl.envs.guess_number import GuessNumberEnv
+
+        env = GuessNumberEnv(**FOUND_OPTIONS)
+        found["found"] = {**analyse(binary), "options": FOUND_OPTIONS,
+                          "optimum": env.optimal_score(),
+                          "random_vocab": env.random_baseline("vocab")}
     d = found["d_final"]
     result = {"headline": {"metric": f"TRACE - GRPO sampled eval score at step "
                                      f"{found['eval_steps'][-1]} (tiny-guess, paired)",
@@ -327,8 +332,9 @@ Tokens sampled per step: GRPO {fmt(per['grpo']['sampled_tokens'], '.0f')}, TRACE
 {fmt(per['grpo']['step_s'], '.2f')}, TRACE {fmt(per['trace']['step_s'], '.2f')}. Whole-run wall
 time: GRPO {result['wall_s']['grpo']:.0f} s, TRACE {result['wall_s']['trace']:.0f} s.
 
-{found_section(result)}![sampled eval score by step](../../experiments/results/{NAME}.png)
+![sampled eval score by step](../../experiments/results/{NAME}.png)
 
+{found_section(result)}
 Command: `python -m experiments.repro.{NAME} sweep` then `report`.
 """
 
@@ -348,7 +354,8 @@ def found_section(result: dict) -> str:
 Added after the verdict above, with its rule written before any of its cells ran: on the
 graded score nearly every GRPO group already has mixed outcomes, so TRACE has little to
 find. Here the episode's reward is 1 when the number (among {o['k']}) is found within
-{o['max_turns']} turns, else 0 (`--env-option reward=found`; optimum 0.875), so groups
+{o['max_turns']} turns, else 0 (`--env-option reward=found`; optimum {f['optimum']:.3f}, a
+uniform policy over the vocabulary {f['random_vocab']:.3f}), so groups
 whose 8 episodes all fail or all succeed are common. Everything else, the rule included,
 is the first testbed's; the metric is the sampled eval found rate ({len(f['seeds'])} seeds).
 
@@ -364,10 +371,30 @@ started {fmt(tr['trace_anchor_groups'], '.1f')} of its 16 groups a step at a tur
 Tokens sampled per step: GRPO {fmt(per['grpo']['sampled_tokens'], '.0f')}, TRACE
 {fmt(per['trace']['sampled_tokens'], '.0f')}; seconds per step: GRPO
 {fmt(per['grpo']['step_s'], '.2f')}, TRACE {fmt(per['trace']['step_s'], '.2f')}.
-
+{found_reading(f)}
 ![found rate by step](../../experiments/results/{NAME}_found.png)
-
 """
+
+
+def found_reading(f: dict) -> str:
+    """What the found testbed's counts say about why (sentences chosen by the numbers)."""
+    mixed, per = f["mixed_share"], f["per_step"]
+    out = []
+    if None not in (mixed["trace_stage1"], mixed["trace_stage2"]):
+        if mixed["trace_stage2"] < mixed["trace_stage1"]:
+            out.append("The groups TRACE allocated (stage 2) had mixed outcomes less often than "
+                       "its root groups (stage 1): its predictor did not find the prefixes "
+                       "whose outcomes are mixed: its groups carried less learning signal "
+                       "than fresh root groups would have.")
+        else:
+            out.append("The groups TRACE allocated (stage 2) had mixed outcomes at least as "
+                       "often as its root groups (stage 1).")
+    tokens = per["trace"]["sampled_tokens"], per["grpo"]["sampled_tokens"]
+    if None not in tokens and tokens[0] < tokens[1]:
+        out.append(f"TRACE also sampled {1 - tokens[0] / tokens[1]:.0%} fewer tokens a step: a "
+                   "continuation replays its prefix's turns without sampling them, and they "
+                   "are not loss tokens, so the first turns get fewer trained samples.")
+    return "\n" + " ".join(out) + "\n" if out else ""
 
 
 def plot(result: dict, path: Path, metric: str = "score", testbed: str = "graded score"
