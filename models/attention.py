@@ -10,6 +10,8 @@ kernel for dense attention: `impl="pallas"` (or "pallas_triton" / "pallas_mosaic
 raises, and `impl=None` means "xla" here (unlike kernels.dispatch's platform default) so
 that the decoder runs on every backend. `chunk_attention` (XLA only) is the chunked
 prefill's: a chunk of queries over a cached prefix, block by block with an online softmax.
+`tree_layer_attention` is the decoder's "tree" mode (models.tree): the dense path under
+kend's mask, or kernels.tree_attention's Triton kernel with impl "pallas".
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.dispatch import resolve_impl
+from kernels.tree_attention import kend_mask, tree_attention
 
 # Finite stand-in for -inf so a fully masked row never computes inf - inf.
 _MASKED = -1e30
@@ -281,3 +284,12 @@ def chunk_attention(
     _, den, acc = online_softmax_merge((m, den, acc), s, ok, v)
     out = acc / jnp.where(den == 0, 1.0, den)[..., None]  # [B, kvh, hg, C, d]
     return jnp.moveaxis(out, 3, 1).reshape(b, c, heads, d).astype(q.dtype)
+
+
+def tree_layer_attention(q, k, v, kend, impl: str | None):
+    """Attention over packed trees (models.tree; kend [batch, T] from visible_until):
+    impl "pallas" / "pallas_triton" runs kernels.tree_attention's flash kernel; any other
+    impl the dense attention entry point with kend's [T, T] mask (the exact twin)."""
+    if impl in ("pallas", "pallas_triton"):
+        return tree_attention(q, k, v, kend, impl=impl)
+    return attention(q, k, v, mask=kend_mask(kend), impl=impl)

@@ -29,7 +29,7 @@ from flax import linen as nn
 from kernels.shared_prefix_attention import shared_prefix_attention
 from models import kv_cache as kvc
 from models import lora
-from models.attention import attention
+from models.attention import attention, tree_layer_attention
 from models.config import ModelConfig
 from models.inputs import _check_positions, _check_shape, _is_concrete, validate_tokens
 from models.kv_cache import KVCache, SegmentedKVCache
@@ -145,7 +145,8 @@ def packed_attention(q, k, v, lengths, packed_nr: tuple[int, int], impl: str | N
 
 
 class Attention(nn.Module):
-    """GQA self-attention. mode "forward": no cache; "prefill": attend to the fresh keys
+    """GQA self-attention. mode "forward": no cache; "tree": no cache, packed trees with
+    `mask` = kend [batch, T] (tree_layer_attention); "prefill": attend to the fresh keys
     and write them to the cache; "decode": write, then attend to the whole cache (either
     layout, via kv_cache.decode_layer); "packed": groups laid out [prompt, resp_1 ... resp_N]
     (packed_nr = (N, R)), attended by kernels.shared_prefix_attention with `mask` =
@@ -179,6 +180,8 @@ class Attention(nn.Module):
         new_kv = None
         if self.mode == "forward":
             out = attention(q, k, v, mask=mask, impl=self.attn_impl)
+        elif self.mode == "tree":  # mask = kend [batch, T] (models.tree.visible_until)
+            out = tree_layer_attention(q, k, v, mask, self.attn_impl)
         elif self.mode == "prefill":
             out = attention(q, k, v, mask=mask, impl=self.attn_impl)
             new_kv = kvc.write_layer(kv[0], kv[1], k, v, start)
@@ -193,8 +196,8 @@ class Attention(nn.Module):
             if self.mode == "fill":
                 new_kv = (k, v)
         else:
-            raise ValueError(
-                f"Attention.mode must be forward/prefill/decode/packed/fill, got {self.mode!r}")
+            raise ValueError(f"Attention.mode must be forward/tree/prefill/decode/packed/fill, "
+                             f"got {self.mode!r}")
         out = Linear("bshd,hde->bse", (H, D, E), ("heads", "head_dim", "embed"), 1, False,
                      name="o_proj", **_dtypes(c))(out)
         return out, new_kv

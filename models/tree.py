@@ -20,10 +20,11 @@ ancestor of seg(i), or seg(j) = seg(i) and j <= i. So each token sees exactly th
 before it on its own path, and a leaf's log-probs equal those of the leaf run alone as an
 independent sequence (tests/models/test_tree.py: attention against a float64 loop over
 each leaf's own sequence; the decoder's log-probs and gradients against the leaves run
-one by one). Here the tree runs through the decoder's dense-mask path ("forward" mode:
-XLA attention with the [T, T] mask) — the exact twin a segment-tree kernel (the two-level
-shared-prefix design generalised: one call per level, merged by log-sum-exp) is to be
-checked against.
+one by one). The packing is depth-first, so each segment's subtree is a contiguous range
+of the row and the mask is one int per key (`visible_until`): query i sees key j exactly
+when j <= i < kend[j]. The decoder's "tree" mode takes kend: the dense [T, T] mask through
+XLA attention by default (the exact twin), or kernels.tree_attention's Triton flash kernel
+(forward and backward) with attn_impl "pallas" (tests/kernels/test_tree_attention.py).
 
 The packing ratio of a tree is (tokens of the leaves as independent sequences) / T: the
 compute the tree saves on everything but attention.
@@ -161,10 +162,23 @@ def tree_mask(segment_ids: jax.Array, parents: jax.Array) -> jax.Array:
     return jax.vmap(one)(segment_ids, parents)
 
 
+def visible_until(segment_ids: jax.Array, parents: jax.Array) -> jax.Array:
+    """int32 [batch, T]: for key j, the end of the packed range of seg(j)'s subtree (0 for
+    padding), so that query i sees key j exactly when j <= i < kend[j]: the tree_mask of a
+    depth-first packing (pack_tree's; kernels.tree_attention) as one int per key."""
+    def one(seg, par):
+        n = par.shape[0]
+        idx = jnp.arange(seg.shape[0], dtype=jnp.int32)
+        seg_end = jax.ops.segment_max(idx + 1, seg, num_segments=n)  # [S + 1] (−big: empty)
+        sub_end = jnp.max(jnp.where(ancestors(par), seg_end[None, :], 0), axis=1)  # [a]
+        return jnp.where(seg != 0, sub_end[seg], 0).astype(jnp.int32)
+    return jax.vmap(one)(segment_ids, parents)
+
+
 @partial(jax.jit, static_argnames=("config", "attn_impl"))
 def _tree_forward_jit(params, tokens, positions, segment_ids, parents, *, config, attn_impl):
-    logits, _ = Decoder(config, "forward", attn_impl).apply(
-        {"params": params}, tokens, positions, tree_mask(segment_ids, parents))
+    logits, _ = Decoder(config, "tree", attn_impl).apply(
+        {"params": params}, tokens, positions, visible_until(segment_ids, parents))
     return logits
 
 
@@ -316,9 +330,9 @@ def tree_groups_stats(trees: TreeGroups) -> dict[str, float]:
 @partial(jax.jit, static_argnames=("config", "attn_impl", "chunk", "entropy", "keep_logits"))
 def _tree_rows_jit(params, trees, temperature, *, config, attn_impl, chunk, entropy,
                    keep_logits):
-    hidden, _ = Decoder(config, "forward", attn_impl, return_hidden=True).apply(
+    hidden, _ = Decoder(config, "tree", attn_impl, return_hidden=True).apply(
         {"params": params}, trees.tokens, trees.positions,
-        tree_mask(trees.segment_ids, trees.parents))
+        visible_until(trees.segment_ids, trees.parents))
     # token i is predicted by the hidden state at pred[i] (its path's previous token)
     at_pred = jnp.take_along_axis(hidden, jnp.maximum(trees.pred, 0)[:, :, None], axis=1)
     g, length = trees.tokens.shape

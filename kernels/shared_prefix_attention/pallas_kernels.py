@@ -36,17 +36,17 @@ def cdiv(x, b: int):
     return lax.div(x + (b - 1), b)
 
 
-def _dot_nt(a, b):
+def dot_nt(a, b):
     """a `[m, d]` . b `[n, d]`^T -> `[m, n]` fp32."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
 
-def _dot_tn(a, b):
+def dot_tn(a, b):
     """a `[m, n]`^T . b `[m, d]` -> `[n, d]` fp32."""
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
-def _dot_nn(a, b):
+def dot_nn(a, b):
     """a `[m, n]` . b `[n, d]` -> `[m, d]` fp32."""
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
 
@@ -59,10 +59,10 @@ def _two_loops(n_full, n_all, unmasked_body, masked_body, carry):
 
 # ----------------------------------------------------------------------------- forward
 
-def _softmax_step(carry, q, k, v, qk_scale, mask):
+def softmax_step(carry, q, k, v, qk_scale, mask):
     """Fold one key tile into the running (acc `[bq, Dp]`, m2 `[bq]`, l `[bq]`)."""
     acc, m, l = carry
-    s = _dot_nt(q, k) * qk_scale
+    s = dot_nt(q, k) * qk_scale
     if mask is not None:
         s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -71,16 +71,16 @@ def _softmax_step(carry, q, k, v, qk_scale, mask):
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
     l = alpha * l + jnp.sum(p, axis=-1)
-    acc = alpha[:, None] * acc + _dot_nn(p.astype(v.dtype), v)
+    acc = alpha[:, None] * acc + dot_nn(p.astype(v.dtype), v)
     return acc, m_new, l
 
 
-def _init_state(bq: int, dp: int):
+def init_state(bq: int, dp: int):
     return (jnp.zeros((bq, dp), _F32), jnp.full((bq,), -jnp.inf, _F32),
             jnp.zeros((bq,), _F32))
 
 
-def _store_output(o_ref, lse_ref, state, row_valid):
+def store_output(o_ref, lse_ref, state, row_valid):
     acc, m, l = state
     l_safe = jnp.where(l == 0.0, 1.0, l)
     o_ref[...] = jnp.where(row_valid[:, None], acc / l_safe[:, None], 0.0).astype(o_ref.dtype)
@@ -108,12 +108,12 @@ def fwd_prompt_kernel(plen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan, ti
         def step(t, state):
             cols = t * bk + jnp.arange(bk)
             mask = ((cols[None, :] <= rows[:, None]) & (cols < plen)[None, :]) if masked else None
-            return _softmax_step(state, q, k_ref[pl.ds(t * bk, bk), :],
+            return softmax_step(state, q, k_ref[pl.ds(t * bk, bk), :],
                                  v_ref[pl.ds(t * bk, bk), :], qk_scale, mask)
         return step
 
-    state = _two_loops(n_full, n_all, body(False), body(True), _init_state(bq, q.shape[-1]))
-    _store_output(o_ref, lse_ref, state, rows < plen)
+    state = _two_loops(n_full, n_all, body(False), body(True), init_state(bq, q.shape[-1]))
+    store_output(o_ref, lse_ref, state, rows < plen)
 
 
 def fwd_resp_kernel(plen_ref, rlen_ref, q_ref, kp_ref, vp_ref, kr_ref, vr_ref,
@@ -133,7 +133,7 @@ def fwd_resp_kernel(plen_ref, rlen_ref, q_ref, kp_ref, vp_ref, kr_ref, vr_ref,
         def step(t, state):
             cols = t * bkp + jnp.arange(bkp)
             mask = jnp.broadcast_to((cols < plen)[None, :], (bq, bkp)) if masked else None
-            return _softmax_step(state, q, kp_ref[pl.ds(t * bkp, bkp), :],
+            return softmax_step(state, q, kp_ref[pl.ds(t * bkp, bkp), :],
                                  vp_ref[pl.ds(t * bkp, bkp), :], qk_scale, mask)
         return step
 
@@ -141,24 +141,24 @@ def fwd_resp_kernel(plen_ref, rlen_ref, q_ref, kp_ref, vp_ref, kr_ref, vr_ref,
         def step(t, state):
             cols = t * bkr + jnp.arange(bkr)
             mask = ((cols[None, :] <= rows[:, None]) & (cols < rlen)[None, :]) if masked else None
-            return _softmax_step(state, q, kr_ref[pl.ds(t * bkr, bkr), :],
+            return softmax_step(state, q, kr_ref[pl.ds(t * bkr, bkr), :],
                                  vr_ref[pl.ds(t * bkr, bkr), :], qk_scale, mask)
         return step
 
     state = _two_loops(n_prompt_full, n_prompt, prompt_body(False), prompt_body(True),
-                       _init_state(bq, q.shape[-1]))
+                       init_state(bq, q.shape[-1]))
     state = _two_loops(n_own_full, n_own, own_body(False), own_body(True), state)
-    _store_output(o_ref, lse_ref, state, rows < rlen)
+    store_output(o_ref, lse_ref, state, rows < rlen)
 
 
 # ----------------------------------------------------------------------------- backward
 
 def _grad_tile(q, do, lse2, delta, k, v, qk_scale, mask):
     """Probabilities and score gradients `[bq, bk]` (without the softmax scale), fp32."""
-    p = jnp.exp2(_dot_nt(q, k) * qk_scale - lse2[:, None])
+    p = jnp.exp2(dot_nt(q, k) * qk_scale - lse2[:, None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    return p, p * (_dot_nt(do, v) - delta[:, None])
+    return p, p * (dot_nt(do, v) - delta[:, None])
 
 
 def _dq_step(q, do, lse2, delta, k_ref, v_ref, bk, qk_scale, mask_fn):
@@ -166,7 +166,7 @@ def _dq_step(q, do, lse2, delta, k_ref, v_ref, bk, qk_scale, mask_fn):
         k = k_ref[pl.ds(t * bk, bk), :]
         _, ds = _grad_tile(q, do, lse2, delta, k, v_ref[pl.ds(t * bk, bk), :], qk_scale,
                            None if mask_fn is None else mask_fn(t * bk + jnp.arange(bk)))
-        return dq + _dot_nn(ds.astype(k.dtype), k)
+        return dq + dot_nn(ds.astype(k.dtype), k)
     return step
 
 
@@ -221,7 +221,7 @@ def dq_resp_kernel(plen_ref, rlen_ref, q_ref, do_ref, lse_ref, delta_ref,
 def _accumulate_dkdv(carry, q, do, lse2, delta, k, v, qk_scale, mask):
     dk, dv = carry
     p, ds = _grad_tile(q, do, lse2, delta, k, v, qk_scale, mask)
-    return dk + _dot_tn(ds.astype(q.dtype), q), dv + _dot_tn(p.astype(do.dtype), do)
+    return dk + dot_tn(ds.astype(q.dtype), q), dv + dot_tn(p.astype(do.dtype), do)
 
 
 def _head_tile_loop(rep: int, first, count, tile_body, carry):
