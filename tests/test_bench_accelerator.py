@@ -251,7 +251,8 @@ def test_smoke_runs_every_part_without_optional_packages(tmp_path):
         *((k, i, d) for k in ("shared_prefix fwd+vjp", "segment_decode")
           for i in ("pallas_triton", "pallas_mosaic") for d in ("float32", "bfloat16")),
         *(("shared_prefix fwd+vjp", "split_xla", d) for d in ("float32", "bfloat16")),
-        *(("tree_decode", "pallas_triton", d) for d in ("float32", "bfloat16"))}
+        *((k, "pallas_triton", d) for k in ("tree_decode", "tree_attention fwd+vjp")
+          for d in ("float32", "bfloat16"))}
     assert all(r["ok"] for r in correct), correct
     assert all(r["max_rel_err"] < 1e-4 for r in correct if r["dtype"] == "float32")
     dual = {r["impl"]: r for r in saved["dualkv"]}

@@ -12,8 +12,9 @@ one time budget, every row written the moment it exists.
 
 Parts (GPU/TPU: the platform's kernels compiled; --smoke on CPU: Pallas in interpret mode):
   correctness  shared-prefix fwd+vjp of every impl (default, split_cudnn, pallas_triton,
-               split_xla), segment decode and the Triton tree decode kernel (LATR's
-               tree of segments) vs the references, bf16 and fp32, head_dim
+               split_xla), segment decode, the Triton tree decode kernel (LATR's
+               tree of segments) and the training tree attention's fwd+vjp (a packed
+               tree of forking responses) vs the references, bf16 and fp32, head_dim
                64 and 128, ragged lengths: max error relative to max(1, |reference|).
   dualkv       fwd+bwd at (N, P, R) = (16, 4096, 1024) and (8, 2048, 512), bf16, 32 / 8
                heads, head_dim 128: cuDNN on N copies FIRST, then ours (default = split

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from kernels.segment_decode import segment_decode_attention, tree_decode_attention
 from kernels.shared_prefix_attention import SplitOptions, shared_prefix_attention
+from kernels.tree_attention import tree_attention
 
 
 def _rand(key, shape, dtype):
@@ -76,8 +77,9 @@ def _spa_inputs(g, n, p, r, h, kvh, d, dtype, seed=1):
 def correctness(emit, *, dtype: str, head_dims: list, heads: int, kv_heads: int,
                 impls: list, shape: list, tol: float) -> None:
     """Each impl's shared-prefix fwd+vjp, the platform's segment decode and (Triton) the
-    tree decode kernel (`fork_spans`) against the references, at ragged lengths; one row
-    per (kernel, impl, head_dim). `impls` holds
+    tree decode kernel (`fork_spans`) and the training tree attention's fwd+vjp
+    (`packed_tree_kend`) against the references, at ragged lengths; one row per (kernel,
+    impl, head_dim). `impls` holds
     [impl, interpret] or [impl, interpret, SplitOptions fields]."""
     from kernels.shared_prefix_attention.cudnn import cudnn_supports
     g, n, p, r = shape
@@ -108,15 +110,29 @@ def correctness(emit, *, dtype: str, head_dims: list, heads: int, kv_heads: int,
                 *a, prompt_lengths=plen, resp_lo=lo, resp_hi=hi, impl=impl,
                 interpret=interpret))(qkv[3][:, :, 0], qkv[1], qkv[2], qkv[4], qkv[5])
 
+        kend = packed_tree_kend(g, n, p, r)
+        ks = jax.random.split(jax.random.PRNGKey(d), 4)
+        t_len = kend.shape[1]
+        tq, tct = (_rand(ks[i], (g, t_len, heads, d), dtype) for i in (0, 1))
+        tk, tv = (_rand(ks[i], (g, t_len, kv_heads, d), dtype) for i in (2, 3))
+
+        def train_tree(impl, interpret):
+            def fwd_vjp(*a):
+                out, vjp = jax.vjp(lambda *x: tree_attention(*x, kend, impl=impl,
+                                                             interpret=interpret), *a)
+                return out, vjp(tct)
+            return jax.jit(fwd_vjp)(tq, tk, tv)
+
         want = {"shared_prefix fwd+vjp": spa("reference", None),
-                "segment_decode": dec("reference", None), "tree_decode": tree("reference", None)}
+                "segment_decode": dec("reference", None), "tree_decode": tree("reference", None),
+                "tree_attention fwd+vjp": train_tree("reference", None)}
         for impl, interpret, *options in impls:
             options = options[0] if options else None
             kernels = [("shared_prefix fwd+vjp", functools.partial(spa, options=options))]
             if impl in (None, "pallas", "pallas_triton", "pallas_mosaic", "xla"):
                 kernels.append(("segment_decode", dec))
             if impl in ("pallas", "pallas_triton"):
-                kernels.append(("tree_decode", tree))
+                kernels += [("tree_decode", tree), ("tree_attention fwd+vjp", train_tree)]
             for kernel, run in kernels:
                 row = {"kernel": kernel, "impl": impl or "default", "dtype": dtype,
                        "head_dim": d, "tol": tol}
@@ -135,6 +151,26 @@ def correctness(emit, *, dtype: str, head_dims: list, heads: int, kv_heads: int,
                 except Exception as e:  # noqa: BLE001 - a failing kernel is a row
                     emit({**row, "status": "error", "ok": False,
                           "error": f"{type(e).__name__}: {str(e)[:600]}"})
+
+
+def packed_tree_kend(g: int, n: int, p: int, r: int) -> jax.Array:
+    """kend [g, T] of g packed trees (models.tree): a prompt of p tokens and n responses
+    of r, response i > 0 forking off response i - 1 after i * r // (n + 1) tokens."""
+    import numpy as np
+
+    from models.tree import pack_tree, stack_trees, visible_until
+
+    rng = np.random.default_rng(0)
+    trees = []
+    for _ in range(g):
+        prompt = rng.integers(0, 1000, p).tolist()
+        rows = [rng.integers(0, 1000, r).tolist()]
+        for i in range(1, n):
+            cut = i * r // (n + 1)
+            rows.append(rows[-1][:cut] + rng.integers(0, 1000, r - cut).tolist())
+        trees.append(pack_tree([prompt + x for x in rows]))
+    st = stack_trees(trees)
+    return visible_until(jnp.asarray(st["segment_ids"]), jnp.asarray(st["parents"]))
 
 
 def fork_spans(resp_lengths):
