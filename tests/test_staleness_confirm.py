@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from experiments.common.staleness_cells import cell_config
 from experiments.repro import staleness_confirm as sc
@@ -61,3 +62,46 @@ def test_the_committed_page_and_rows_are_generated_from_the_committed_json():
         base = [json.loads(p.read_text()) for p in (root / sc.CELLS_DIR).glob("naive_k0_s*.json")]
         gain = np.mean([np.mean(r["final_correct"]) - np.mean(r["initial_correct"]) for r in base])
         assert abs(gain - result["sync_gain"]) < 1e-4
+
+
+def _record(path, method, k, seed, initial, final, entropy, lr):
+    keys = ["step", *sc.LATE_KEYS]
+    train = [[i + 1, e, 20.0 - i, 0.1 * i] for i, e in enumerate(entropy)]
+    path.write_text(json.dumps({
+        "method": method, "k": k, "seed": seed, "initial_correct": initial,
+        "final_correct": final, "train_keys": keys, "train": train,
+        "run_config": {"train": {"optimizer": {"learning_rate": lr}}}}))
+
+
+def test_regime_rows_of_the_pilots_by_hand(tmp_path):
+    """Each pilot folder's row: the gain, the kept share and the paired difference as
+    counted by hand, late means over the last LATE_STEPS steps, k = 0 alone shown as such,
+    and cells of one folder at two rates refused."""
+    rng = np.random.default_rng(0)
+    init, sync, stale = (rng.integers(0, 2, 64).tolist() for _ in range(3))
+    ent = [1.0, 0.9, 0.5, 0.4, 0.3, 0.2]
+    a, b = tmp_path / "lr4e-5", tmp_path / "lr6e-5"
+    a.mkdir(), b.mkdir()
+    _record(a / "naive_k0_s100.json", "naive", 0, 100, init, sync, ent, 4e-5)
+    _record(a / "naive_k8_s100.json", "naive", sc.K, 100, init, stale, ent[::-1], 4e-5)
+    _record(b / "naive_k0_s100.json", "naive", 0, 100, init, sync, ent, 6e-5)
+    rows = sc.pilots(tmp_path)
+    assert [r["learning_rate"] for r in rows] == [4e-5, 6e-5]
+    r = rows[0]
+    gain = np.mean(sync) - np.mean(init)
+    assert r["sync_gain"] == np.float64(gain)
+    assert abs(r["kept"]["value"] - (np.mean(stale) - np.mean(init)) / gain) < 1e-12
+    d = np.mean(stale) - np.mean(sync)
+    assert abs(r["stale_minus_sync"]["value"] - d) < 1e-12
+    assert r["stale_minus_sync"]["low"] <= d <= r["stale_minus_sync"]["high"]
+    late = np.mean(ent[-sc.LATE_STEPS:])
+    assert abs(r["late"]["sync"]["entropy"] - late) < 1e-12
+    assert abs(r["late"]["stale"]["entropy"] - np.mean(ent[::-1][-sc.LATE_STEPS:])) < 1e-12
+    assert r["initial_entropy"] == 1.0
+    assert r["late"]["sync"]["response_len"] == 16.5  # lengths 18, 17, 16, 15
+    assert rows[1]["stale_final"] is None and "stale" not in rows[1]["late"]
+    page = "\n".join(sc.render_regimes(rows, sc.K))
+    assert "| 6e-05 (lr6e-5) | 1 | " in page and "| – | – | – |" in page
+    _record(b / "naive_k8_s100.json", "naive", sc.K, 100, init, stale, ent, 4e-5)
+    with pytest.raises(ValueError, match="different rates"):
+        sc.pilots(tmp_path)

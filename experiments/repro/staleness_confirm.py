@@ -33,6 +33,12 @@ docs/results/staleness-confirm.md before any cell ran): kept(m, k) = (m at k - i
 (sync - initial); staleness hurts at k when naive PPO's kept share has its 95 % interval
 below 0.8; m holds at k when kept(m, k) >= 0.8 and the paired interval of (m - naive PPO)
 lies above 0; reproduced / partly / not / untested from that.
+
+Pilots of other learning rates (`sweep --learning-rate R --seeds 100 --methods naive` into
+experiments/results/staleness_confirm_pilot/<folder>/) never enter the verdicts: the report
+puts each beside the study's cells in a table of the regimes tried (synchronous gain, naive
+PPO's kept share at k and its paired difference, entropy and response length late in the
+run; regime_row), so the page says how far the search for a regime where staleness hurts went.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ from experiments.common.offpolicy_methods import LABELS, METHODS
 from experiments.common.offpolicy_verdicts import (
     KEPT,
     RULE,
+    fmt,
     render_rows,
     run_machines,
     verdicts_from_tables,
@@ -63,6 +70,8 @@ from rl.runtime.logging import atomic_write_json
 NAME = "staleness_confirm"
 RESULTS = Path("experiments/results")
 CELLS_DIR = RESULTS / NAME
+# pilots of other learning rates (seed 100, outside the verdict seeds): one folder a rate
+PILOTS_DIR = RESULTS / f"{NAME}_pilot"
 RESULT = RESULTS / f"{NAME}.json"
 PAGE = Path("docs/results/staleness-confirm.md")
 README, INDEX = Path("README.md"), Path("docs/results/index.md")
@@ -169,7 +178,9 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT, page: bool = True) -
               "cells_finished": sorted(run_name(m, k, s) for (m, k), c in cells.items()
                                        for s in c),
               "rule": {"kept": KEPT, "ci": 0.95, "replicates": 4000},
-              "command": f"{COMMAND} report", "machine": ran_on, **(found or {})}
+              "command": f"{COMMAND} report", "machine": ran_on, **(found or {}),
+              "regimes": [r for r in [regime_row(cells, "the study's cells")] if r] +
+              (pilots(PILOTS_DIR) if page else [])}
     atomic_write_json(out, result)
     if found:
         plot(cells, result, out.with_suffix(".png"))
@@ -181,6 +192,61 @@ def report(cells_dir: Path = CELLS_DIR, out: Path = RESULT, page: bool = True) -
             replace_row(INDEX, summary_row(result, "staleness-confirm.md", index=True),
                         "Off-policy on SmolLM2", "Off-policy testbed")
     return result
+
+
+# the policy's state late in a run: the mean of each train metric over its last steps
+LATE_STEPS = 4
+LATE_KEYS = ("entropy", "response_len", "reward_mean")
+
+
+def late_means(record: dict, steps: int = LATE_STEPS) -> dict[str, float]:
+    """{metric: mean over the record's last `steps` train steps} for LATE_KEYS."""
+    keys, rows = record["train_keys"], record["train"][-steps:]
+    return {key: float(np.mean([r[keys.index(key)] for r in rows])) for key in LATE_KEYS}
+
+
+def regime_row(cells: dict[tuple[str, int], dict[int, dict]], name: str) -> dict | None:
+    """Naive PPO at k = 0 and k = K on the seeds both ran (k = 0 alone when K has no cell;
+    None without k = 0): the
+    learning rate (from the records' run config), the synchronous gain, naive PPO's kept
+    share at K and the paired (k = K) − (k = 0) difference over seeds and problems, the
+    policy's entropy at the first step and both runs' late train metrics (means over
+    seeds)."""
+    from experiments.common.paired import gain_kept, paired_bootstrap
+
+    base, stale = cells.get(("naive", 0), {}), cells.get(("naive", K), {})
+    seeds = sorted(set(base) & set(stale)) if stale else sorted(base)
+    if not seeds:
+        return None
+    sides = (("sync", base), ("stale", stale)) if stale else (("sync", base),)
+    table = lambda cell, key: np.asarray([cell[s][key] for s in seeds])  # noqa: E731
+    init, sync = table(base, "initial"), table(base, "final")
+    rates = {cell[s]["record"]["run_config"]["train"]["optimizer"]["learning_rate"]
+             for _, cell in sides for s in seeds}
+    if len(rates) != 1:
+        raise ValueError(f"{name}: naive PPO's cells ran at different rates {sorted(rates)}")
+    late = {side: {key: float(np.mean([late_means(cell[s]["record"])[key] for s in seeds]))
+                   for key in LATE_KEYS} for side, cell in sides}
+    entropy = base[seeds[0]]["record"]["train_keys"].index("entropy")
+    row = {"name": name, "learning_rate": rates.pop(), "seeds": seeds,
+           "initial_entropy": float(np.mean([base[s]["record"]["train"][0][entropy]
+                                              for s in seeds])),
+           "initial": float(init.mean()), "sync_final": float(sync.mean()),
+           "sync_gain": float(sync.mean() - init.mean()), "late": late,
+           "stale_final": None, "kept": None, "stale_minus_sync": None}
+    if stale:
+        mine = table(stale, "final")
+        row.update(stale_final=float(mine.mean()), kept=gain_kept(mine, sync, init).as_dict(),
+                   stale_minus_sync=paired_bootstrap(mine, sync).as_dict())
+    return row
+
+
+def pilots(pilots_dir: Path) -> list[dict]:
+    """regime_row of every pilot folder (one learning rate each) that holds both cells,
+    by rate."""
+    rows = [regime_row(load_tables(f), f.name) for f in sorted(pilots_dir.glob("*"))
+            if f.is_dir()]
+    return sorted((r for r in rows if r), key=lambda r: r["learning_rate"])
 
 
 def headline(found: dict | None, ran_on: str) -> dict:
@@ -247,7 +313,8 @@ def render_page(result: dict) -> str:
         lines += ["## Results", "",
                   f"Synchronous gain G = {result['sync_gain']:+.3f} (target ≥ +0.20); "
                   f"staleness hurts at k = {result['staleness_hurts_at'] or 'none'}.", "",
-                  *render_rows(result["rows"], "final greedy accuracy"), "", "| method | verdict |", "|---|---|"]
+                  *render_rows(result["rows"], "final greedy accuracy"), "",
+                  "| method | verdict |", "|---|---|"]
         lines += [f"| {LABELS[m]} | {v} |" for m, v in result["verdicts"].items()]
         missing = [c for c in result["cells_planned"] if c not in result["cells_finished"]]
         if missing:
@@ -255,8 +322,66 @@ def render_page(result: dict) -> str:
                       f"cells): {', '.join(missing)}. Cells with one seed resample the "
                       "problems only, not the seeds."]
         lines += ["", f"![greedy accuracy per cell](../../experiments/results/{NAME}.png)"]
+    lines += render_regimes(result.get("regimes") or [], result["k"])
     lines += ["", f"Machine: {result['machine']}. Command: `{result['command']}`."]
     return "\n".join(lines) + "\n"
+
+
+def render_regimes(rows: list[dict], k: int) -> list[str]:
+    """The page's section on the learning rates tried: one table line per regime row, and
+    what they show, computed from the rows."""
+    if not rows:
+        return []
+    lines = ["", "## Where staleness could hurt: the learning rates tried", "",
+             f"Naive PPO at k = 0 (synchronous) and k = {k} at the preset's rate (the study's "
+             "cells) and at higher rates (pilots: one seed, 100, outside the verdict seeds; "
+             f"`{COMMAND} sweep --learning-rate R --seeds 100 --methods naive --runs-dir "
+             f"experiments/results/{NAME}_pilot/lrR --work-dir W`). Intervals are paired over "
+             f"the eval problems (and seeds where there are several); *late* is the mean over "
+             f"the last {LATE_STEPS} train steps.", "",
+             f"| learning rate | seeds | initial | synchronous final (gain) | k = {k} final | "
+             f"kept share of the gain [95 % CI] | k = {k} − synchronous [95 % CI] | "
+             f"entropy: step 1 → late, sync / k = {k} | late response tokens, sync / "
+             f"k = {k} | late batch reward, sync / k = {k} |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    def pair(late: dict, key: str, spec: str) -> str:
+        return " / ".join("–" if side not in late else format(late[side][key], spec)
+                          for side in ("sync", "stale"))
+
+    for r in rows:
+        stale = "–" if r["stale_final"] is None else f"{r['stale_final']:.3f}"
+        lines.append(
+            f"| {r['learning_rate']:g} ({r['name']}) | {len(r['seeds'])} | {r['initial']:.3f} | "
+            f"{r['sync_final']:.3f} ({r['sync_gain']:+.3f}) | {stale} | {fmt(r['kept'])} | "
+            f"{fmt(r['stale_minus_sync'])} | {r['initial_entropy']:.2f} → "
+            f"{pair(r['late'], 'entropy', '.2f')} | {pair(r['late'], 'response_len', '.1f')} | "
+            f"{pair(r['late'], 'reward_mean', '.2f')} |")
+    both = [r for r in rows if r["stale_minus_sync"]]
+    below = [r for r in both if (r["stale_minus_sync"]["high"] or 0) < 0]
+    above = [r for r in both if (r["stale_minus_sync"]["low"] or 0) > 0]
+    collapse = [r for r in both if r["late"]["sync"]["entropy"] < r["late"]["stale"]["entropy"]
+                and r["late"]["sync"]["response_len"] < r["late"]["stale"]["response_len"]]
+    weak = [r for r in rows if r["sync_gain"] < 0.2]
+    lines += ["", f"- Stale data (k = {k}) ended below synchronous training at {len(below)} of "
+              f"the {len(both)} rates with both cells and above it at {len(above)} (paired "
+              "intervals that exclude 0); no rate tried is a regime where staleness hurts, so "
+              "every correction's verdict here stays *untested*.",
+              f"- Synchronous training gained less than the +0.20 a verdict needs at "
+              f"{len(weak)} of {len(rows)} rates"
+              + (f" ({', '.join(format(r['learning_rate'], 'g') for r in weak)})"
+                 if weak else "") + ": a higher rate does not give a stronger baseline here.",
+              f"- At {len(collapse)} of {len(both)} rates with both cells the synchronous "
+              "policy's entropy fell further than the stale one's and its responses grew "
+              f"shorter. Our reading (not tested apart): with data {k} versions old the policy "
+              "moves more slowly, and at the last step that slower policy answers more "
+              "held-out problems greedily; stale data damps the collapse onto short answers "
+              "rather than misleading the update.",
+              "- What would give a regime where staleness hurts: k comparable to the time the "
+              "policy takes to settle and a run long enough after it (as on the toy testbed, "
+              "whose largest k is a sixth of its run, on its own page); at this model's cost "
+              "on 2 cores such a grid of 3 seeds does not fit a session, and runs/ does not "
+              "survive between sessions."]
+    return lines
 
 
 def plot(cells: dict, result: dict, path: Path) -> None:
