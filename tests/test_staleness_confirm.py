@@ -68,7 +68,7 @@ def _record(path, method, k, seed, initial, final, entropy, lr):
     keys = ["step", *sc.LATE_KEYS]
     train = [[i + 1, e, 20.0 - i, 0.1 * i] for i, e in enumerate(entropy)]
     path.write_text(json.dumps({
-        "method": method, "k": k, "seed": seed, "initial_correct": initial,
+        "method": method, "k": k, "seed": seed, "steps": 24, "initial_correct": initial,
         "final_correct": final, "train_keys": keys, "train": train,
         "run_config": {"train": {"optimizer": {"learning_rate": lr}}}}))
 
@@ -100,8 +100,15 @@ def test_regime_rows_of_the_pilots_by_hand(tmp_path):
     assert r["initial_entropy"] == 1.0
     assert r["late"]["sync"]["response_len"] == 16.5  # lengths 18, 17, 16, 15
     assert rows[1]["stale_final"] is None and "stale" not in rows[1]["late"]
-    page = "\n".join(sc.render_regimes(rows, sc.K))
-    assert "| 6e-05 (lr6e-5) | 1 | " in page and "| – | – | – |" in page
+    page = "\n".join(sc.render_regimes(rows))
+    assert "| 6e-05, 24, 8 (lr6e-5) | 1 | " in page and "| – | – | – |" in page
+    assert r["k"] == sc.K and r["steps"] == 24
+    c = tmp_path / "k16"  # a pilot of another k: its stale cell is its largest k
+    c.mkdir()
+    _record(c / "naive_k0_s100.json", "naive", 0, 100, init, sync, ent, 2e-5)
+    _record(c / "naive_k16_s100.json", "naive", 16, 100, init, stale, ent, 2e-5)
+    assert sc.pilots(tmp_path)[0]["k"] == 16
+    assert sc.pilots(tmp_path)[0]["stale_minus_sync"]["value"] == r["stale_minus_sync"]["value"]
     _record(b / "naive_k8_s100.json", "naive", sc.K, 100, init, stale, ent, 4e-5)
     with pytest.raises(ValueError, match="different rates"):
         sc.pilots(tmp_path)

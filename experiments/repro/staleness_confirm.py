@@ -34,8 +34,9 @@ docs/results/staleness-confirm.md before any cell ran): kept(m, k) = (m at k - i
 below 0.8; m holds at k when kept(m, k) >= 0.8 and the paired interval of (m - naive PPO)
 lies above 0; reproduced / partly / not / untested from that.
 
-Pilots of other learning rates (`sweep --learning-rate R --seeds 100 --methods naive` into
-experiments/results/staleness_confirm_pilot/<folder>/) never enter the verdicts: the report
+Pilots of other learning rates, run lengths or k (`sweep --seeds 100 --methods naive
+[--learning-rate R] [--steps N --k K]` into experiments/results/staleness_confirm_pilot/<folder>/)
+never enter the verdicts: the report
 puts each beside the study's cells in a table of the regimes tried (synchronous gain, naive
 PPO's kept share at k and its paired difference, entropy and response length late in the
 run; regime_row), so the page says how far the search for a regime where staleness hurts went.
@@ -206,15 +207,16 @@ def late_means(record: dict, steps: int = LATE_STEPS) -> dict[str, float]:
 
 
 def regime_row(cells: dict[tuple[str, int], dict[int, dict]], name: str) -> dict | None:
-    """Naive PPO at k = 0 and k = K on the seeds both ran (k = 0 alone when K has no cell;
-    None without k = 0): the
+    """Naive PPO at k = 0 and its largest k > 0 (K when it has none) on the seeds both ran
+    (k = 0 alone when there is no such cell; None without k = 0): the steps, the
     learning rate (from the records' run config), the synchronous gain, naive PPO's kept
-    share at K and the paired (k = K) − (k = 0) difference over seeds and problems, the
+    share at k and the paired (k) − (k = 0) difference over seeds and problems, the
     policy's entropy at the first step and both runs' late train metrics (means over
     seeds)."""
     from experiments.common.paired import gain_kept, paired_bootstrap
 
-    base, stale = cells.get(("naive", 0), {}), cells.get(("naive", K), {})
+    k = max([k for m, k in cells if m == "naive" and k > 0], default=K)
+    base, stale = cells.get(("naive", 0), {}), cells.get(("naive", k), {})
     seeds = sorted(set(base) & set(stale)) if stale else sorted(base)
     if not seeds:
         return None
@@ -228,7 +230,8 @@ def regime_row(cells: dict[tuple[str, int], dict[int, dict]], name: str) -> dict
     late = {side: {key: float(np.mean([late_means(cell[s]["record"])[key] for s in seeds]))
                    for key in LATE_KEYS} for side, cell in sides}
     entropy = base[seeds[0]]["record"]["train_keys"].index("entropy")
-    row = {"name": name, "learning_rate": rates.pop(), "seeds": seeds,
+    row = {"name": name, "learning_rate": rates.pop(), "seeds": seeds, "k": k,
+           "steps": int(base[seeds[0]]["record"]["steps"]),
            "initial_entropy": float(np.mean([base[s]["record"]["train"][0][entropy]
                                               for s in seeds])),
            "initial": float(init.mean()), "sync_final": float(sync.mean()),
@@ -322,36 +325,40 @@ def render_page(result: dict) -> str:
                       f"cells): {', '.join(missing)}. Cells with one seed resample the "
                       "problems only, not the seeds."]
         lines += ["", f"![greedy accuracy per cell](../../experiments/results/{NAME}.png)"]
-    lines += render_regimes(result.get("regimes") or [], result["k"])
+    lines += render_regimes(result.get("regimes") or [])
     lines += ["", f"Machine: {result['machine']}. Command: `{result['command']}`."]
     return "\n".join(lines) + "\n"
 
 
-def render_regimes(rows: list[dict], k: int) -> list[str]:
-    """The page's section on the learning rates tried: one table line per regime row, and
-    what they show, computed from the rows."""
+def render_regimes(rows: list[dict]) -> list[str]:
+    """The page's section on the regimes tried: one table line per regime row (learning
+    rate, steps, k), and what they show, computed from the rows."""
     if not rows:
         return []
-    lines = ["", "## Where staleness could hurt: the learning rates tried", "",
-             f"Naive PPO at k = 0 (synchronous) and k = {k} at the preset's rate (the study's "
-             "cells) and at higher rates (pilots: one seed, 100, outside the verdict seeds; "
-             f"`{COMMAND} sweep --learning-rate R --seeds 100 --methods naive --runs-dir "
-             f"experiments/results/{NAME}_pilot/lrR --work-dir W`). Intervals are paired over "
-             f"the eval problems (and seeds where there are several); *late* is the mean over "
+    lines = ["", "## Where staleness could hurt: the regimes tried", "",
+             "Naive PPO at k = 0 (synchronous) and at a stale k, at the preset's rate (the "
+             "study's cells) and in pilots of other rates, run lengths or k (one seed, 100, "
+             f"outside the verdict seeds; `{COMMAND} sweep --seeds 100 --methods naive "
+             "[--learning-rate R] [--steps N --k K] --runs-dir "
+             f"experiments/results/{NAME}_pilot/NAME --work-dir W`). Intervals are paired over "
+             "the eval problems (and seeds where there are several); *late* is the mean over "
              f"the last {LATE_STEPS} train steps.", "",
-             f"| learning rate | seeds | initial | synchronous final (gain) | k = {k} final | "
-             f"kept share of the gain [95 % CI] | k = {k} − synchronous [95 % CI] | "
-             f"entropy: step 1 → late, sync / k = {k} | late response tokens, sync / "
-             f"k = {k} | late batch reward, sync / k = {k} |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| regime: rate, steps, k | seeds | initial | synchronous final (gain) | stale "
+             "final | kept share of the gain [95 % CI] | stale − synchronous [95 % CI] | "
+             "entropy: step 1 → late, sync / stale | late response tokens, sync / stale | "
+             "late batch reward, sync / stale |", "|---|---|---|---|---|---|---|---|---|---|"]
+
     def pair(late: dict, key: str, spec: str) -> str:
         return " / ".join("–" if side not in late else format(late[side][key], spec)
                           for side in ("sync", "stale"))
 
+    def label(r: dict) -> str:
+        return f"{r['learning_rate']:g}, {r['steps']}, {r['k']} ({r['name']})"
+
     for r in rows:
         stale = "–" if r["stale_final"] is None else f"{r['stale_final']:.3f}"
         lines.append(
-            f"| {r['learning_rate']:g} ({r['name']}) | {len(r['seeds'])} | {r['initial']:.3f} | "
+            f"| {label(r)} | {len(r['seeds'])} | {r['initial']:.3f} | "
             f"{r['sync_final']:.3f} ({r['sync_gain']:+.3f}) | {stale} | {fmt(r['kept'])} | "
             f"{fmt(r['stale_minus_sync'])} | {r['initial_entropy']:.2f} → "
             f"{pair(r['late'], 'entropy', '.2f')} | {pair(r['late'], 'response_len', '.1f')} | "
@@ -362,20 +369,23 @@ def render_regimes(rows: list[dict], k: int) -> list[str]:
     collapse = [r for r in both if r["late"]["sync"]["entropy"] < r["late"]["stale"]["entropy"]
                 and r["late"]["sync"]["response_len"] < r["late"]["stale"]["response_len"]]
     weak = [r for r in rows if r["sync_gain"] < 0.2]
-    lines += ["", f"- Stale data (k = {k}) ended below synchronous training at {len(below)} of "
-              f"the {len(both)} rates with both cells and above it at {len(above)} (paired "
-              "intervals that exclude 0); no rate tried is a regime where staleness hurts, so "
-              "every correction's verdict here stays *untested*.",
-              f"- Synchronous training gained less than the +0.20 a verdict needs at "
-              f"{len(weak)} of {len(rows)} rates"
-              + (f" ({', '.join(format(r['learning_rate'], 'g') for r in weak)})"
-                 if weak else "") + ": a higher rate does not give a stronger baseline here.",
-              f"- At {len(collapse)} of {len(both)} rates with both cells the synchronous "
+    names = lambda rs: ", ".join(r["name"] for r in rs)  # noqa: E731
+    lines += ["", f"- Stale data ended below synchronous training in {len(below)} of the "
+              f"{len(both)} regimes with both cells" + (f" ({names(below)})" if below else "")
+              + f" and above it in {len(above)}" + (f" ({names(above)})" if above else "")
+              + " (paired intervals that exclude 0). "
+              + ("A regime where stale data ends below is a candidate only: a verdict needs "
+                 "its cells at 3 seeds." if below else
+                 "No regime tried is one where staleness hurts, so every correction's "
+                 "verdict here stays *untested*."),
+              f"- Synchronous training gained less than the +0.20 a verdict needs in "
+              f"{len(weak)} of {len(rows)} regimes" + (f" ({names(weak)})" if weak else "") + ".",
+              f"- In {len(collapse)} of the {len(both)} regimes with both cells the synchronous "
               "policy's entropy fell further than the stale one's and its responses grew "
-              f"shorter. Our reading (not tested apart): with data {k} versions old the policy "
-              "moves more slowly, and at the last step that slower policy answers more "
-              "held-out problems greedily; stale data damps the collapse onto short answers "
-              "rather than misleading the update.",
+              "shorter. Our reading (not tested apart): with stale data the policy moves more "
+              "slowly, and at the last step that slower policy answers more held-out problems "
+              "greedily; stale data damps the collapse onto short answers rather than "
+              "misleading the update.",
               "- What would give a regime where staleness hurts: k comparable to the time the "
               "policy takes to settle and a run long enough after it (as on the toy testbed, "
               "whose largest k is a sixth of its run, on its own page); at this model's cost "
@@ -429,19 +439,30 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--learning-rate", type=float,
                    help="the learner's peak rate instead of the preset's (a pilot of another "
                         "regime: give it its own --runs-dir and --work-dir)")
+    s.add_argument("--steps", type=int,
+                   help="train steps a cell instead of the study's (a pilot: its own --runs-dir)")
+    s.add_argument("--k", type=int, default=K,
+                   help="the stale cells' k instead of the study's (a pilot: its own --runs-dir)")
     s.add_argument("--runs-dir", default=str(CELLS_DIR))
     s.add_argument("--work-dir", default=str(WORK_DIR))
     r = sub.add_parser("report")
     r.add_argument("--runs-dir", default=str(CELLS_DIR))
     args = p.parse_args(argv)
     if args.cmd == "sweep":
-        cells = [c for c in grid(args.seeds) if not args.methods or c[0] in args.methods]
+        cells = [c for c in grid(args.seeds, args.k)
+                 if not args.methods or c[0] in args.methods]
         setup = smoke_setup() if args.smoke else SETUP
+        other = [f for f, on in (("--learning-rate", args.learning_rate is not None),
+                                 ("--steps", args.steps is not None), ("--k", args.k != K)) if on]
+        if other and Path(args.runs_dir) == CELLS_DIR:
+            p.error(f"{' and '.join(other)} give another regime: give it its own --runs-dir "
+                    "(the committed cells are the study's)")
         if args.learning_rate is not None:
-            if Path(args.runs_dir) == CELLS_DIR:
-                p.error("--learning-rate is another regime: give it its own --runs-dir (the "
-                        "committed cells are the preset's rate)")
             setup = dataclasses.replace(setup, learning_rate=args.learning_rate)
+        if args.steps is not None:
+            if not args.k < args.steps:
+                p.error(f"--k {args.k} must be below --steps {args.steps}")
+            setup = dataclasses.replace(setup, steps=args.steps, eval_every=args.steps)
         sweep(cells, args.max_cells, setup, Path(args.runs_dir), Path(args.work_dir), args.force)
     else:
         out = report(Path(args.runs_dir)) if Path(args.runs_dir) == CELLS_DIR else \
