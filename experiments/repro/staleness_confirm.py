@@ -326,7 +326,10 @@ def render_page(result: dict) -> str:
                       "problems only, not the seeds."]
         lines += ["", f"![greedy accuracy per cell](../../experiments/results/{NAME}.png)"]
     lines += render_regimes(result.get("regimes") or [])
-    lines += ["", f"Machine: {result['machine']}. Command: `{result['command']}`."]
+    lines += ["", f"Cells: experiments/results/{NAME}/ (the study's), "
+              f"experiments/results/{NAME}_pilot/ (the pilots), one JSON a cell with its run "
+              "config, curves and per-problem results.", "",
+              f"Machine: {result['machine']}. Command: `{result['command']}`."]
     return "\n".join(lines) + "\n"
 
 
