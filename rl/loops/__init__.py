@@ -21,6 +21,8 @@
                   log-probs (exact / EWMA), APRIL's source, side files; train_config_for
     producer      the producer thread's work (RolloutProducer), APRIL rounds over the
                   stream (AprilSource), APRIL's off-policy prefix mask
+    shared_engine SharedEngine: a Ray worker's concurrent continuous requests in one
+                  engine (a slot a finished group frees takes any request's next prompt)
     buffer        TrajectoryBuffer: scored groups between producer and learner (AReaL's
                   admission rule, staleness policies)
     batches       StreamSampler and sample_batch_groups (a step's groups from the train

@@ -53,12 +53,13 @@ launched as any multi-process run, with the Ray settings): each learner process 
 own N workers (named with its process index), which sample its contiguous share of every
 request's prompts (StreamSampler.shard = (process index, K); rng keys by global group id),
 so the group trains on the one-process run's global batch (tested: 2 processes x 1 device
-equal 1 process x 2 devices, stopped after 2 steps and resumed too). The buffer holds a process's share of each step; the rng
-chain is the same on every process (the state's rng, gathered); each process puts each
-version once into its node's object store (a gather from the mesh first: a collective
-every process takes part in, at the same requests, since the schedule is fixed); process
-0 writes the ring's versions beside a checkpoint. Deterministic schedule only, with
-proximal "current" or "versions" (rl.loops.validation.check_learner_group says why).
+equal 1 process x 2 devices, stopped after 2 steps and resumed too). The buffer holds a
+process's share of each step; the rng chain is the same on every process (the state's
+rng, gathered); each process puts each version once into its node's object store (a
+gather from the mesh first: a collective every process takes part in, at the same
+requests, since the schedule is fixed); process 0 writes the ring's versions beside a
+checkpoint. Deterministic schedule only, with proximal "current" or "versions"
+(rl.loops.validation.check_learner_group says why).
 
 Streaming (RayStreamSource, AsyncConfig.mode = "threaded"): the threaded producer's
 counterpart on the same workers and weight sync. Where RaySource follows the deterministic
@@ -98,8 +99,9 @@ round) and takes the newest version its worker knows at each segment boundary
 carries the version it was drawn under; the keys and values written before a swap stay
 the older version's, as in-process. mixed_version_rows in the record counts the rows of a
 batch drawn under more than one version. A restarted worker knows only its request's
-version until the next publish. Unlike the in-process continuous producer, finished slots
-are not refilled with the next request's prompts (each request is its own round).
+version until the next publish. A worker's concurrent requests share one engine
+(rl.loops.shared_engine): a slot a finished group frees takes the next queued prompt of
+any request, as the in-process continuous producer refills its engine.
 
 Not on Ray yet: APRIL rounds, prompt schedulers, online pruning and dynamic sampling
 (their side state lives with the sampler); `RunConfig.validate` refuses them with the
@@ -125,6 +127,7 @@ from rl.loops.batches import StreamSampler, sample_batch_groups
 from rl.loops.episodes import is_episodic, own_records
 from rl.loops.producer import sample_round
 from rl.loops.rollouts import rollout_seed
+from rl.loops.shared_engine import SharedEngine
 from rl.loops.source import Taken
 from rl.runtime.distributed import process_local
 
@@ -188,11 +191,14 @@ class RolloutWorker:
     prompts; None: all of them)."""
 
     def __init__(self, spec: Any, train: Any, loop: Any, affinity: tuple[int, ...] = (),
-                 shard: tuple[int, int] | None = None):
+                 shard: tuple[int, int] | None = None, requests: int = 1):
         if affinity:  # before JAX starts its thread pool in this process
             import os
             os.sched_setaffinity(0, set(affinity))
         self.sampler = StreamSampler(spec=spec, config=train, loop=loop, shard=shard)
+        # continuous: the requests' one engine (rl.loops.shared_engine; not for episodes)
+        self.shared = None if is_episodic(spec.task) else SharedEngine(
+            spec, requests * self.sampler.loop.prompts_per_step * spec.group_size)
         self._lock = threading.Lock()
         self._published: tuple[int, Any] = (-1, None)  # (newest version, its ObjectRef)
         self._decoded: tuple[int, Any] = (-1, None)  # (version, sampler params) last read
@@ -270,17 +276,19 @@ class RolloutWorker:
     def sample_inflight(self, params: Any, version: int, rng: np.ndarray, position: int,
                         lora: Any = None) -> tuple[list, np.ndarray, int, dict, float, Any]:
         """sample()'s answer, for AsyncConfig.rollout = "continuous": one request's b
-        groups sampled segment by segment (rl.loops.producer.sample_round, the threaded
-        producer's round), each segment with the newest version published to this worker
-        by then (in-flight weight updates: a token carries the version it was drawn
-        under)."""
+        groups sampled segment by segment in the worker's engine that its concurrent
+        requests share (rl.loops.shared_engine; an environment's: the request's own round,
+        rl.loops.producer.sample_round), each segment with the newest version published
+        to this worker by then (in-flight weight updates: a token carries the version it
+        was drawn under)."""
         t0 = time.perf_counter()
         sampler = self.own_sampler()
         spec, b = sampler.spec, sampler.loop.prompts_per_step
         seed, key = rollout_seed(jnp.asarray(rng, jnp.uint32))
         prompts = spec.task.train_prompts(int(position), b)
-        groups, tokens = sample_round(spec, b * spec.group_size, seed, prompts,
-                                      lambda: self.newest(params, version, lora))
+        latest = lambda: self.newest(params, version, lora)  # noqa: E731
+        groups, tokens = sample_round(spec, b * spec.group_size, seed, prompts, latest) \
+            if self.shared is None else self.shared.sample(seed, prompts, latest)
         task = spec.task
         episodes = (task.take_records(), task.take_engine_stats()) if is_episodic(task) \
             else None
@@ -332,7 +340,8 @@ class RaySource(AsyncSource):
         process = 0 if shard is None else shard[0]
         self.workers = [actor.options(name=worker_name(run.config.output_dir, i, process),
                                       **opts)
-                        .remote(run.spec, run.train, run.loop, self.acfg.worker_affinity, shard)
+                        .remote(run.spec, run.train, run.loop, self.acfg.worker_affinity, shard,
+                                self.acfg.worker_requests)
                         for i in range(self.acfg.rollout_workers)]
         v = int(run.state.version)
         rng = jax.device_get(process_local(run.state.rng))  # a learner group: every process's

@@ -337,13 +337,17 @@ def test_continuous_streaming_at_eta0_is_the_synchronous_run(policy, in_process,
     assert [r["mixed_version_rows"] for r in got.train] == [0.0] * 4
 
 
-def test_continuous_streaming_keeps_the_staleness_bound(policy, tmp_path, local_ray):
-    """Continuous rollouts on two streaming workers at η = 2 over 6 steps: every token
-    trained is at most 2 versions old, the buffer's books balance, and the rows drawn
-    under two versions (mixed_version_rows) are a share in [0, 1]."""
+@pytest.mark.parametrize("workers, requests", [(2, 1), (1, 2)])
+def test_continuous_streaming_keeps_the_staleness_bound(policy, tmp_path, local_ray, workers,
+                                                        requests):
+    """Continuous rollouts at η = 2 over 6 steps, on two streaming workers or on one whose
+    two requests share its engine: every token trained is at most 2 versions old, the
+    buffer's books balance, and the rows drawn under two versions (mixed_version_rows) are
+    a share in [0, 1]."""
     config, params, task = policy
     loop = dataclasses.replace(LOOP, steps=6)
-    remote = AsyncConfig(max_staleness=2, mode="threaded", backend="ray", rollout_workers=2,
+    remote = AsyncConfig(max_staleness=2, mode="threaded", backend="ray",
+                         rollout_workers=workers, worker_requests=requests,
                          rollout="continuous")
     got = run_async(config, params, task, cfg(tmp_path / "c2", loop, asynchronous=remote))
     assert [r["step"] for r in got.train] == list(range(1, 7))
