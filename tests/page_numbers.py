@@ -19,8 +19,11 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# a number, maybe with thousands commas, not inside a word or path; "2.36x" counts
-NUMBER = re.compile(r"(?<![\w.\-/#])[-−]?\d+(?:,\d{3})*(?:\.\d+)?(?=x\b|[^\w/]|$)")
+# a number, maybe with thousands commas, not inside a word, path or version ("jax
+# 0.10.2" holds none); "2.36x" and "186.7k" (looked up with the kilo factor) count, and
+# so does a number ending a sentence
+NUMBER = re.compile(
+    r"(?<![\w.\-/#])[-−]?\d+(?:,\d{3})*(?:\.\d+)?(?=[xk]\b|[^\w/.]|\.(?!\d)|$)")
 JSON_REF = re.compile(r"experiments/results/[\w/.\-]+\.json")
 DIR_REF = re.compile(r"experiments/results/[\w.\-]+(?:/[\w.\-]+)*/(?![\w.\-])")
 PAGE_LINK = re.compile(r"\(((?:docs/results/)?[\w\-]+\.md)\)")

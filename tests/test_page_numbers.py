@@ -66,3 +66,13 @@ def test_the_check_finds_an_untraced_number_and_accepts_a_rounded_one(tmp_path):
     (results / "bench_x.json").unlink()  # a page naming a file that is not there
     assert untraced(page, tmp_path) == Counter({"1.23": 1, "31.2": 1, "17.5": 1,
                                                 "98.7": 1, "42": 1})
+
+
+def test_versions_are_not_numbers_and_a_kilo_suffix_is_looked_up_scaled(tmp_path):
+    results = tmp_path / "experiments/results"
+    results.mkdir(parents=True)
+    (results / "r.json").write_text(json.dumps({"tok_s": 12540.0, "jax": "0.10.2"}))
+    page = tmp_path / "p.md"
+    page.write_text("From experiments/results/r.json: jax 0.10.2 and 4.11.9 give 12.5k tok/s, "
+                    "not 7.7k; it ends at 12.54.\n")
+    assert untraced(page, tmp_path) == Counter({"7.7": 1})
