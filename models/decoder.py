@@ -416,13 +416,7 @@ def forward(
     logits_at [batch, K] int in [0, seq) (optional): return logits [batch, K, vocab] at
     only those positions, skipping the vocabulary head elsewhere.
     """
-    validate_tokens(tokens, config)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    _check_shape("positions", positions, tokens.shape)
+    tokens, positions = _rows_and_positions(tokens, positions, config)
     _check_positions(positions, config)
     if segment_ids is None:
         segment_ids = jnp.ones(tokens.shape, jnp.int32)
@@ -432,6 +426,18 @@ def forward(
     return _forward_jit(params, tokens, jnp.asarray(positions, jnp.int32),
                         jnp.asarray(segment_ids, jnp.int32), logits_at,
                         config=config, attn_impl=attn_impl)
+
+
+def _rows_and_positions(tokens, positions, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """tokens [batch, seq] int32 (vocabulary checked), positions (default arange per row)."""
+    validate_tokens(tokens, config)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    _check_shape("positions", positions, tokens.shape)
+    return tokens, positions
 
 
 @partial(jax.jit, static_argnames=("config", "attn_impl"))
@@ -449,13 +455,7 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
     the compute dtype) of tokens [batch, seq] int, each row one causal sequence (positions
     [batch, seq] default to arange(seq)). Padding after a row's tokens does not change the
     states before it."""
-    validate_tokens(tokens, config)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    _check_shape("positions", positions, tokens.shape)
+    tokens, positions = _rows_and_positions(tokens, positions, config)
     return _hidden_jit(params, tokens, jnp.asarray(positions, jnp.int32), config=config,
                        attn_impl=attn_impl)
 
