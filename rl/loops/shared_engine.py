@@ -47,6 +47,7 @@ class SharedEngine:
         self._owner: dict[int, int] = {}  # engine group id -> request id
         self._done: dict[int, list[tuple[int, ScoredGroup]]] = {}  # request -> its groups
         self._next_request = 0
+        self._want: dict[int, int] = {}  # request -> groups it queued
         self._failed: dict[int, BaseException] = {}  # request -> the error it fails with
 
     def _arrive(self, seed: int, prompts: list) -> int:
@@ -58,7 +59,7 @@ class SharedEngine:
             rid, self._next_request = self._next_request, self._next_request + 1
             self._pending.update(ids)
             self._owner.update({g: rid for g in ids})
-            self._done[rid] = []
+            self._done[rid], self._want[rid] = [], len(ids)
         return rid
 
     def _segment(self, latest: Callable[[], tuple[Any, int]]) -> int:
@@ -76,6 +77,7 @@ class SharedEngine:
         with self._state:
             if rid in self._failed:
                 err = self._failed.pop(rid)
+                self._want.pop(rid, None)
                 raise RuntimeError("the worker's shared engine failed in another request's "
                                    f"segment: {err!r}") from err
             return len(self._done[rid]) >= want
@@ -83,15 +85,17 @@ class SharedEngine:
     def _take(self, rid: int) -> list[ScoredGroup]:
         with self._state:
             groups = self._done.pop(rid)
+            del self._want[rid]
         return [g for _, g in sorted(groups, key=lambda x: x[0])]
 
     def _fail(self, err: BaseException) -> None:
-        """A segment raised: every request in the engine fails with it; the next request
-        starts a fresh engine."""
-        with self._state:
-            for rid in self._done:
+        """A segment raised: every request with groups still in the engine fails with it;
+        the next request starts a fresh engine."""
+        with self._state:  # a request whose groups are all back keeps them
+            for rid in [r for r, got in self._done.items() if len(got) < self._want[r]]:
                 self._failed[rid] = err
-            self._done, self._pending, self._owner = {}, {}, {}
+                del self._done[rid]
+            self._pending, self._owner = {}, {}
         retire_engine(self._engine, self.spec.task)
         self._engine = None
 
@@ -120,6 +124,7 @@ class SharedEngine:
                     self._fail(err)
                     with self._state:
                         self._failed.pop(rid, None)
+                        self._want.pop(rid, None)
                     raise
             finally:
                 self._step.release()
