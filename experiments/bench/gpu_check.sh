@@ -67,25 +67,30 @@ step() {  # step NAME TIMEOUT COMMAND...: one step under its timeout; its tail i
   tail -40 "$LOGS/$name.log" | tee -a "$OUT/once.log"
 }
 
-# `next` (<= 9.5 minutes, 6 files in $OUT): what the first `once` call (H100, 2026-11-26)
-# skipped for lack of budget, most wanted first:
+# `next` (<= 9.5 minutes, 7 files in $OUT): what the first `once` call (H100, 2026-11-26)
+# skipped for lack of budget and the kernels added since, most wanted first:
+#   accelerator --parts correctness  fp32 and every head dim on Hopper (the H100 part timed
+#                               out after 8 rows), the tree_decode and tree_attention
+#                               fwd+vjp Triton kernels against their references   budget 100 s
 #   accelerator --parts train   issue 32's model path (packed vs unpacked at long shapes)
-#                               and every train row                        budget 180 s
+#                               and every train row                        budget 160 s
 #   accelerator --parts dualkv  the headline again (a second run: its spread), the fused
-#                               Triton kernel, the copies_pallas_flash baseline  budget 100 s
+#                               Triton kernel, the copies_pallas_flash baseline  budget 90 s
 #   accelerator --speed         issue 33 with profiler-trace summaries of the decode and
-#                               train steps, the torch peer (now micro-batched)  budget 140 s
-#   accelerator --parts tune    issue 32's tuned table -> $OUT/tuned/      budget 120 s
+#                               train steps, the torch peer (now micro-batched)  budget 110 s
+#   accelerator --parts tune    issue 32's tuned table -> $OUT/tuned/      budget 60 s
 if [ "${1:-}" = "next" ]; then
   header once.log next
   acc=(python3 -m experiments.bench.accelerator)
-  step train 190 "${acc[@]}" --parts train --budget 180 \
+  step correctness 110 "${acc[@]}" --parts correctness --budget 100 \
+    --out "$OUT/correctness.json" --jsonl "$LOGS/correctness.jsonl"
+  step train 170 "${acc[@]}" --parts train --budget 160 \
     --out "$OUT/train.json" --jsonl "$LOGS/train.jsonl"
-  step dualkv 110 "${acc[@]}" --parts dualkv --budget 100 \
+  step dualkv 100 "${acc[@]}" --parts dualkv --budget 90 \
     --out "$OUT/dualkv.json" --jsonl "$LOGS/dualkv.jsonl"
-  step speed 150 "${acc[@]}" --speed --budget 140 \
+  step speed 120 "${acc[@]}" --speed --budget 110 \
     --out "$OUT/speed.json" --jsonl "$LOGS/speed.jsonl"
-  step tune 130 "${acc[@]}" --parts tune --budget 120 --tuned-dir "$OUT/tuned" \
+  step tune 70 "${acc[@]}" --parts tune --budget 60 --tuned-dir "$OUT/tuned" \
     --out "$OUT/tune.json" --jsonl "$LOGS/tune.jsonl"
   ls -la "$OUT" "$OUT/tuned" 2>&1 | tee -a "$OUT/once.log"
   exit 0
