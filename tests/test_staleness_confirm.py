@@ -101,7 +101,8 @@ def test_regime_rows_of_the_pilots_by_hand(tmp_path):
     assert r["late"]["sync"]["response_len"] == 16.5  # lengths 18, 17, 16, 15
     assert rows[1]["stale_final"] is None and "stale" not in rows[1]["late"]
     page = "\n".join(sc.render_regimes(rows))
-    assert "| 6e-05, 24, 8 (lr6e-5) | 1 | " in page and "| – | – | – |" in page
+    assert "| 6e-05, 24, – (lr6e-5) | 1 | " in page and "| – | – | – |" in page
+    assert rows[1]["k"] is None
     assert r["k"] == sc.K and r["steps"] == 24
     c = tmp_path / "k16"  # a pilot of another k: its stale cell is its largest k
     c.mkdir()

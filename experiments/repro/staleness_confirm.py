@@ -207,16 +207,16 @@ def late_means(record: dict, steps: int = LATE_STEPS) -> dict[str, float]:
 
 
 def regime_row(cells: dict[tuple[str, int], dict[int, dict]], name: str) -> dict | None:
-    """Naive PPO at k = 0 and its largest k > 0 (K when it has none) on the seeds both ran
-    (k = 0 alone when there is no such cell; None without k = 0): the steps, the
+    """Naive PPO at k = 0 and its largest k > 0 on the seeds both ran (k = 0 alone, k None,
+    when there is no such cell; None without k = 0): the steps, the
     learning rate (from the records' run config), the synchronous gain, naive PPO's kept
     share at k and the paired (k) − (k = 0) difference over seeds and problems, the
     policy's entropy at the first step and both runs' late train metrics (means over
     seeds)."""
     from experiments.common.paired import gain_kept, paired_bootstrap
 
-    k = max([k for m, k in cells if m == "naive" and k > 0], default=K)
-    base, stale = cells.get(("naive", 0), {}), cells.get(("naive", k), {})
+    k = max([k for m, k in cells if m == "naive" and k > 0], default=None)
+    base, stale = cells.get(("naive", 0), {}), cells.get(("naive", k), {}) if k else {}
     seeds = sorted(set(base) & set(stale)) if stale else sorted(base)
     if not seeds:
         return None
@@ -356,7 +356,8 @@ def render_regimes(rows: list[dict]) -> list[str]:
                           for side in ("sync", "stale"))
 
     def label(r: dict) -> str:
-        return f"{r['learning_rate']:g}, {r['steps']}, {r['k']} ({r['name']})"
+        return (f"{r['learning_rate']:g}, {r['steps']}, {'–' if r['k'] is None else r['k']} "
+                f"({r['name']})")
 
     for r in rows:
         stale = "–" if r["stale_final"] is None else f"{r['stale_final']:.3f}"
